@@ -1,0 +1,92 @@
+"""The pool of physical KV blocks: ref counts, and the prefix cache of freed-but-still-valid blocks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # set once the block is full and its KV computed; kept after free so the block stays reusable
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """Owns every block. Free blocks wait in LRU order; a cached one keeps its hash until it is reused."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # ref_count == 0, oldest first: eviction takes from the front, free() appends at the back
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[bytes, Block] = {}
+        # the free queue starts in id order and never-used blocks stay at its front, so ids at or above
+        # this mark were never handed out: their memory is uninitialised and must be zeroed before use
+        self._high_water = 0
+        self.fresh_block_ids: list[int] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on cached blocks a new request reuses."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            if block.block_id >= self._high_water:
+                self._high_water = block.block_id + 1
+                self.fresh_block_ids.append(block.block_id)
+            out.append(block)
+        return out
+
+    def free(self, blocks: list[Block]) -> None:
+        """Drop one reference each; give blocks in eviction order (a sequence's tail first)."""
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = block
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        """Publish a full block under its chain hash; a duplicate of a cached chain stays private."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def _evict(self, block: Block) -> None:
+        del self._cached[block.block_hash]
+        block.block_hash = None
+
+    def drain_fresh(self) -> list[int]:
+        """Blocks handed out for the first time since the last call."""
+        out, self.fresh_block_ids = self.fresh_block_ids, []
+        return out

@@ -1,0 +1,84 @@
+"""Engine settings under vLLM's flag names, and their command-line form."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from shared.defaults import DEFAULT_BLOCK_SIZE
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """'4GiB', '512MB', '1e9' or a plain number of bytes."""
+    if isinstance(value, int | float):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_cache_memory: cannot read {value!r} as a size (e.g. 4GiB, 512MB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | str | None = None  # bytes; CPU default 4GiB
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            if self.kv_cache_memory <= 0:
+                raise ValueError("kv_cache_memory must be positive")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="model directory, .gguf file or name (default SmolLM2-135M-Instruct)")
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 4GiB (CPU default 4GiB)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--speculative-model", default=None, help="ngram or a draft model path")
+    g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
+    g.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min)
+    g.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max)
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument("--seed", type=int, default=d.seed)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,212 @@
+"""The engine: requests in, one scheduled step at a time, new tokens out."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from executor.block_pool import BlockPool
+from executor.config import EngineConfig
+from executor.kv_cache_manager import KVCacheManager
+from executor.model_files import load_weights, read_config, resolve_model
+from executor.model_runner import ModelRunner
+from executor.models import build_model, decoder_spec
+from executor.request import Request, RequestStatus
+from executor.sampler import Sampler, SamplingRow, TokenLogprobs
+from executor.sampling_params import SamplingParams
+from executor.kv_sizing import kv_cache_bytes, pick_device_and_dtype
+from executor.scheduler import Scheduler
+
+log = logging.getLogger("kvserve.engine")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    num_cached_tokens: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.speculative_model is not None:
+            raise ValueError("speculative_model: speculative decoding is not available in this build yet")
+        self.device, self.dtype = pick_device_and_dtype(config.device, config.dtype)
+        self.model_path = resolve_model(config.model)
+        hf_config = read_config(self.model_path)
+        spec = decoder_spec(hf_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        self.eos_token_ids = _eos_token_ids(hf_config, self.model_path, self.tokenizer)
+        self.max_model_len = config.max_model_len or spec.max_position
+        if self.max_model_len > spec.max_position:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context length {spec.max_position}"
+            )
+        torch.manual_seed(config.seed)
+        model = build_model(spec, load_weights(self.model_path), self.dtype, self.device)
+        self.vocab_size = spec.vocab_size
+        self.block_size = config.block_size
+        block_bytes = ModelRunner.bytes_per_block(model, self.block_size, self.dtype)
+        num_blocks = kv_cache_bytes(config, model, self.device, self.dtype) // block_bytes
+        if num_blocks < 1:
+            raise ValueError("kv_cache_memory: too small for even one KV block")
+        max_batched = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            max_batched = max(max_batched, self.max_model_len)  # a whole prompt must fit one step
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, self.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, config.enable_chunked_prefill)
+        self.runner = ModelRunner(model, num_blocks, self.block_size, self.device, self.dtype)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        capacity = num_blocks * self.block_size
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens; %.1f requests of max_model_len %d fit",
+            num_blocks, self.block_size, num_blocks * block_bytes / 2**30, self.dtype, capacity,
+            capacity / self.max_model_len, self.max_model_len,
+        )
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and queue; a bad request raises ValueError naming the field and touches nothing else."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_token_ids(prompt)
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} prompt tokens + max_tokens {params.max_tokens} = {total} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        if -(-total // self.block_size) > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt: {len(token_ids)} prompt tokens + max_tokens {params.max_tokens} need more KV blocks "
+                f"than the whole pool holds ({self.pool.num_blocks} x {self.block_size} tokens)"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        request = Request(
+            request_id, token_ids, params, self.eos_token_ids, cache_salt=cache_salt, generator=generator
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self._finish(request, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt: expected a string or a list of token ids")
+        if not prompt:
+            raise ValueError("prompt_token_ids: must not be empty")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.num_unfinished:
+                raise RuntimeError("scheduler made no progress with requests waiting")  # admission forbids this
+            return []
+        self.runner.zero_blocks(self.pool.drain_fresh())
+        step = self.runner.execute(sched.scheduled, self.kv)
+        for request, n in sched.scheduled:
+            request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request)
+        outputs = []
+        if step.requests:
+            rows = [
+                SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in step.requests
+            ]
+            result = self.sampler(step.logits, rows)
+            for request, token_id, logprobs in zip(step.requests, result.token_ids, result.logprobs, strict=True):
+                request.append_token(token_id)
+                reason = request.check_stop(self.max_model_len)
+                if reason is not None:
+                    self.requests.pop(request.request_id, None)
+                    self._finish(request, reason)
+                outputs.append(
+                    StepOutput(request.request_id, [token_id], [logprobs], reason, request.num_cached_tokens)
+                )
+        return outputs
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.scheduler.remove(request)
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        filled: dict[int, int] = {}
+        for request in self.scheduler.running:
+            table = self.kv.tables.get(request.request_id, [])
+            for i, block in enumerate(table):
+                n = min(self.block_size, max(0, request.num_computed_tokens - i * self.block_size))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_used": self.pool.num_used_blocks,
+            "block_size": self.block_size,
+            "kv_tokens_stored": sum(filled.values()),
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+
+def _eos_token_ids(hf_config, model_path, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(source)
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path, local_files_only=True)
+        eos = gen.eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    except OSError:
+        pass  # no generation_config.json
+    return frozenset(ids)

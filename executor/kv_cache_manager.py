@@ -1,0 +1,78 @@
+"""Block tables per request: prefix-cache lookups, on-demand allocation, caching of full blocks, freeing."""
+
+from __future__ import annotations
+
+from executor.block_pool import Block, BlockPool
+from executor.request import Request
+from shared.block_hash import hash_blocks
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.tables: dict[str, list[Block]] = {}
+        # per request: how many leading blocks of its table are already published in the prefix cache
+        self._num_cached: dict[str, int] = {}
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.tables.get(request.request_id, ())]
+
+    def find_cached_prefix(self, request: Request) -> list[Block]:
+        """The longest run of cached blocks at the head of the request, never covering its last token."""
+        if not self.pool.enable_caching:
+            return []
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = ()) -> bool:
+        """Make room for num_new_tokens more tokens (after the cached prefix); False if the pool is short."""
+        table = self.tables.get(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(table) - len(cached_prefix)
+        # cached blocks nobody holds sit in the free queue: taking them shrinks what is left to allocate
+        num_reclaimed = sum(1 for b in cached_prefix if b.ref_count == 0)
+        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+            return False
+        if cached_prefix:
+            self.pool.touch(list(cached_prefix))
+            table = table + list(cached_prefix)
+            request.num_computed_tokens += len(cached_prefix) * self.block_size
+            self._num_cached[request.request_id] = len(cached_prefix)
+        if num_needed > 0:
+            table = table + self.pool.allocate(num_needed)
+        self.tables[request.request_id] = table
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the blocks whose every token now has its KV computed."""
+        if not self.pool.enable_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        done = self._num_cached.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        self._update_hashes(request)
+        table = self.tables[request.request_id]
+        for i in range(done, num_full):
+            self.pool.cache(table[i], request.block_hashes[i])
+        self._num_cached[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        table = self.tables.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
+        # tail first, so the blocks least likely to be shared are evicted first
+        self.pool.free(table[::-1])
+
+    def _update_hashes(self, request: Request) -> None:
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            request.block_hashes = hash_blocks(
+                request.token_ids, self.block_size, request.cache_salt, request.block_hashes
+            )

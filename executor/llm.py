@@ -1,0 +1,146 @@
+"""The offline API, in vLLM's shape: LLM(...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from executor.config import EngineConfig
+from executor.engine import Engine, StepOutput
+from executor.sampler import TokenLogprobs
+from executor.sampling_params import SamplingParams
+from shared.detokenize import IncrementalDetokenizer
+from shared.stop_strings import find_stop
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Tracked:
+    """One request's output as it grows: tokens, text, and stop-string state."""
+
+    output: RequestOutput
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+        self._tracked: dict[str, _Tracked] = {}
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                ids.append(self.add_request(prompt, params))
+        except ValueError:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    results[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [results[i] for i in ids]
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        token_prompt = list(prompt) if not isinstance(prompt, str) else prompt
+        request = self.engine.add_request(request_id, token_prompt, params)
+        output = RequestOutput(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            request.prompt_token_ids,
+            [CompletionOutput(0, "", [])],
+        )
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        self._tracked[request_id] = _Tracked(output, params, detok)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._tracked.pop(request_id, None)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs of the requests it advanced."""
+        updated = []
+        for step_out in self.engine.step():
+            tracked = self._tracked.get(step_out.request_id)
+            if tracked is not None:
+                self._apply(tracked, step_out)
+                updated.append(tracked.output)
+        return updated
+
+    def _apply(self, tracked: _Tracked, step_out: StepOutput) -> None:
+        output, completion = tracked.output, tracked.output.outputs[0]
+        output.num_cached_tokens = step_out.num_cached_tokens
+        completion.token_ids.extend(step_out.new_token_ids)
+        if tracked.params.logprobs is not None:
+            completion.logprobs = completion.logprobs or []
+            completion.logprobs.extend(step_out.new_logprobs)
+        new_text = tracked.detok.add(step_out.new_token_ids)
+        if step_out.finish_reason is not None:
+            new_text += tracked.detok.flush()
+        completion.text = tracked.detok.text
+        reason = step_out.finish_reason
+        if tracked.params.stop and new_text:
+            hit = find_stop(completion.text, len(new_text), tracked.params.stop)
+            if hit is not None:
+                completion.text = completion.text[: hit[0]]
+                completion.stop_reason = hit[1]
+                reason = "stop"
+                if step_out.finish_reason is None:
+                    self.engine.abort(output.request_id)
+        elif reason == "stop":
+            completion.stop_reason = step_out.new_token_ids[-1]
+        if reason is not None:
+            completion.finish_reason = reason
+            output.finished = True
+            self._tracked.pop(output.request_id, None)

@@ -1,0 +1,184 @@
+"""The Llama family as one decoder: Llama (with Llama 3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Weights keep HuggingFace's names, so a checkpoint loads with load_state_dict. Attention reads and writes the
+paged KV cache through kernels.paged_attention / kernels.reshape_and_cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where each token of the flattened batch sits in the paged cache."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [S, M] int32
+    seq_lens: torch.Tensor  # [S] int32, context length after this step
+    query_start_loc: torch.Tensor  # [S+1] int32
+
+
+@dataclass(slots=True)
+class DecoderSpec:
+    """What distinguishes the family's members, read off a HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(spec: DecoderSpec) -> torch.Tensor:
+    """Rotary frequencies, with Llama 3's long-context rescaling when the config asks for it."""
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
+    scaling = spec.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq.float()
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D]. HF's rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.scale = spec.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        key_cache, value_cache = kv_cache
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        o = kernels.paged_attention(
+            q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, self.scale
+        )
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, kv_cache, batch: AttentionBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Token ids and positions of a flattened batch in, final hidden states out; logits only where asked."""
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # a plain attribute, not a buffer: it must stay float32 when the weights are cast to bf16
+        self.inv_freq = rope_inv_freq(spec)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, batch)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,76 @@
+"""A request's own state, as the scheduler and KV cache see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # prompt + output; the KV of the first num_computed_tokens of them is in the cache
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    # chained hashes of every full block of token_ids, extended as tokens arrive
+    block_hashes: list[bytes] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # prompt tokens whose KV came from the prefix cache when first scheduled; -1 until then
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """Token-level stop conditions; stop strings need text and live with the detokenizer."""
+        params = self.params
+        last = self.token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if params.stop_token_ids and last in params.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,163 @@
+"""Turns one step's logits into tokens for the whole batch at once, with vLLM's sampling semantics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of the logits batch and what the sampler needs to know about its request."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # set when params.seed is not None; advanced only by this row's draws
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int  # of the chosen token in the raw distribution, 1 = most likely
+    top: list[tuple[int, float]]  # params.logprobs best (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[S, V] occurrence counts, built with one scatter instead of a loop over tokens."""
+    width = max(map(len, token_lists), default=0)
+    # Padding goes to an extra column that is cut off afterwards.
+    padded = [tokens + [vocab_size] * (width - len(tokens)) for tokens in token_lists]
+    index = torch.tensor(padded, dtype=torch.long, device=device).view(len(token_lists), width)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt + output), then frequency and presence (output only, as OpenAI defines them)."""
+    params = [row.params for row in rows]
+    uses_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    uses_counts = any(p.frequency_penalty or p.presence_penalty for p in params)
+    if not (uses_repetition or uses_counts):
+        return logits
+    device, vocab_size = logits.device, logits.shape[1]
+    output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, device)
+    if uses_repetition:
+        prompt_counts = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device)
+        seen = (prompt_counts > 0) | (output_counts > 0)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        # HF/vLLM: shrink positive logits and grow negative ones, so a seen token always loses.
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if uses_counts:
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+        logits = logits - frequency * output_counts - presence * (output_counts > 0)
+    return logits
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """One descending sort serves both filters; top-p sees the distribution top-k left, as in vLLM."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab_size = logits.shape[1]
+    k = torch.tensor([k if k > 0 else vocab_size for k in top_k], device=logits.device).clamp_(max=vocab_size)
+    # Threshold on the k-th value rather than on positions, so tied tokens stand or fall together.
+    kth_value = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+    p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # Keep the smallest prefix reaching top_p: drop a token once the ones before it already reach it
+    # (never the first, as top_p > 0). Rows with top_p == 1 are exempt: rounding can push the sum to 1.
+    drop = (mass_before >= p) & (p < 1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The [S, V] distribution each row's token is drawn from; one-hot for greedy rows.
+
+    Takes penalised logits; speculative decoding's rejection sampling needs exactly this distribution.
+    """
+    greedy = [p.greedy for p in params]
+    # Greedy rows divide by 1 so their temperature of 0 never makes NaNs; they are replaced below.
+    temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+    scaled = logits / torch.tensor(temperature, device=logits.device).unsqueeze(1)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        scaled = _apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+    probs = scaled.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if any(greedy):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(torch.tensor(greedy, device=logits.device).unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1), draws from probs; a seeded row's q comes only from its own generator."""
+    q = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        q.exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            q[i].exponential_(generator=generator)
+    # exponential_ can return exactly 0, and 0 / 0 would hand a filtered-out token a NaN that argmax picks.
+    return probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def _token_logprobs(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the raw model distribution (before penalties and temperature), vLLM's default."""
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return result
+    index = torch.tensor(wanted, device=raw_logits.device)
+    logprobs = torch.log_softmax(raw_logits[index], dim=-1, dtype=torch.float32)
+    chosen_ids = token_ids[index].unsqueeze(1)
+    chosen = logprobs.gather(1, chosen_ids)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    num_top = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
+    top_logprobs, top_ids = (t.tolist() for t in logprobs.topk(num_top, dim=-1))
+    chosen_rows = zip(wanted, chosen_ids.squeeze(1).tolist(), chosen.squeeze(1).tolist(), strict=True)
+    for j, (i, token_id, logprob) in enumerate(chosen_rows):
+        n = rows[i].params.logprobs
+        top = list(zip(top_ids[j][:n], top_logprobs[j][:n], strict=True))
+        result[i] = TokenLogprobs(token_id, logprob, ranks[j], top)
+    return result
+
+
+class Sampler:
+    """Penalties, then greedy argmax or a filtered random draw per row, all in batched tensor ops."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [{len(rows)}, vocab], got {list(logits.shape)}")
+        penalised = apply_penalties(logits, rows)
+        token_ids = penalised.argmax(dim=-1)
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random:
+            generators = [rows[i].generator for i in random]
+            for i, generator in zip(random, generators, strict=True):
+                if rows[i].params.seed is not None and generator is None:
+                    raise ValueError(f"row {i} has seed {rows[i].params.seed} but no generator")
+            # Gather only when the batch is mixed: copying [S, V] logits for nothing costs real time.
+            index = torch.tensor(random, device=logits.device) if len(random) < len(rows) else slice(None)
+            probs = sampling_probs(penalised[index], [rows[i].params for i in random])
+            token_ids[index] = _exponential_race(probs, generators)
+        return SampleResult(token_ids.tolist(), _token_logprobs(logits, token_ids, rows))

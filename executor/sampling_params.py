@@ -1,0 +1,90 @@
+"""How one request wants its tokens chosen: vLLM's SamplingParams, checked once at the door."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
+
+def _integer(name: str, value: object) -> int:
+    """Rejects bools and strings too, so a JSON `true` or `"16"` never passes as a count."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _number(name: str, value: object) -> float:
+    """Accepts ints as floats (JSON has one number type) but never NaN or infinity, which defeat range checks."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _list(name: str, value: object) -> list:
+    """A missing list means an empty one, so consumers never branch on None."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return list(value)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off; normalised to 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None  # normalised to a list
+    stop_token_ids: list[int] | None = None  # normalised to a list
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top logprobs besides the chosen token's; 0 = only the chosen one
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if _integer("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        self.temperature = _number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        self.top_p = _number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _integer("top_k", self.top_k) < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or at least 1, got {self.top_k}")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = _number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _integer("seed", self.seed)
+        # OpenAI allows one stop string or a list; an empty one would end every output at once.
+        stop = [self.stop] if isinstance(self.stop, str) else _list("stop", self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = stop
+        token_ids = _list("stop_token_ids", self.stop_token_ids)
+        self.stop_token_ids = [_integer(f"stop_token_ids[{i}]", t) for i, t in enumerate(token_ids)]
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.logprobs is not None and not 0 <= _integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy rows skip the random draw and take the argmax."""
+        return self.temperature == 0 or self.top_k == 1

@@ -1,0 +1,110 @@
+"""Continuous batching under one token budget per step: decodes first, then prefill chunks."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from executor.kv_cache_manager import KVCacheManager
+from executor.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # (request, number of its tokens to compute this step), in batch order
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first; the newest is preempted first
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of which were found
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queues and give back its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                break
+            while not self.kv.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                budget = self.max_num_batched_tokens - out.num_tokens  # the victim's tokens come back
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            num_new = request.num_tokens - len(cached) * self.kv.block_size
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = len(cached) * self.kv.block_size
+                self.prefix_cache_queries += request.num_prompt_tokens
+                self.prefix_cache_hits += request.num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute later: drop its KV (the prefix cache keeps most of it) and requeue it first in line."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        out.scheduled = [(r, n) for r, n in out.scheduled if r is not request]

@@ -1,0 +1,49 @@
+"""Torch twins of the kernels: plain loops that define what is correct."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token t's K/V into slot slot_mapping[t] (block = slot // B, offset = slot % B)."""
+    block_size = key_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        key_cache[slot // block_size, slot % block_size] = key[t]
+        value_cache[slot // block_size, slot % block_size] = value[t]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole paged context."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query)
+    for s in range(seq_lens.shape[0]):
+        q_start, q_end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        seq_len, q_len = int(seq_lens[s]), q_end - q_start
+        if q_len == 0:
+            continue
+        positions = torch.arange(seq_len)
+        slots = block_table[s, positions // block_size].long() * block_size + positions % block_size
+        k = key_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = value_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].float()  # [q_len, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)
+        scores.masked_fill_(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out

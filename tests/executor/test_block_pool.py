@@ -1,0 +1,109 @@
+import pytest
+
+from executor.block_pool import BlockPool
+from executor.kv_cache_manager import KVCacheManager
+from executor.request import Request
+from executor.sampling_params import SamplingParams
+
+
+def make_request(rid, tokens, salt=None):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=4), cache_salt=salt)
+
+
+def test_allocate_and_free_track_ref_counts():
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert [b.ref_count for b in a] == [1, 1, 1] and pool.num_free_blocks == 1
+    pool.touch(a[:1])
+    assert a[0].ref_count == 2
+    pool.free(a)
+    assert a[0].ref_count == 1 and pool.num_free_blocks == 3
+    pool.free(a[:1])
+    assert pool.num_free_blocks == 4
+    with pytest.raises(RuntimeError):
+        pool.allocate(5)
+
+
+def test_freed_cached_blocks_stay_reusable_until_evicted_lru_first():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    for i, block in enumerate(blocks):
+        pool.cache(block, bytes([i]))
+    pool.free([blocks[1], blocks[0], blocks[2]])  # LRU order: 1, 0, 2
+    assert pool.lookup(bytes([0])) is blocks[0]
+    (first,) = pool.allocate(1)
+    assert first is blocks[1] and pool.lookup(bytes([1])) is None  # evicted, its hash dropped
+    assert pool.lookup(bytes([0])) is blocks[0] and pool.lookup(bytes([2])) is blocks[2]
+    (second,) = pool.allocate(1)
+    assert second is blocks[0]
+
+
+def test_touching_a_free_cached_block_takes_it_out_of_eviction():
+    pool = BlockPool(2)
+    blocks = pool.allocate(2)
+    pool.cache(blocks[0], b"h")
+    pool.free(blocks)
+    pool.touch([pool.lookup(b"h")])
+    (other,) = pool.allocate(1)
+    assert other is blocks[1] and pool.num_free_blocks == 0
+
+
+def test_fresh_blocks_are_reported_once():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    assert pool.drain_fresh() == [0, 1]
+    pool.free(a)
+    pool.allocate(3)  # blocks 2, 3 are new, then 0 again
+    assert pool.drain_fresh() == [2, 3]
+
+
+def test_shared_prefix_blocks_are_shared_and_last_token_never_hit():
+    pool = BlockPool(16)
+    kv = KVCacheManager(pool, 4)
+    first = make_request("a", range(12))
+    assert kv.find_cached_prefix(first) == []
+    assert kv.allocate(first, 12)
+    first.num_computed_tokens = 12
+    kv.cache_full_blocks(first)
+    second = make_request("b", list(range(12)) + [50, 51])
+    hit = kv.find_cached_prefix(second)
+    assert [b.block_id for b in hit] == kv.block_ids(first)
+    assert kv.allocate(second, 14 - 12, hit)
+    assert second.num_computed_tokens == 12
+    assert all(b.ref_count == 2 for b in hit)
+    # exactly the cached prompt again: the last block is not reused, its last token must be computed
+    third = make_request("c", range(12))
+    assert len(kv.find_cached_prefix(third)) == 2
+
+
+def test_salts_never_share_blocks():
+    pool = BlockPool(16)
+    kv = KVCacheManager(pool, 4)
+    alice = make_request("a", range(12), salt="alice")
+    kv.allocate(alice, 12)
+    alice.num_computed_tokens = 12
+    kv.cache_full_blocks(alice)
+    assert kv.find_cached_prefix(make_request("b", range(13), salt="bob")) == []
+    assert len(kv.find_cached_prefix(make_request("c", range(13), salt="alice"))) == 3
+
+
+def test_allocation_fails_cleanly_when_short_and_free_returns_everything():
+    pool = BlockPool(4)
+    kv = KVCacheManager(pool, 4)
+    a = make_request("a", range(10))
+    assert kv.allocate(a, 10)  # 3 blocks
+    b = make_request("b", range(100, 110))
+    assert not kv.allocate(b, 10)
+    assert pool.num_free_blocks == 1 and "b" not in kv.tables
+    kv.free(a)
+    assert pool.num_free_blocks == 4
+
+
+def test_prefix_caching_off_finds_nothing():
+    pool = BlockPool(8, enable_caching=False)
+    kv = KVCacheManager(pool, 4)
+    a = make_request("a", range(9))
+    kv.allocate(a, 9)
+    a.num_computed_tokens = 9
+    kv.cache_full_blocks(a)
+    assert kv.find_cached_prefix(make_request("b", range(9))) == []

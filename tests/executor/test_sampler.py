@@ -1,0 +1,236 @@
+import math
+
+import pytest
+import torch
+
+from executor.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
+from executor.sampling_params import SamplingParams
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Probabilities 0.5, 0.3, 0.15, 0.05: every filter case below has a clear margin to its threshold.
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()
+
+
+def make_row(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    device: str = "cpu",
+) -> SamplingRow:
+    generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
+    return SamplingRow(params, prompt or [], output or [], generator)
+
+
+FILTER_CASES = [
+    (SamplingParams(top_k=2), {0, 1}),
+    (SamplingParams(top_k=3), {0, 1, 2}),
+    (SamplingParams(top_k=10), {0, 1, 2, 3}),
+    (SamplingParams(top_p=0.4), {0}),
+    (SamplingParams(top_p=0.75), {0, 1}),
+    (SamplingParams(top_p=0.85), {0, 1, 2}),
+    (SamplingParams(top_p=1.0), {0, 1, 2, 3}),
+    (SamplingParams(min_p=0.2), {0, 1, 2}),  # threshold 0.1
+    (SamplingParams(min_p=0.5), {0, 1}),  # threshold 0.25
+    # top-p sees the renormalised top-2 (0.625, 0.375), so 0.6 keeps one token; on raw probs it would keep two.
+    (SamplingParams(top_k=2, top_p=0.6), {0}),
+    # temperature 2 flattens to (0.38, 0.29, 0.21, 0.12) before top-p, so 0.75 keeps three.
+    (SamplingParams(temperature=2.0, top_p=0.75), {0, 1, 2}),
+    (SamplingParams(temperature=0.0), {0}),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_filters_leave_exactly_the_expected_tokens_renormalised(device: str) -> None:
+    params = [p for p, _ in FILTER_CASES]
+    probs = sampling_probs(LOGITS.to(device).expand(len(params), -1), params).cpu()
+    for row, (p, allowed) in zip(probs, FILTER_CASES, strict=True):
+        assert set(row.nonzero().flatten().tolist()) == allowed, p
+        kept = torch.tensor(sorted(allowed))
+        flat = (LOGITS / (p.temperature or 1.0)).softmax(-1)
+        expected = flat[kept] / flat[kept].sum() if not p.greedy else torch.ones(1)
+        torch.testing.assert_close(row[kept], expected)
+
+
+def test_top_p_of_one_keeps_every_token_of_a_large_vocabulary() -> None:
+    """Float32 cumulative sums over a big vocabulary reach 1.0 early; top_p=1 must still mean off."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 32_000) * 2
+    params = [SamplingParams(top_p=1.0)] * 7 + [SamplingParams(top_k=5)]  # the top-k row forces the sort path
+    probs = sampling_probs(logits, params)
+    assert bool((probs[:7] > 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batch_draws_only_allowed_tokens_per_row(device: str) -> None:
+    copies = 400  # the rarest allowed token (0.05) is missed by all copies with probability 1e-9
+    cases = FILTER_CASES * copies
+    torch.manual_seed(0)
+    result = Sampler()(LOGITS.to(device).expand(len(cases), -1).clone(), [make_row(p) for p, _ in cases])
+    for i, (_, allowed) in enumerate(FILTER_CASES):
+        assert set(result.token_ids[i :: len(FILTER_CASES)]) == allowed
+
+
+def test_greedy_takes_argmax_and_lowest_id_on_ties() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 1.0, 1.0, 1.0], [0.0, 2.0, 2.0, 1.0]])
+    rows = [make_row(SamplingParams(temperature=0.0)), make_row(SamplingParams(temperature=0.0))]
+    rows.append(make_row(SamplingParams(temperature=1.5, top_k=1)))
+    assert Sampler()(logits, rows).token_ids == [1, 0, 1]
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(), PROBS),
+        (
+            SamplingParams(temperature=0.5, top_k=3),
+            (LOGITS / 0.5).softmax(-1)[:3] / (LOGITS / 0.5).softmax(-1)[:3].sum(),
+        ),
+    ],
+)
+def test_sample_frequencies_follow_the_distribution(
+    params: SamplingParams, expected: torch.Tensor, seeded: bool
+) -> None:
+    n = 20_000
+    torch.manual_seed(1)
+    # Seeded: every row shares one generator, so the per-row seeded draws are what is being measured.
+    generator = torch.Generator().manual_seed(7) if seeded else None
+    rows = [SamplingRow(params, [], [], generator) for _ in range(n)]
+    tokens = torch.tensor(Sampler()(LOGITS.expand(n, -1).clone(), rows).token_ids)
+    counts = torch.bincount(tokens, minlength=len(PROBS)).float()
+    assert counts[len(expected) :].sum() == 0
+    # 16.27 is the 0.999 quantile of chi-square with 3 degrees of freedom; the seeds are fixed, so no flakes.
+    assert _chi_square(counts[: len(expected)], expected) < 16.27
+
+
+def _draw_steps(
+    device: str, num_neighbours: int, position: int, other_seed: int, steps: int = 8
+) -> list[int]:
+    """Generates with a seed-42 row among neighbours; returns the seeded row's tokens."""
+    vocab = 64
+    torch.manual_seed(1234)
+    logits = torch.randn(steps, vocab, device=device) * 2
+    target = make_row(SamplingParams(seed=42, top_p=0.9), device=device)
+    neighbours = [
+        make_row(SamplingParams(), device=device),
+        make_row(SamplingParams(seed=other_seed, top_k=5), device=device),
+        make_row(SamplingParams(temperature=0.0), device=device),
+        make_row(SamplingParams(temperature=0.7, min_p=0.1, frequency_penalty=1.0), device=device),
+    ][:num_neighbours]
+    rows = neighbours[:position] + [target] + neighbours[position:]
+    torch.manual_seed(other_seed)  # the default generator's state must not matter either
+    tokens = []
+    for step in range(steps):
+        batch = torch.randn(len(rows), vocab, device=device) * 3
+        batch[position] = logits[step]
+        token_ids = Sampler()(batch, rows).token_ids
+        for row, token_id in zip(rows, token_ids, strict=True):
+            row.output_token_ids.append(token_id)
+        tokens.append(token_ids[position])
+    return tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_is_reproducible_wherever_it_sits(device: str) -> None:
+    alone = _draw_steps(device, num_neighbours=0, position=0, other_seed=0)
+    assert _draw_steps(device, num_neighbours=4, position=2, other_seed=1) == alone
+    assert _draw_steps(device, num_neighbours=4, position=4, other_seed=2) == alone
+    assert _draw_steps(device, num_neighbours=2, position=0, other_seed=3) == alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_different_seeds_give_different_tokens(device: str) -> None:
+    logits = torch.zeros(
+        1, 1000, device=device
+    )  # uniform: 20 equal draws by chance is impossible in practice
+    sequences = []
+    for seed in (1, 2):
+        row = make_row(SamplingParams(seed=seed), device=device)
+        sequences.append([Sampler()(logits, [row]).token_ids[0] for _ in range(20)])
+    assert sequences[0] != sequences[1]
+
+
+def test_seeded_row_without_generator_is_refused() -> None:
+    row = SamplingRow(SamplingParams(seed=3), [], [], None)
+    with pytest.raises(ValueError, match="seed"):
+        Sampler()(torch.zeros(1, 4), [row])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalties_follow_openai_and_vllm_definitions(device: str) -> None:
+    logits = torch.tensor([2.0, -1.0, 3.0, 0.5, 1.0], device=device).expand(4, -1).clone()
+    prompt, output = [0, 1], [2, 2, 3]
+    rows = [
+        make_row(
+            SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+            prompt,
+            output,
+        ),
+        make_row(SamplingParams(), prompt, output),
+        # presence and frequency count generated tokens only: tokens 0 and 1 are only in the prompt.
+        make_row(SamplingParams(presence_penalty=1.0), prompt, output),
+        make_row(SamplingParams(frequency_penalty=-1.0), prompt, output),
+    ]
+    before = logits.clone()
+    penalised = apply_penalties(logits, rows).cpu()
+    expected = torch.tensor(
+        [
+            # prompt-only: 2/2, -1*2; output: 3/2 - 0.5*2 - 0.25, 0.5/2 - 0.5 - 0.25; unseen: unchanged
+            [1.0, -2.0, 0.25, -0.5, 1.0],
+            [2.0, -1.0, 3.0, 0.5, 1.0],
+            [2.0, -1.0, 2.0, -0.5, 1.0],
+            [2.0, -1.0, 5.0, 1.5, 1.0],
+        ]
+    )
+    torch.testing.assert_close(penalised, expected)
+    assert torch.equal(logits, before)
+
+
+def test_penalties_steer_greedy_while_logprobs_stay_raw() -> None:
+    logits = torch.tensor([[1.0, 0.9, -2.0]])
+    row = make_row(SamplingParams(temperature=0.0, frequency_penalty=0.1, logprobs=2), output=[0, 0])
+    result = Sampler()(logits, [row])
+    assert result.token_ids == [1]  # 1.0 - 0.1 * 2 = 0.8 < 0.9
+    raw = logits.log_softmax(-1)[0]
+    lp = result.logprobs[0]
+    assert (lp.token_id, lp.rank) == (1, 2)
+    assert lp.logprob == pytest.approx(float(raw[1]))
+    assert [t for t, _ in lp.top] == [0, 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_log_softmax_with_rank_and_top(device: str) -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(4, 50, device=device) * 3
+    rows = [
+        make_row(SamplingParams(logprobs=None)),
+        make_row(SamplingParams(logprobs=0, temperature=0.3, repetition_penalty=1.5), prompt=[1, 2, 3]),
+        make_row(SamplingParams(logprobs=5, temperature=2.0, top_k=20)),
+        make_row(SamplingParams(logprobs=20, temperature=0.0)),
+    ]
+    result = Sampler()(logits, rows)
+    raw = logits.cpu().log_softmax(-1)
+    assert result.logprobs[0] is None
+    for i in range(1, 4):
+        lp, token_id = result.logprobs[i], result.token_ids[i]
+        assert lp.token_id == token_id
+        assert lp.logprob == pytest.approx(float(raw[i, token_id]), abs=1e-5)
+        assert lp.rank == 1 + int((raw[i] > raw[i, token_id]).sum())
+        n = rows[i].params.logprobs
+        assert len(lp.top) == n
+        assert [t for t, _ in lp.top] == raw[i].topk(n).indices.tolist()
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        assert all(math.isclose(v, float(raw[i, t]), abs_tol=1e-5) for t, v in lp.top)
+    assert result.logprobs[3].rank == 1  # greedy takes the best raw token when no penalty applies
+
+
+def test_shape_mismatch_is_refused() -> None:
+    with pytest.raises(ValueError, match="logits"):
+        Sampler()(torch.zeros(2, 4), [make_row(SamplingParams())])
