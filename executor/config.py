@@ -9,8 +9,21 @@ from dataclasses import dataclass
 
 from shared.defaults import DEFAULT_BLOCK_SIZE
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "tb": 1000**4,
+}
 
 
 def parse_bytes(value: str | int | float) -> int:
@@ -61,7 +74,9 @@ class EngineConfig:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="model directory, .gguf file or name (default SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model", default=None, help="model directory, .gguf file or name (default SmolLM2-135M-Instruct)"
+    )
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 4GiB (CPU default 4GiB)")

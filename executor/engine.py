@@ -11,13 +11,13 @@ from transformers import AutoTokenizer
 from executor.block_pool import BlockPool
 from executor.config import EngineConfig
 from executor.kv_cache_manager import KVCacheManager
+from executor.kv_sizing import kv_cache_bytes, pick_device_and_dtype
 from executor.model_files import load_weights, read_config, resolve_model
 from executor.model_runner import ModelRunner
 from executor.models import build_model, decoder_spec
 from executor.request import Request, RequestStatus
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs
 from executor.sampling_params import SamplingParams
-from executor.kv_sizing import kv_cache_bytes, pick_device_and_dtype
 from executor.scheduler import Scheduler
 
 log = logging.getLogger("kvserve.engine")
@@ -70,8 +70,13 @@ class Engine:
         capacity = num_blocks * self.block_size
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens; %.1f requests of max_model_len %d fit",
-            num_blocks, self.block_size, num_blocks * block_bytes / 2**30, self.dtype, capacity,
-            capacity / self.max_model_len, self.max_model_len,
+            num_blocks,
+            self.block_size,
+            num_blocks * block_bytes / 2**30,
+            self.dtype,
+            capacity,
+            capacity / self.max_model_len,
+            self.max_model_len,
         )
 
     # -- requests ---------------------------------------------------------------------------------
@@ -132,7 +137,9 @@ class Engine:
             raise ValueError("prompt_token_ids: must not be empty")
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         return list(prompt)
 
     # -- the step ---------------------------------------------------------------------------------
@@ -141,7 +148,9 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.num_unfinished:
-                raise RuntimeError("scheduler made no progress with requests waiting")  # admission forbids this
+                raise RuntimeError(
+                    "scheduler made no progress with requests waiting"
+                )  # admission forbids this
             return []
         self.runner.zero_blocks(self.pool.drain_fresh())
         step = self.runner.execute(sched.scheduled, self.kv)
@@ -151,10 +160,13 @@ class Engine:
         outputs = []
         if step.requests:
             rows = [
-                SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in step.requests
+                SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator)
+                for r in step.requests
             ]
             result = self.sampler(step.logits, rows)
-            for request, token_id, logprobs in zip(step.requests, result.token_ids, result.logprobs, strict=True):
+            for request, token_id, logprobs in zip(
+                step.requests, result.token_ids, result.logprobs, strict=True
+            ):
                 request.append_token(token_id)
                 reason = request.check_stop(self.max_model_len)
                 if reason is not None:

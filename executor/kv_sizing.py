@@ -18,7 +18,9 @@ CPU_DEFAULT_KV_BYTES = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4
 def pick_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: cuda was asked for, but torch sees no CUDA device")
-    dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+    dev = torch.device(
+        "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, getattr(torch, dtype)
@@ -64,7 +66,10 @@ def _profile_cuda(config: EngineConfig, model: DecoderLM, device: torch.device, 
     budget = int(total * config.gpu_memory_utilization) - held_by_others - peak
     log.info(
         "profiling: %.2f GiB device, %.2f GiB held by others, %.2f GiB weights+activation peak -> %.2f GiB for KV",
-        total / 2**30, held_by_others / 2**30, peak / 2**30, budget / 2**30,
+        total / 2**30,
+        held_by_others / 2**30,
+        peak / 2**30,
+        budget / 2**30,
     )
     if budget <= 0:
         raise ValueError(

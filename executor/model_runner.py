@@ -18,7 +18,9 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, model: DecoderLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+    ):
         spec = model.spec
         self.model = model
         self.block_size = block_size

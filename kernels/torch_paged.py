@@ -52,7 +52,9 @@ def paged_attention(
         token_rows = query_start_loc[rows]
         q = query[token_rows].unsqueeze(2)  # [Sd, Hq, 1, D]
         mask = torch.arange(k.shape[2], device=query.device)[None, :] < seq_lens[rows][:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
         out[token_rows] = o.squeeze(2)
     for s, q_len in enumerate(q_lens):
         if q_len <= 1:

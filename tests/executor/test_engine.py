@@ -1,0 +1,153 @@
+"""Engine behaviour a user notices: refusals, aborts, stops, seeds, logprobs, and blocks always coming back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models) -> LLM:
+    return LLM(tiny_models["llama"], kv_cache_memory="4MiB", max_num_batched_tokens=64, max_model_len=512)
+
+
+def assert_no_blocks_held(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([1, 2, 10**7], SamplingParams(), "prompt_token_ids"),
+        ([1, -1], SamplingParams(), "prompt_token_ids"),
+        (list(range(1, 500)), SamplingParams(max_tokens=100), "prompt"),  # over max_model_len
+    ],
+)
+def test_bad_requests_are_refused_naming_the_field_and_others_go_on(llm, prompt, params, field):
+    good = llm.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    with pytest.raises(ValueError, match=field):
+        llm.add_request(prompt, params)
+    finished = []
+    while llm.engine.has_unfinished():
+        finished += [o for o in llm.step() if o.finished]
+    assert [o.request_id for o in finished] == [good] and len(finished[0].outputs[0].token_ids) == 4
+    assert_no_blocks_held(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_a_request_larger_than_the_whole_pool_is_refused(tiny_models):
+    small = LLM(tiny_models["llama"], kv_cache_memory=4 * 2 * 2 * 16 * 2 * 16 * 4, max_model_len=512)
+    assert small.stats()["kv_blocks_total"] == 4
+    with pytest.raises(ValueError, match="whole pool"):
+        small.generate([list(range(1, 60))], SamplingParams(max_tokens=10))
+    out = small.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 5
+    assert_no_blocks_held(small)
+
+
+def test_generate_refuses_a_bad_batch_whole_and_leaks_nothing(llm):
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[1, 2, 3], [4, 10**9]], SamplingParams(max_tokens=3))
+    assert_no_blocks_held(llm)
+
+
+def test_abort_frees_blocks_and_leaves_neighbours_running(llm):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    keep = llm.add_request(list(range(10, 60)), params)
+    drop = llm.add_request(list(range(100, 160)), params)
+    llm.step()
+    llm.step()
+    assert llm.stats()["kv_blocks_used"] > 0
+    llm.abort(drop)
+    done = []
+    while llm.engine.has_unfinished():
+        done += [o.request_id for o in llm.step() if o.finished]
+    assert done == [keep]
+    assert_no_blocks_held(llm)
+
+
+def test_max_tokens_and_stop_token_ids_end_requests(llm):
+    free = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    ids = free.outputs[0].token_ids
+    assert len(ids) == 12 and free.outputs[0].finish_reason == "length"
+    stopped = llm.generate(
+        [[1, 2, 3]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[ids[4]])
+    )[0]
+    first = ids.index(ids[4])
+    assert stopped.outputs[0].token_ids == ids[: first + 1]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == ids[4]
+
+
+def test_stop_strings_trim_text_and_end_the_request(llm):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    full = llm.generate([[1, 2, 3]], params)[0].outputs[0]
+    stop = full.text[5:9]
+    assert stop and stop not in full.text[:5]
+    out = llm.generate(
+        [[1, 2, 3]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop])
+    )
+    completion = out[0].outputs[0]
+    assert completion.text == full.text[: full.text.index(stop)]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert len(completion.token_ids) < 20
+    assert_no_blocks_held(llm)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], seeded)[0].outputs[0].token_ids
+    noisy = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    crowd = llm.generate([[7, 8], [1, 2, 3], [9, 9, 9, 9]], [noisy, seeded, noisy])
+    assert crowd[1].outputs[0].token_ids == alone
+    other = llm.generate(
+        [[1, 2, 3]], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    )
+    assert other[0].outputs[0].token_ids != alone
+
+
+def test_logprobs_are_the_models_own(llm, tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0, logprobs=3))[0].outputs[0]
+    (entry,) = out.logprobs
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    with torch.inference_mode():
+        reference = model(torch.tensor([[1, 2, 3]])).logits[0, -1].log_softmax(-1)
+    top = reference.topk(3)
+    assert entry.token_id == out.token_ids[0] == top.indices[0].item() and entry.rank == 1
+    assert [t for t, _ in entry.top] == top.indices.tolist()
+    assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_shared_prefix_is_served_from_cache(llm):
+    prefix = list(range(200, 264))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    first = llm.generate([prefix + [1, 2]], params)[0]
+    second = llm.generate([prefix + [3, 4]], params)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 64
+    assert_no_blocks_held(llm)
+
+
+def test_token_and_text_prompts_agree(llm):
+    ids = llm.tokenizer.encode("hello world")
+    params = SamplingParams(max_tokens=5, temperature=0)
+    by_text, by_ids = llm.generate(["hello world", ids], params)
+    assert by_text.prompt_token_ids == ids and by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids

@@ -1,0 +1,100 @@
+from executor.block_pool import BlockPool
+from executor.kv_cache_manager import KVCacheManager
+from executor.request import Request, RequestStatus
+from executor.sampling_params import SamplingParams
+from executor.scheduler import Scheduler
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, caching=True):
+    kv = KVCacheManager(BlockPool(num_blocks, caching), block_size)
+    return Scheduler(kv, max_num_seqs, budget, chunked)
+
+
+def request(rid, n, first=0):
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=8))
+
+
+def run_step(sched):
+    """What the engine does after the model ran: tokens computed, one sampled where the prompt is done."""
+    out = sched.schedule()
+    for req, n in out.scheduled:
+        req.num_computed_tokens += n
+        sched.kv.cache_full_blocks(req)
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_token(7)
+    return out
+
+
+def test_budget_is_shared_decodes_first_then_prefill_chunks():
+    sched = make(budget=10)
+    a = request("a", 3)
+    sched.add(a)
+    run_step(sched)  # a's prompt done; a now decodes
+    b = request("b", 25, first=100)
+    sched.add(b)
+    out = run_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 9)]
+    out = run_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 9)]
+    out = run_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 7)]
+    assert b.num_computed_tokens == 25 and b.num_output_tokens == 1
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    sched = make(budget=10, chunked=False)
+    sched.add(request("a", 8))
+    sched.add(request("b", 8, first=50))
+    out = run_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 8)]
+    out = run_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 8)]
+
+
+def test_max_num_seqs_caps_the_running_set_and_fcfs_admits_in_order():
+    sched = make(max_num_seqs=2, budget=100)
+    for rid in "abc":
+        sched.add(request(rid, 4, first=ord(rid) * 10))
+    out = run_step(sched)
+    assert [r.request_id for r, _ in out.scheduled] == ["a", "b"]
+    assert [r.request_id for r in sched.waiting] == ["c"]
+
+
+def test_out_of_blocks_preempts_the_newest_and_requeues_it_first():
+    sched = make(num_blocks=4, block_size=4, budget=100)
+    a, b = request("a", 7), request("b", 7, first=50)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # prompts: 2 blocks each, the pool is full
+    run_step(sched)  # decode into slot 7: still the second block
+    out = run_step(sched)  # slot 8 needs a third block each: the newest (b) makes room
+    assert out.preempted == [b] and [r for r, _ in out.scheduled] == [a]
+    assert b.status is RequestStatus.WAITING and sched.waiting[0] is b
+    assert b.num_computed_tokens == 0 and sched.num_preemptions == 1
+    # its full blocks stay in the prefix cache: readmission recomputes only the tail
+    assert len(sched.kv.find_cached_prefix(b)) == 1
+
+
+def test_preempted_request_is_readmitted_before_newer_arrivals():
+    sched = make(num_blocks=4, block_size=4, budget=100)
+    a, b = request("a", 7), request("b", 7, first=50)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(3):
+        run_step(sched)
+    c = request("c", 3, first=90)
+    sched.add(c)
+    sched.remove(a)
+    out = run_step(sched)
+    assert [r.request_id for r, _ in out.scheduled][0] == "b"
+
+
+def test_removing_requests_frees_every_block():
+    sched = make(num_blocks=16)
+    reqs = [request(str(i), 9, first=i * 20) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    run_step(sched)
+    for r in reqs:
+        sched.remove(r)
+    assert sched.kv.pool.num_free_blocks == 16 and not sched.running and not sched.waiting
