@@ -40,7 +40,9 @@ class ModelRunner:
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         if block_ids and self.device.type != "cuda":
-            self.kv_cache[:, :, torch.tensor(block_ids)] = 0
+            layers, kv, num_blocks = self.kv_cache.shape[:3]
+            rows = self.kv_cache.view(layers * kv, num_blocks, -1)
+            rows.index_fill_(1, torch.tensor(block_ids), 0)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager) -> StepLogits:

@@ -1,0 +1,69 @@
+"""The CPU paths (batched torch, and the C++ decode kernel) against the reference twins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference, torch_paged
+from kernels.cpu_extension import decode_extension
+
+
+def random_batch(q_lens, seq_lens, block_size=16, heads=8, kv_heads=2, dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks + 3
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    # scattered, non-contiguous block ids per sequence
+    perm = torch.randperm(num_blocks, generator=g)
+    table = perm[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).to(torch.int32)
+    query = torch.randn(sum(q_lens), heads, dim, generator=g)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return query, key_cache, value_cache, table, torch.tensor(seq_lens, dtype=torch.int32), starts
+
+
+CASES = {
+    "decodes": ([1, 1, 1, 1], [1, 17, 64, 300]),
+    "prefills": ([5, 33], [5, 33]),
+    "chunk-after-context": ([7, 20], [40, 20]),
+    "mixed": ([1, 12, 1, 50, 1], [90, 30, 16, 50, 200]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_torch_path_matches_reference(case, block_size, monkeypatch):
+    monkeypatch.setattr(torch_paged, "decode_extension", lambda: None)
+    args = random_batch(*CASES[case], block_size=block_size)
+    expected = reference.paged_attention(*args, scale=0.17)
+    assert torch.allclose(torch_paged.paged_attention(*args, scale=0.17), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cpu_decode_kernel_matches_reference(case):
+    if decode_extension() is None:
+        pytest.skip("the C++ decode kernel could not be built here")
+    args = random_batch(*CASES[case], block_size=16)
+    expected = reference.paged_attention(*args, scale=0.17)
+    assert torch.allclose(kernels.paged_attention(*args, scale=0.17), expected, atol=1e-5)
+
+
+def test_reshape_and_cache_matches_reference():
+    g = torch.Generator().manual_seed(1)
+    key, value = torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
+    slots = torch.tensor([3, 4, 5, 17, 30, 31, 0, 9, 10])
+    caches = [torch.zeros(4, 8, 2, 8) for _ in range(4)]
+    reference.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    kernels.reshape_and_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_decode_groups_cover_every_row_once_with_little_padding():
+    lengths = [10, 500, 30, 480, 35, 11, 250]
+    groups = torch_paged.decode_groups(lengths, list(range(len(lengths))))
+    assert sorted(s for g in groups for s in g) == list(range(len(lengths)))
+    for group in groups:
+        padded = len(group) * max(lengths[s] for s in group)
+        assert padded <= 1.25 * sum(lengths[s] for s in group) or len(group) == 1
