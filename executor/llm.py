@@ -138,8 +138,8 @@ class LLM:
                 reason = "stop"
                 if step_out.finish_reason is None:
                     self.engine.abort(output.request_id)
-        elif reason == "stop":
-            completion.stop_reason = step_out.new_token_ids[-1]
+        elif reason == "stop" and step_out.new_token_ids[-1] in tracked.params.stop_token_ids:
+            completion.stop_reason = step_out.new_token_ids[-1]  # EOS leaves it None, as in vLLM
         if reason is not None:
             completion.finish_reason = reason
             output.finished = True
