@@ -45,11 +45,7 @@ class Engine:
         spec = decoder_spec(hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         self.eos_token_ids = _eos_token_ids(hf_config, self.model_path, self.tokenizer)
-        self.max_model_len = config.max_model_len or spec.max_position
-        if self.max_model_len > spec.max_position:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's context length {spec.max_position}"
-            )
+        self.max_model_len = _max_model_len(config.max_model_len, spec)
         torch.manual_seed(config.seed)
         model = build_model(spec, load_weights(self.model_path), self.dtype, self.device)
         self.vocab_size = spec.vocab_size
@@ -204,6 +200,19 @@ class Engine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
+
+
+def _max_model_len(asked: int | None, spec) -> int:
+    """The model's context length, kept within a sliding window: attention here always sees the whole context,
+    which equals sliding-window attention only while the context fits the window."""
+    limit, what = spec.max_position, "context length"
+    if spec.sliding_window is not None and spec.sliding_window < limit:
+        limit, what = spec.sliding_window, "sliding window"
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(f"max_model_len {asked} exceeds the model's {what} {limit}")
+    return asked
 
 
 def _eos_token_ids(hf_config, model_path, tokenizer) -> frozenset[int]:

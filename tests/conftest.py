@@ -7,7 +7,7 @@ import torch
 
 torch.set_num_threads(2)
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,7 @@ def default_model() -> str:
 
 
 def _tiny_config(family: str, vocab_size: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -34,6 +34,8 @@ def _tiny_config(family: str, vocab_size: int):
     if family == "llama":
         scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
         return LlamaConfig(**common, rope_scaling={**scaling, "original_max_position_embeddings": 64})
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=512)
     if family == "qwen2":
         return Qwen2Config(**common)
     return Qwen3Config(**common, head_dim=32)

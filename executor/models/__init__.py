@@ -42,6 +42,9 @@ def decoder_spec(config) -> DecoderSpec:
         rope_theta = rope_parameters.get("rope_theta", rope_theta)
         if rope_parameters.get("rope_type", "default") != "default":
             rope_scaling = rope_parameters
+    window = getattr(config, "sliding_window", None)
+    if arch.startswith("Qwen") and not getattr(config, "use_sliding_window", False):
+        window = None  # Qwen configs carry a window size they do not use
     return DecoderSpec(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -57,6 +60,7 @@ def decoder_spec(config) -> DecoderSpec:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
+        sliding_window=window,
     )
 
 

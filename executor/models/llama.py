@@ -44,6 +44,7 @@ class DecoderSpec:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None  # attention is full; contexts are kept within the window instead
 
 
 class RMSNorm(nn.Module):

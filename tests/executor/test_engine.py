@@ -151,3 +151,9 @@ def test_token_and_text_prompts_agree(llm):
     params = SamplingParams(max_tokens=5, temperature=0)
     by_text, by_ids = llm.generate(["hello world", ids], params)
     assert by_text.prompt_token_ids == ids and by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+
+
+def test_a_sliding_window_bounds_max_model_len(tiny_models):
+    assert LLM(tiny_models["mistral"], kv_cache_memory="4MiB").engine.max_model_len == 512
+    with pytest.raises(ValueError, match="sliding window"):
+        LLM(tiny_models["mistral"], kv_cache_memory="4MiB", max_model_len=1000)
