@@ -1,0 +1,34 @@
+import pytest
+
+from gateway.routing import Candidate, leading_run, route_request
+
+
+def test_leading_run_stops_at_the_first_gap():
+    assert leading_run([True, True, False, True]) == 2
+    assert leading_run([False, True]) == 0
+    assert leading_run([True] * 3) == 3 and leading_run([]) == 0
+
+
+def test_the_executor_holding_the_prefix_wins_when_loads_are_equal():
+    a = Candidate("a", "tcp://a", cached_blocks=0)
+    b = Candidate("b", "tcp://b", cached_blocks=60)
+    assert route_request([a, b], prompt_tokens=1000, block_size=16) is b
+
+
+def test_equal_caches_go_to_the_least_loaded():
+    busy = Candidate("a", "tcp://a", cached_blocks=10, running=8, waiting=2)
+    idle = Candidate("b", "tcp://b", cached_blocks=10)
+    assert route_request([busy, idle], prompt_tokens=400, block_size=16) is idle
+
+
+def test_a_small_cache_hit_does_not_outweigh_a_long_queue():
+    hit_but_swamped = Candidate("a", "tcp://a", cached_blocks=2, running=40, waiting=30, kv_usage=0.95)
+    cold_idle = Candidate("b", "tcp://b", cached_blocks=0)
+    assert route_request([hit_but_swamped, cold_idle], prompt_tokens=100, block_size=16) is cold_idle
+
+
+def test_ties_are_deterministic_and_no_executor_is_an_error():
+    a, b = Candidate("b", "tcp://b", 0), Candidate("a", "tcp://a", 0)
+    assert route_request([a, b], 50, 16).executor_id == "a"
+    with pytest.raises(LookupError):
+        route_request([], 50, 16)
