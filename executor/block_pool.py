@@ -17,7 +17,7 @@ class Block:
 class BlockPool:
     """Owns every block. Free blocks wait in LRU order; a cached one keeps its hash until it is reused."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -30,6 +30,9 @@ class BlockPool:
         # this mark were never handed out: their memory is uninitialised and must be zeroed before use
         self._high_water = 0
         self.fresh_block_ids: list[int] = []
+        # hash -> whether it was cached when first touched since the last drain; None: nobody publishes the
+        # cache (offline use), so nothing accumulates
+        self._events: dict[bytes, bool] | None = {} if record_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +80,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self._events is not None:
+            self._events.setdefault(block_hash, False)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -84,7 +89,24 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         del self._cached[block.block_hash]
+        if self._events is not None:
+            self._events.setdefault(block.block_hash, True)
         block.block_hash = None
+
+    def start_recording_events(self) -> None:
+        """Start recording cache changes for drain_events (for a pool built by an owner that publishes it)."""
+        if self._events is None:
+            self._events = {}
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Hashes newly cached and hashes evicted since the last call, netted: a hash cached then evicted in
+        between (or evicted then cached again) appears in neither list."""
+        if not self._events:
+            return [], []
+        added = [h for h, was_cached in self._events.items() if not was_cached and h in self._cached]
+        removed = [h for h, was_cached in self._events.items() if was_cached and h not in self._cached]
+        self._events = {}
+        return added, removed
 
     def drain_fresh(self) -> list[int]:
         """Blocks handed out for the first time since the last call."""

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 
 from executor.config import add_engine_args, config_from_args
 from executor.model_files import DEFAULT_MODEL, ModelLoadError, resolve_model
+from executor.service import add_executor_command
+from gateway.cli import add_gateway_commands
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -71,7 +73,12 @@ def generate_once(args: argparse.Namespace) -> int:
 
 
 # Each function adds one top-level subcommand and sets `handler` on its parsers; a new command is one more entry.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_model_commands, add_generate_command]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_model_commands,
+    add_generate_command,
+    add_executor_command,
+    add_gateway_commands,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -97,3 +97,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def engine_argv(config: EngineConfig) -> list[str]:
+    """The flags that recreate config's non-default settings, to pass engine settings on to a child process."""
+    default = EngineConfig()
+    argv: list[str] = []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(config, f.name)
+        if value == getattr(default, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv

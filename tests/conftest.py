@@ -72,3 +72,13 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
             generated = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             outs.append(generated[0, len(prompt) :].tolist())
     return outs
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real Redis-protocol server (shared.redis_server) for the whole session, stopped by its own PID."""
+    from shared.redis_server import start_redis_server
+
+    server = start_redis_server()
+    yield server.url
+    server.stop()

@@ -107,3 +107,39 @@ def test_prefix_caching_off_finds_nothing():
     a.num_computed_tokens = 9
     kv.cache_full_blocks(a)
     assert kv.find_cached_prefix(make_request("b", range(9))) == []
+
+
+def test_cache_events_are_recorded_only_when_asked():
+    offline = BlockPool(2)
+    offline.cache(offline.allocate(1)[0], b"h")
+    assert offline.drain_events() == ([], [])
+    assert offline._events is None  # nothing accumulates for a pool nobody publishes
+
+    pool = BlockPool(2, record_events=True)
+    a, b = pool.allocate(2)
+    pool.cache(a, b"a")
+    pool.cache(b, b"b")
+    assert sorted(pool.drain_events()[0]) == [b"a", b"b"] and pool.drain_events() == ([], [])
+    pool.free([a, b])
+    pool.allocate(1)  # evicts a, the least recently freed
+    assert pool.drain_events() == ([], [b"a"])
+
+
+def test_cache_events_net_out_within_one_drain_interval():
+    pool = BlockPool(1, record_events=True)
+    (block,) = pool.allocate(1)
+    pool.cache(block, b"x")
+    pool.free([block])
+    (block,) = pool.allocate(1)  # x cached then evicted before anyone drained: never published
+    assert pool.drain_events() == ([], [])
+
+    pool.cache(block, b"y")
+    pool.drain_events()
+    pool.free([block])
+    (block,) = pool.allocate(1)  # y evicted ...
+    pool.cache(block, b"y")  # ... and cached again: still held, nothing to tell
+    assert pool.drain_events() == ([], [])
+    pool.free([block])
+    (block,) = pool.allocate(1)
+    pool.cache(block, b"z")
+    assert pool.drain_events() == ([b"z"], [b"y"])

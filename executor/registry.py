@@ -1,0 +1,100 @@
+"""The executor's published copy of itself in Redis: registration, heartbeat, cached block hashes, load.
+
+Key names live in shared.redis_keys, which the gateway reads too. The block pool stays the truth; Redis is a
+copy, so a write that fails is kept and retried with the next one rather than lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from shared import redis_keys as keys
+
+log = logging.getLogger("kvserve.executor.registry")
+
+# Redis sits in the engine loop: a write to an unreachable Redis must fail in well under a step, not retry
+# with backoff for seconds while every stream stalls
+REDIS_TIMEOUT_S = 0.5
+
+
+def connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(
+        url,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+        socket_timeout=REDIS_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+class Registry:
+    def __init__(self, client: redis.Redis, executor_id: str, ttl_s: int = keys.HEARTBEAT_TTL_S) -> None:
+        self.client = client
+        self.executor_id = keys.check_executor_id(executor_id)
+        self.ttl_s = ttl_s
+        self.keys = keys.executor_keys(executor_id)
+        self._pending_added: set[str] = set()
+        self._pending_removed: set[str] = set()
+        self._failing = False
+        self._info: dict[str, str | int | float] = {}
+
+    def register(self, info: dict[str, str | int]) -> None:
+        """Clear whatever an earlier run under this id left, then announce this one."""
+        self._info = {**info, "started_at": time.time()}
+        pipe = self.client.pipeline()
+        pipe.delete(*self.keys)
+        self._announce(pipe)
+        pipe.execute()
+
+    def _announce(self, pipe) -> None:
+        # rewritten on every heartbeat, so a registration that expired (a stall, a Redis restart) comes back
+        pipe.hset(keys.executor_key(self.executor_id), mapping=self._info)
+        pipe.expire(keys.executor_key(self.executor_id), self.ttl_s)
+        pipe.sadd(keys.EXECUTORS, self.executor_id)
+
+    def publish(
+        self, added: list[bytes], removed: list[bytes], load: dict[str, float], heartbeat: bool = False
+    ) -> None:
+        """One round trip: block hashes cached and evicted since the last call, the load, fresh TTLs, and on
+        a heartbeat the registration again. While Redis is failing, changes wait for the next heartbeat."""
+        for h in added:
+            self._pending_removed.discard(h.hex())
+            self._pending_added.add(h.hex())
+        for h in removed:
+            self._pending_added.discard(h.hex())
+            self._pending_removed.add(h.hex())
+        if self._failing and not heartbeat:
+            return
+        blocks = keys.blocks_key(self.executor_id)
+        pipe = self.client.pipeline(transaction=False)
+        if self._pending_added:
+            pipe.sadd(blocks, *self._pending_added)
+        if self._pending_removed:
+            pipe.srem(blocks, *self._pending_removed)
+        pipe.hset(keys.load_key(self.executor_id), mapping={**load, "updated_at": time.time()})
+        if heartbeat:
+            self._announce(pipe)
+        for key in self.keys:
+            pipe.expire(key, self.ttl_s)
+        try:
+            pipe.execute()
+        except redis.RedisError as error:
+            if not self._failing:  # one line per outage, not one per step
+                log.warning("publishing to Redis failed, will retry: %s", error)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("publishing to Redis works again")
+        self._failing = False
+        self._pending_added.clear()
+        self._pending_removed.clear()
+
+    def deregister(self) -> None:
+        pipe = self.client.pipeline()
+        pipe.delete(*self.keys)
+        pipe.srem(keys.EXECUTORS, self.executor_id)
+        pipe.execute()

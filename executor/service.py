@@ -1,0 +1,307 @@
+"""`kvserve executor`: the engine behind a ZeroMQ ROUTER socket, streaming tokens and publishing itself to Redis.
+
+One loop: take every waiting message, run one engine step, send each gateway one StepBatch with all of its
+requests' new tokens, publish cache changes and load to Redis. Bad input is answered and logged, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import redis
+import zmq
+
+from executor.config import add_engine_args, config_from_args
+from executor.registry import Registry, connect
+from executor.sampling_params import SamplingParams
+from shared import protocol
+from shared.redis_keys import HEARTBEAT_INTERVAL_S, check_executor_id
+
+if TYPE_CHECKING:  # the engine pulls in torch and transformers: `kvserve --help` should not wait for them
+    from executor.engine import Engine, StepOutput
+    from executor.sampler import TokenLogprobs
+
+log = logging.getLogger("kvserve.executor")
+
+IDLE_POLL_MS = 20
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class ExecutorService:
+    def __init__(self, engine: Engine, socket: zmq.Socket, registry: Registry, grace_s: float) -> None:
+        self.engine = engine
+        self.socket = socket
+        self.registry = registry
+        self.grace_s = grace_s
+        self.owners: dict[str, bytes] = {}  # request id -> identity of the gateway that sent it
+        self.outbox: dict[bytes, list[protocol.RequestUpdate]] = defaultdict(list)
+        self.drain_deadline: float | None = None
+
+    def drain(self, *_signal_args) -> None:
+        """Refuse new work from now on and stop once running requests finish or the grace period ends;
+        asked a second time (a second Ctrl-C), stop now."""
+        if self.drain_deadline is None:
+            log.info(
+                "draining: refusing new requests, %d running, grace %.0f s", len(self.owners), self.grace_s
+            )
+            self.drain_deadline = time.monotonic() + self.grace_s
+        else:
+            log.info("asked again to stop: aborting %d running requests now", len(self.owners))
+            self.drain_deadline = time.monotonic()
+
+    def run(self) -> None:
+        next_heartbeat = 0.0
+        while True:
+            busy = self.engine.has_unfinished()
+            if self.drain_deadline is not None and (not busy or time.monotonic() >= self.drain_deadline):
+                self._abort_all("executor draining: grace period over")
+                self._flush()
+                self._publish(heartbeat=False)
+                return
+            received = bool(self.socket.poll(0 if busy else IDLE_POLL_MS))
+            if received:
+                self._receive_all()
+            stepped = self._step()
+            self._flush()
+            now = time.monotonic()
+            if stepped or received or now >= next_heartbeat:  # an abort changes the load without a step
+                heartbeat = now >= next_heartbeat
+                if heartbeat:
+                    next_heartbeat = now + HEARTBEAT_INTERVAL_S
+                self._publish(heartbeat)
+
+    # -- messages in --------------------------------------------------------------------------------
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("dropped a message of %d frames (expected identity + payload)", len(frames))
+                continue
+            identity, payload = frames
+            msg = None
+            try:
+                msg = protocol.decode(payload)
+                self._handle(identity, msg)
+            except protocol.ProtocolError as error:
+                log.warning("bad message from gateway %s: %s", identity.hex(), error)
+                if error.request_id is not None:
+                    self._send_error(identity, error.request_id, str(error), 400)
+            except Exception:  # an internal fault on one message must not stop the others
+                request_id = getattr(msg, "request_id", None)
+                log.exception("failed to handle request %s from gateway %s", request_id, identity.hex())
+                if request_id is not None:
+                    self._fail(identity, request_id, "internal error in the executor")
+
+    def _handle(self, identity: bytes, msg: protocol.Message) -> None:
+        if isinstance(msg, protocol.GenerateRequest):
+            self._generate(identity, msg)
+        elif isinstance(msg, protocol.AbortRequest):
+            # only the gateway that sent a request may abort it; an unknown id has most likely just finished
+            if self.owners.get(msg.request_id) == identity and self.engine.abort(msg.request_id):
+                self._finished(msg.request_id, "abort", 0)
+        else:
+            request_id = getattr(msg, "request_id", None)
+            raise protocol.ProtocolError(
+                f"an executor accepts generate and abort, not {msg.TYPE}", request_id
+            )
+
+    def _generate(self, identity: bytes, msg: protocol.GenerateRequest) -> None:
+        if self.drain_deadline is not None:
+            self._send_error(identity, msg.request_id, "executor draining", 503)
+            return
+        try:
+            unknown = sorted(set(msg.sampling) - _SAMPLING_FIELDS)
+            if unknown:
+                raise ValueError(f"sampling: unknown parameter {unknown[0]!r}")
+            params = SamplingParams(**msg.sampling)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
+        except ValueError as error:
+            self._send_error(identity, msg.request_id, str(error), 400)
+            return
+        self.owners[msg.request_id] = identity
+        log.debug(
+            "request %s from %s (tenant %s, trace %s)",
+            msg.request_id,
+            identity.hex(),
+            msg.tenant,
+            msg.traceparent,
+        )
+
+    # -- the step and messages out ------------------------------------------------------------------
+
+    def _step(self) -> bool:
+        if not self.engine.has_unfinished():
+            return False
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            log.exception("engine step failed; failing requests %s", ", ".join(self.owners))
+            self._fail_all("internal error in the executor's engine step")
+            return True
+        for out in outputs:
+            self._queue(out)
+        return True
+
+    def _queue(self, out: StepOutput) -> None:
+        identity = self.owners.get(out.request_id)
+        if identity is None:
+            log.error("engine produced output for request %s that no gateway owns", out.request_id)
+            return
+        logprobs = None
+        if any(lp is not None for lp in out.new_logprobs):
+            logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]
+        self.outbox[identity].append(
+            protocol.RequestUpdate(
+                out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.num_cached_tokens
+            )
+        )
+        if out.finish_reason is not None:
+            del self.owners[out.request_id]
+
+    def _finished(self, request_id: str, reason: str, num_cached_tokens: int) -> None:
+        identity = self.owners.pop(request_id)
+        self.outbox[identity].append(protocol.RequestUpdate(request_id, [], None, reason, num_cached_tokens))
+
+    def _abort_all(self, why: str) -> None:
+        for request_id in list(self.owners):
+            log.info("aborting request %s: %s", request_id, why)
+            self.engine.abort(request_id)
+            self._finished(request_id, "abort", 0)
+
+    def _fail(self, identity: bytes, request_id: str, message: str) -> None:
+        """An internal fault: the request ends with a 500, whatever state the engine has for it is dropped."""
+        if self.owners.get(request_id, identity) == identity:  # never another gateway's request of that id
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("abort of request %s failed too", request_id)
+            self.owners.pop(request_id, None)
+        self._send_error(identity, request_id, message, 500)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, identity in list(self.owners.items()):
+            self._fail(identity, request_id, message)
+
+    def _flush(self) -> None:
+        """One StepBatch per gateway holding all of its requests' updates."""
+        for identity, updates in self.outbox.items():
+            self.socket.send_multipart([identity, protocol.encode(protocol.StepBatch(updates))])
+        self.outbox.clear()
+
+    def _send_error(self, identity: bytes, request_id: str, message: str, code: int) -> None:
+        log.info("request %s refused (%d): %s", request_id, code, message)
+        error = protocol.RequestError(request_id, message, code)
+        self.socket.send_multipart([identity, protocol.encode(error)])
+
+    def _publish(self, heartbeat: bool) -> None:
+        stats = self.engine.stats()
+        load = {
+            "running": stats["num_running"],
+            "waiting": stats["num_waiting"],
+            "kv_usage": stats["kv_blocks_used"] / stats["kv_blocks_total"],
+        }
+        added, removed = self.engine.pool.drain_events()
+        self.registry.publish(added, removed, load, heartbeat)
+
+
+def _wire_logprobs(lp: TokenLogprobs | None) -> list | None:
+    if lp is None:
+        return None
+    return [lp.token_id, lp.logprob, lp.rank, [[t, p] for t, p in lp.top]]
+
+
+# -- the command ------------------------------------------------------------------------------------------
+
+
+def add_executor_command(commands: argparse._SubParsersAction) -> None:
+    executor = commands.add_parser("executor", help="serve one engine over ZeroMQ, registered in Redis")
+    executor.add_argument("--executor-id", required=True, help="unique name; its Redis keys carry it")
+    executor.add_argument(
+        "--bind", required=True, help="ZeroMQ address to listen on, e.g. tcp://127.0.0.1:5600"
+    )
+    executor.add_argument(
+        "--advertise-address", default=None, help="address gateways connect to (default: --bind)"
+    )
+    executor.add_argument(
+        "--redis-url",
+        default=os.environ.get("KVSERVE_REDIS_URL"),
+        help="Redis URL (default: the KVSERVE_REDIS_URL environment variable)",
+    )
+    executor.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for running requests before aborting them",
+    )
+    add_engine_args(executor)
+    executor.set_defaults(handler=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def fail(message: str, code: int = 2) -> int:
+        print(f"kvserve executor: error: {message}", file=sys.stderr)
+        return code
+
+    if not args.redis_url:
+        return fail("--redis-url: not given and KVSERVE_REDIS_URL is not set")
+    try:
+        executor_id = check_executor_id(args.executor_id)
+        config = config_from_args(args)
+        client = connect(args.redis_url)
+        client.ping()
+    except ValueError as error:
+        return fail(str(error))
+    except redis.RedisError as error:
+        return fail(f"--redis-url: cannot reach {args.redis_url}: {error}", 1)
+
+    from executor.engine import Engine
+
+    # SIGTERM during the model load has nothing to drain: it just ends the process
+    engine = Engine(config)
+    engine.pool.start_recording_events()
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    try:
+        socket.bind(args.bind)
+    except zmq.ZMQError as error:
+        context.destroy(linger=0)
+        return fail(f"--bind: cannot listen on {args.bind}: {error}", 1)
+    registry = Registry(client, executor_id)
+    service = ExecutorService(engine, socket, registry, args.shutdown_grace_period)
+    signal.signal(signal.SIGTERM, service.drain)
+    signal.signal(signal.SIGINT, service.drain)
+    registry.register(
+        {
+            "address": args.advertise_address or args.bind,
+            "model": str(engine.model_path),
+            "block_size": engine.block_size,
+            "kv_blocks_total": engine.pool.num_blocks,
+            "max_model_len": engine.max_model_len,
+        }
+    )
+    log.info("executor %s serving %s on %s", executor_id, engine.model_path, args.bind)
+    try:
+        service.run()
+    finally:
+        try:
+            registry.deregister()
+        except redis.RedisError as error:
+            log.warning("deregistering from Redis failed (its keys expire with the heartbeat): %s", error)
+        socket.close(linger=1000)  # let the last StepBatch messages leave
+        context.term()
+    log.info("executor %s stopped", executor_id)
+    return 0

@@ -1,0 +1,262 @@
+"""The HTTP face of kvserve: OpenAI-compatible routes over executors found in Redis.
+
+Stateless between requests: each one reads the live executors, their cached prefixes and loads from Redis,
+routes, streams tokens back from the chosen executor over ZeroMQ, and forgets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.api_error import APIError
+from gateway.executor_client import ExecutorClient, ExecutorRequestError
+from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
+from gateway.openai_protocol import (
+    MAX_BODY_BYTES,
+    fit_to_context,
+    parse_chat_request,
+    parse_completion_request,
+)
+from gateway.prompt import prompt_token_ids
+from gateway.responses import EventStream, Generation, response_body
+from gateway.routing import route_request
+from shared import protocol
+from shared.block_hash import hash_blocks
+
+log = logging.getLogger("kvserve.gateway")
+
+EXECUTOR_HEADER = "x-kvserve-executor"
+NO_EXECUTOR = "none"  # the header's value when a request was answered before reaching one
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class GatewayConfig:
+    redis_url: str
+    model_name: str
+    tokenizer: object
+
+
+@dataclass(slots=True)
+class Routed:
+    executor: ExecutorInfo
+    request: protocol.GenerateRequest
+    generation: Generation
+    stream: bool
+    include_usage: bool
+
+
+def _error(error: APIError, executor_id: str = NO_EXECUTOR) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers={EXECUTOR_HEADER: executor_id})
+
+
+def _executor_error(error: ExecutorRequestError) -> APIError:
+    kind = "invalid_request_error" if error.code < 500 else "server_error"
+    return APIError(error.code, str(error), kind)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.directory = ExecutorDirectory(config.redis_url)
+        self.client: ExecutorClient | None = None
+        self.counts: Counter[tuple[str, int]] = Counter()
+        self.tokens: Counter[str] = Counter()
+
+    async def startup(self) -> None:
+        self.client = ExecutorClient()
+
+    async def shutdown(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        await self.directory.close()
+
+    # -- routes -------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completion")
+
+    async def models(self, request: Request) -> Response:
+        model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "kvserve"}
+        return JSONResponse({"object": "list", "data": [model]}, headers={EXECUTOR_HEADER: NO_EXECUTOR})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            executors = await self.directory.live_executors()
+        except Exception as error:  # Redis down: say so, with a 503
+            return JSONResponse(
+                {"status": "unavailable", "reason": f"redis: {error}"},
+                503,
+                headers={EXECUTOR_HEADER: NO_EXECUTOR},
+            )
+        status = 200 if executors else 503
+        body = {
+            "status": "ok" if executors else "no executors",
+            "executors": [e.executor_id for e in executors],
+        }
+        return JSONResponse(body, status, headers={EXECUTOR_HEADER: NO_EXECUTOR})
+
+    async def metrics(self, request: Request) -> Response:
+        lines = [
+            "# HELP kvserve_gateway_requests_total HTTP requests answered by this gateway.",
+            "# TYPE kvserve_gateway_requests_total counter",
+        ]
+        for (endpoint, status), n in sorted(self.counts.items()):
+            lines.append(f'kvserve_gateway_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+        lines += [
+            "# HELP kvserve_gateway_tokens_total Tokens through this gateway.",
+            "# TYPE kvserve_gateway_tokens_total counter",
+        ]
+        for kind, n in sorted(self.tokens.items()):
+            lines.append(f'kvserve_gateway_tokens_total{{kind="{kind}"}} {n}')
+        executors = await self.directory.live_executors()
+        candidates = await self.directory.candidates(executors, [])
+        for name, help_text in (
+            ("running", "Requests running on each executor."),
+            ("waiting", "Requests waiting on each executor."),
+            ("kv_usage", "Share of each executor's KV blocks in use."),
+        ):
+            lines += [f"# HELP kvserve_executor_{name} {help_text}", f"# TYPE kvserve_executor_{name} gauge"]
+            for c in candidates:
+                lines.append(f'kvserve_executor_{name}{{executor="{c.executor_id}"}} {getattr(c, name)}')
+        return PlainTextResponse("\n".join(lines) + "\n", headers={EXECUTOR_HEADER: NO_EXECUTOR})
+
+    # -- one completion request ------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, endpoint: str) -> Response:
+        try:
+            routed = await self._route(request, endpoint)
+        except APIError as error:
+            self.counts[(endpoint, error.status)] += 1
+            return _error(error)
+        self.counts[(endpoint, 200)] += 1
+        self.tokens["prompt"] += len(routed.request.prompt_token_ids)
+        if routed.stream:
+            return StreamingResponse(
+                self._events(routed),
+                media_type="text/event-stream",
+                headers={EXECUTOR_HEADER: routed.executor.executor_id, "cache-control": "no-cache"},
+            )
+        return await self._whole(request, routed)
+
+    async def _route(self, request: Request, endpoint: str) -> Routed:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise APIError(
+                413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}", code="request_too_large"
+            )
+        raw = await request.body()
+        parse = parse_chat_request if endpoint == "chat" else parse_completion_request
+        parsed = parse(raw, [self.config.model_name])
+        ids = prompt_token_ids(parsed, self.config.tokenizer)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="messages" if endpoint == "chat" else "prompt")
+        try:
+            executors = await self.directory.live_executors()
+        except Exception as error:
+            log.error("redis unreachable: %s", error)
+            raise APIError(503, "the executor directory (Redis) is unreachable", "server_error") from None
+        if not executors:
+            raise APIError(503, "no executor is available; try again shortly", "server_error")
+        block_size = executors[0].block_size
+        executors = [e for e in executors if e.block_size == block_size]
+        hashes = hash_blocks(ids, block_size)
+        candidates = await self.directory.candidates(executors, hashes)
+        chosen = route_request(candidates, len(ids), block_size)
+        info = next(e for e in executors if e.executor_id == chosen.executor_id)
+        params = fit_to_context(parsed, len(ids), info.max_model_len)
+        generate = protocol.GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            block_hashes=hashes,
+            sampling=dataclasses.asdict(params),
+        )
+        generation = Generation.start(parsed, ids, params.stop, self.config.tokenizer)
+        return Routed(info, generate, generation, parsed.stream, parsed.include_usage)
+
+    async def _events(self, routed: Routed):
+        stream = EventStream(routed.generation, routed.include_usage)
+        try:
+            async for update in self.client.generate(routed.executor.address, routed.request):
+                self.tokens["completion"] += len(update.token_ids)
+                text = stream.update(
+                    update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
+                )
+                if text:
+                    yield text
+                if routed.generation.finished:
+                    return  # a stop string matched: leaving the loop aborts the executor request
+        except ExecutorRequestError as error:
+            yield _executor_error(error).sse_event()
+        except TimeoutError:
+            yield APIError(504, "the executor stopped answering", "server_error").sse_event()
+
+    async def _whole(self, request: Request, routed: Routed) -> Response:
+        generation = routed.generation
+
+        async def collect() -> None:
+            async for update in self.client.generate(routed.executor.address, routed.request):
+                self.tokens["completion"] += len(update.token_ids)
+                generation.feed(
+                    update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
+                )
+                if generation.finished:
+                    return
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()  # the client left: cancelling aborts the request on the executor
+                    return Response(status_code=499)
+            task.result()
+        except ExecutorRequestError as error:
+            return _error(_executor_error(error), routed.executor.executor_id)
+        except TimeoutError:
+            return _error(
+                APIError(504, "the executor stopped answering", "server_error"), routed.executor.executor_id
+            )
+        return JSONResponse(response_body(generation), headers={EXECUTOR_HEADER: routed.executor.executor_id})
+
+
+def build_app(config: GatewayConfig) -> Starlette:
+    gateway = Gateway(config)
+    routes = [
+        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/metrics", gateway.metrics, methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await gateway.startup()
+        try:
+            yield
+        finally:
+            await gateway.shutdown()
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind))
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.state.gateway = gateway
+    return app

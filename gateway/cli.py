@@ -1,0 +1,159 @@
+"""`kvserve gateway` (one HTTP gateway) and `kvserve up` (Redis, executors and a gateway on one machine)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from executor.config import add_engine_args, config_from_args, engine_argv
+from shared.defaults import DEFAULT_MODEL
+
+log = logging.getLogger("kvserve.up")
+
+EXECUTOR_START_TIMEOUT_S = 600  # the first start may pull and convert the default model
+
+
+def _add_http_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("KVSERVE_REDIS_URL"), help="default: $KVSERVE_REDIS_URL"
+    )
+    parser.add_argument("--served-model-name", default=None, help="the model name clients ask for")
+
+
+def add_gateway_commands(commands: argparse._SubParsersAction) -> None:
+    gateway = commands.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    _add_http_args(gateway)
+    gateway.add_argument("--model", default=None, help="model directory or name, for its tokenizer")
+    gateway.set_defaults(handler=run_gateway)
+
+    up = commands.add_parser("up", help="the whole stack on this machine: Redis, executors, gateway")
+    _add_http_args(up)
+    up.add_argument("--executors", type=int, default=1, help="how many executor processes")
+    add_engine_args(up)
+    up.set_defaults(handler=run_up)
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return (
+        DEFAULT_MODEL
+        if args.model in (None, DEFAULT_MODEL)
+        else os.path.basename(str(args.model).rstrip("/"))
+    )
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from executor.model_files import ModelLoadError, resolve_model
+    from gateway.app import GatewayConfig, build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.redis_url:
+        print(
+            "kvserve gateway: error: --redis-url: not given and KVSERVE_REDIS_URL is not set", file=sys.stderr
+        )
+        return 2
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model), local_files_only=True)
+    except (ModelLoadError, OSError) as error:
+        print(f"kvserve gateway: error: --model: {error}", file=sys.stderr)
+        return 2
+    app = build_app(GatewayConfig(args.redis_url, _served_name(args), tokenizer))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_executors(redis_url: str, ids: list[str], children: list[subprocess.Popen]) -> None:
+    import redis
+
+    from shared import redis_keys
+
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + EXECUTOR_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if all(client.exists(redis_keys.executor_key(i)) for i in ids):
+            return
+        dead = [c for c in children if c.poll() is not None]
+        if dead:
+            raise RuntimeError(f"an executor exited with code {dead[0].returncode} while starting")
+        time.sleep(0.2)
+    raise RuntimeError(f"executors did not register within {EXECUTOR_START_TIMEOUT_S} s")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Start what is missing (Redis unless --redis-url), N executors as child processes, then the gateway here;
+    on exit stop exactly the processes it started."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from executor.model_files import resolve_model
+
+    if args.executors < 1:
+        print("kvserve up: error: --executors must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        config = config_from_args(args)
+        model_dir = str(resolve_model(config.model))  # pull once here, not in every executor at once
+    except ValueError as error:
+        print(f"kvserve up: error: {error}", file=sys.stderr)
+        return 2
+    config.model = model_dir
+    # uvicorn re-raises SIGTERM after its own shutdown; as an exception it unwinds through the cleanup below
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    embedded = None
+    children: list[subprocess.Popen] = []
+    try:
+        if not args.redis_url:
+            from shared.redis_server import start_redis_server
+
+            embedded = start_redis_server()
+            args.redis_url = embedded.url
+            log.info("embedded Redis at %s", embedded.url)
+        ids = [f"executor-{i}" for i in range(args.executors)]
+        for executor_id in ids:
+            bind = f"tcp://127.0.0.1:{_free_port()}"
+            argv = [sys.executable, "-m", "executor.cli", "executor", "--executor-id", executor_id]
+            argv += ["--bind", bind, "--redis-url", args.redis_url, *engine_argv(config)]
+            children.append(subprocess.Popen(argv))
+        _wait_for_executors(args.redis_url, ids, children)
+        args.model = model_dir
+        if args.served_model_name is None and config.model == model_dir and _is_default(model_dir):
+            args.served_model_name = DEFAULT_MODEL
+        return run_gateway(args)
+    except RuntimeError as error:
+        print(f"kvserve up: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout=35)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        if embedded is not None:
+            embedded.stop()
+
+
+def _exit_on_signal(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _is_default(model_dir: str) -> bool:
+    return os.path.basename(model_dir.rstrip("/")) == DEFAULT_MODEL

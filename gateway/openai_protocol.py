@@ -1,0 +1,206 @@
+"""OpenAI request bodies for /v1/chat/completions and /v1/completions, checked once into one plain request."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal
+
+from executor.sampling_params import SamplingParams
+from gateway.api_error import APIError, invalid_request
+from gateway.chat_template import ChatMessage, parse_messages
+
+MAX_BODY_BYTES = 4 * 1024 * 1024  # larger bodies get 413 before any parsing
+COMPLETIONS_DEFAULT_MAX_TOKENS = (
+    16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+)
+
+Endpoint = Literal["chat", "completion"]
+
+# SamplingParams fields that OpenAI names the same way; passed through so its checks (and messages) apply
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "repetition_penalty",
+)
+
+
+@dataclass(slots=True)
+class OpenAIRequest:
+    endpoint: Endpoint
+    model: str
+    messages: list[ChatMessage] | None  # chat
+    prompt: str | list[int] | None  # completions: text or token ids
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    max_tokens: int | None  # as asked; None lets fit_to_context choose
+    sampling: SamplingParams  # validated; its max_tokens is final only after fit_to_context
+
+
+def read_json_body(raw: bytes) -> dict:
+    """Size first (413), then JSON (400), then shape: every later check may assume a dict."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid_request(f"request body is not valid JSON: {exc}", None) from exc
+    if not isinstance(body, dict):
+        raise invalid_request("request body must be a JSON object", None)
+    return body
+
+
+def _typed(body: dict, name: str, kind: type, what: str, default=None):
+    """One optional field of a JSON type; null means absent, as OpenAI treats it. A bool is never an int here."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise invalid_request(f"{name} must be {what}, got {value!r}", name)
+    return value
+
+
+def _model(body: dict, served_models: Collection[str]) -> str:
+    model = body.get("model")
+    if model is None:  # as vLLM: a single-model server need not be told which
+        return next(iter(served_models))
+    if not isinstance(model, str):
+        raise invalid_request(f"model must be a string, got {model!r}", "model")
+    if model not in served_models:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves {', '.join(served_models)}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+    return model
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Features we do not serve are refused by name rather than silently ignored."""
+    n = _typed(body, "n", int, "an integer", 1)
+    if n != 1:
+        raise invalid_request("n > 1 is not supported" if n > 1 else f"n must be at least 1, got {n}", "n")
+    best_of = _typed(body, "best_of", int, "an integer", 1)
+    if best_of != 1:
+        raise invalid_request("best_of other than 1 is not supported", "best_of")
+    if _typed(body, "echo", bool, "a boolean", False):
+        raise invalid_request("echo is not supported", "echo")
+
+
+def _sampling(
+    body: dict, max_tokens: int | None, logprobs: int | None, renamed: dict[str, str]
+) -> SamplingParams:
+    """SamplingParams checks every value; its ValueError starts with the field, mapped back to the request's name."""
+    fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    try:
+        return SamplingParams(
+            max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            logprobs=logprobs,
+            **fields,
+        )
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0].split("[", 1)[0]
+        param = renamed.get(field, field)
+        raise invalid_request(str(exc).replace(field, param, 1), param) from exc
+
+
+def _common(body: dict, served_models: Collection[str]) -> tuple[str, bool, bool]:
+    """model, stream, stream_options.include_usage: the same on both endpoints."""
+    model = _model(body, served_models)
+    _refuse_unsupported(body)
+    stream = _typed(body, "stream", bool, "a boolean", False)
+    options = _typed(body, "stream_options", dict, "an object", {})
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid_request(
+            "stream_options.include_usage must be a boolean", "stream_options.include_usage"
+        )
+    if options and not stream:
+        raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
+    return model, stream, include_usage
+
+
+def parse_chat_request(raw: bytes, served_models: Collection[str]) -> OpenAIRequest:
+    """A /v1/chat/completions body; max_completion_tokens wins over the deprecated max_tokens, as in OpenAI."""
+    body = read_json_body(raw)
+    model, stream, include_usage = _common(body, served_models)
+    if "messages" not in body:
+        raise invalid_request("messages is required", "messages")
+    messages = parse_messages(body["messages"])
+    renamed = {}
+    max_tokens = _typed(body, "max_tokens", int, "an integer")
+    if body.get("max_completion_tokens") is not None:
+        max_tokens = _typed(body, "max_completion_tokens", int, "an integer")
+        renamed["max_tokens"] = "max_completion_tokens"
+    logprobs = None
+    if _typed(body, "logprobs", bool, "a boolean", False):
+        logprobs = _typed(body, "top_logprobs", int, "an integer", 0)
+        renamed["logprobs"] = "top_logprobs"
+    elif body.get("top_logprobs") is not None:
+        raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    sampling = _sampling(body, max_tokens, logprobs, renamed)
+    return OpenAIRequest("chat", model, messages, None, stream, include_usage, max_tokens, sampling)
+
+
+def _prompt(body: dict) -> str | list[int]:
+    """One prompt, as text or token ids; a list of one is unwrapped, batches are refused."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid_request("prompt must not be empty", "prompt")
+        return prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid_request("batched prompts are not supported; send one prompt per request", "prompt")
+    raise invalid_request("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+
+
+def parse_completion_request(raw: bytes, served_models: Collection[str]) -> OpenAIRequest:
+    """A /v1/completions body; logprobs here is the number of top alternatives, not a flag."""
+    body = read_json_body(raw)
+    model, stream, include_usage = _common(body, served_models)
+    if "prompt" not in body:
+        raise invalid_request("prompt is required", "prompt")
+    prompt = _prompt(body)
+    max_tokens = _typed(body, "max_tokens", int, "an integer")
+    logprobs = _typed(body, "logprobs", int, "an integer")
+    sampling = _sampling(body, max_tokens, logprobs, {})
+    return OpenAIRequest("completion", model, None, prompt, stream, include_usage, max_tokens, sampling)
+
+
+def fit_to_context(request: OpenAIRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """The final SamplingParams: an explicit max_tokens must fit beside the prompt; a default shrinks to fit."""
+    room = max_model_len - num_prompt_tokens
+    wanted = request.max_tokens
+    if wanted is None:
+        wanted = room if request.endpoint == "chat" else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+    if room < 1 or wanted > room:
+        where = "messages" if request.endpoint == "chat" else "prompt"
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max(wanted, 1)} tokens ({num_prompt_tokens} in the {where}, {max(wanted, 1)} "
+            f"in the completion). Please reduce the length of the {where} or completion.",
+            "invalid_request_error",
+            where,
+            "context_length_exceeded",
+        )
+    return dataclasses.replace(request.sampling, max_tokens=wanted)

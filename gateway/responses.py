@@ -1,0 +1,195 @@
+"""OpenAI response objects, whole or as server-sent events, from the executor's per-step token updates."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gateway.logprobs import LogprobFormatter, TokenLogprob, token_logprob
+from gateway.openai_protocol import Endpoint, OpenAIRequest
+from gateway.output_text import OutputText
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one update released: text, the logprobs of the tokens it completes, and the end if it came."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+    text_offset: int  # where text starts in the whole output (completions' logprobs need it)
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class Generation:
+    """One request's output as it grows; streaming and whole responses both read it, so they cannot differ."""
+
+    endpoint: Endpoint
+    model: str
+    num_prompt_tokens: int
+    output: OutputText
+    formatter: LogprobFormatter
+    want_logprobs: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    cached_tokens: int = field(default=0, init=False)
+    finish_reason: str | None = field(default=None, init=False)
+    logprobs: list[TokenLogprob] = field(default_factory=list, init=False)  # of the output's tokens so far
+    _pending: list[TokenLogprob] = field(default_factory=list, init=False, repr=False)  # held back with text
+
+    def __post_init__(self) -> None:
+        self.id = self.id or ("chatcmpl-" if self.endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+
+    @classmethod
+    def start(
+        cls, request: OpenAIRequest, prompt_token_ids: Sequence[int], stop: Sequence[str], tokenizer
+    ) -> Generation:
+        """stop comes from the final SamplingParams (already a list)."""
+        return cls(
+            request.endpoint,
+            request.model,
+            len(prompt_token_ids),
+            OutputText(tokenizer, prompt_token_ids, stop),
+            LogprobFormatter(tokenizer),
+            request.sampling.logprobs is not None,
+        )
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stop_matched(self) -> bool:
+        """A stop string ended the output: the executor is still generating and must be aborted."""
+        return self.output.stopped
+
+    def feed(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[object | None] | None,  # wire lists or TokenLogprobs objects, one per token
+        finish_reason: str | None,
+        cached_tokens: int,
+    ) -> Delta:
+        """Apply one executor update; after the output has ended, updates change nothing."""
+        if self.finished:
+            return Delta("", [], len(self.output.text), None)
+        self.cached_tokens = cached_tokens
+        offset = len(self.output.text)
+        text = self.output.add(token_ids, finished=finish_reason is not None)
+        if self.output.stopped:
+            finish_reason = (
+                "stop"  # OpenAI reports a matched stop string as "stop", whatever the executor said
+            )
+        if self.want_logprobs and logprobs:
+            self._pending.extend(token_logprob(entry) for entry in logprobs if entry is not None)
+        released: list[TokenLogprob] = []
+        if text or finish_reason is not None:  # held-back tokens' logprobs travel with their text
+            released, self._pending = self._pending, []
+            self.logprobs.extend(released)
+        self.finish_reason = finish_reason
+        return Delta(text, released, offset, finish_reason)
+
+    def usage(self) -> dict:
+        completion_tokens = self.output.num_tokens
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.num_prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def logprobs_object(self, entries: Sequence[TokenLogprob], text_offset: int) -> dict | None:
+        """None (JSON null) unless logprobs were asked for, as OpenAI answers."""
+        if not self.want_logprobs:
+            return None
+        if self.endpoint == "chat":
+            return self.formatter.chat(entries)
+        return self.formatter.completion(entries, text_offset)
+
+
+def response_body(generation: Generation) -> dict:
+    """The non-streaming answer: chat.completion or text_completion, once the generation has finished."""
+    logprobs = generation.logprobs_object(generation.logprobs, 0)
+    if generation.endpoint == "chat":
+        object_name = "chat.completion"
+        choice = {"index": 0, "message": {"role": "assistant", "content": generation.output.text}}
+        choice |= {"logprobs": logprobs, "finish_reason": generation.finish_reason}
+    else:
+        object_name = "text_completion"
+        choice = {"index": 0, "text": generation.output.text, "logprobs": logprobs}
+        choice["finish_reason"] = generation.finish_reason
+    return {
+        "id": generation.id,
+        "object": object_name,
+        "created": generation.created,
+        "model": generation.model,
+        "choices": [choice],
+        "usage": generation.usage(),
+    }
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class EventStream:
+    """Server-sent events as OpenAI sends them: (chat) a role chunk first, content chunks, a finish chunk with an
+    empty delta, the usage chunk with `choices: []` if include_usage, then `data: [DONE]`."""
+
+    def __init__(self, generation: Generation, include_usage: bool) -> None:
+        self.generation = generation
+        self.include_usage = include_usage
+        self._started = False
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        chat = self.generation.endpoint == "chat"
+        payload = {
+            "id": self.generation.id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self.generation.created,
+            "model": self.generation.model,
+            "choices": choices,
+        }
+        if self.include_usage:  # OpenAI then sends `usage: null` on every chunk but the last
+            payload["usage"] = usage
+        return _event(payload)
+
+    def _choice(self, text: str | None, logprobs: dict | None, finish_reason: str | None) -> dict:
+        if self.generation.endpoint == "chat":
+            delta = {} if text is None else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"text": text or "", "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def update(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[object | None] | None,  # wire lists or TokenLogprobs objects, one per token
+        finish_reason: str | None,
+        cached_tokens: int,
+    ) -> str:
+        """The events one executor update produces (possibly none); the last call's end with [DONE]."""
+        if self.generation.finished:
+            return ""
+        events = []
+        if not self._started and self.generation.endpoint == "chat":
+            role = {"role": "assistant", "content": ""}
+            events.append(self._chunk([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}]))
+        self._started = True
+        delta = self.generation.feed(token_ids, logprobs, finish_reason, cached_tokens)
+        logprobs_object = (
+            self.generation.logprobs_object(delta.logprobs, delta.text_offset) if delta.logprobs else None
+        )
+        if delta.text:
+            events.append(self._chunk([self._choice(delta.text, logprobs_object, None)]))
+            logprobs_object = None
+        if delta.finish_reason is not None:
+            events.append(self._chunk([self._choice(None, logprobs_object, delta.finish_reason)]))
+            if self.include_usage:
+                events.append(self._chunk([], self.generation.usage()))
+            events.append(DONE_EVENT)
+        return "".join(events)

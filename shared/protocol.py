@@ -1,0 +1,220 @@
+"""The wire protocol between gateway and executor: msgpack maps over ZeroMQ, each with a version and a type.
+
+Gateway -> executor: `GenerateRequest`, `AbortRequest`. Executor -> gateway: one `StepBatch` per gateway per
+engine step, and `RequestError` for a request that was refused. Every map carries `"v"` (PROTOCOL_VERSION) and
+`"type"`; a peer speaking another version, or sending something that is not one of these messages, is refused
+with a `ProtocolError` that says why. Keys a message does not know are ignored, so a field can be added within
+a version without breaking older peers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# logprobs of one generated token: [token_id, logprob, rank, [[token_id, logprob], ...]] (top entries, best first)
+TokenLogprobsWire = list
+
+
+class ProtocolError(ValueError):
+    """A message this side cannot accept; request_id is set when the message named one, so it can be answered."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    TYPE: ClassVar[str] = "generate"
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: list[bytes] = field(
+        default_factory=list
+    )  # the prompt's full-block chain (shared.block_hash)
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields by name
+    tenant: str | None = None
+    cache_salt: str | None = None
+    traceparent: str | None = None  # W3C trace context, so one trace spans both processes
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    TYPE: ClassVar[str] = "abort"
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens only
+    logprobs: list[TokenLogprobsWire | None] | None  # one entry per new token; None when not asked for
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class StepBatch:
+    TYPE: ClassVar[str] = "step"
+
+    outputs: list[RequestUpdate]
+
+
+@dataclass(slots=True)
+class RequestError:
+    TYPE: ClassVar[str] = "error"
+
+    request_id: str
+    message: str
+    code: int  # HTTP-like: 400 bad input, 503 draining or overloaded, 500 internal fault
+
+
+Message = GenerateRequest | AbortRequest | StepBatch | RequestError
+
+
+def encode(msg: Message) -> bytes:
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
+    if isinstance(msg, StepBatch):
+        body["outputs"] = [_fields(update) for update in msg.outputs]
+    else:
+        body.update(_fields(msg))
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        body = msgpack.unpackb(data, raw=False)
+    except Exception as error:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"not a msgpack message ({type(error).__name__}: {error})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"expected a msgpack map, got {type(body).__name__}")
+    request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
+    version = body.get("v")
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            f"protocol version {version!r} from peer, this side speaks {PROTOCOL_VERSION}", request_id
+        )
+    kind = body.get("type")
+    read = _READERS.get(kind) if isinstance(kind, str) else None
+    if read is None:
+        raise ProtocolError(f"unknown message type {kind!r} (known: {', '.join(_READERS)})", request_id)
+    return read(_Fields(body, kind, request_id))
+
+
+def _fields(msg) -> dict[str, Any]:
+    return {name: getattr(msg, name) for name in msg.__slots__}
+
+
+# -- reading, with a clear error for each field that is missing or of the wrong type -----------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Fields:
+    def __init__(self, body: dict, kind: str, request_id: str | None) -> None:
+        self.body, self.kind, self.request_id = body, kind, request_id
+
+    def get(self, name: str, check: Callable[[object], bool], expected: str, default: object = ...) -> Any:
+        if name not in self.body:
+            if default is ...:
+                raise ProtocolError(f"{self.kind} message: missing field {name!r}", self.request_id)
+            return default
+        value = self.body[name]
+        if not check(value):
+            raise ProtocolError(
+                f"{self.kind} message: field {name!r} must be {expected}, got {value!r:.80}", self.request_id
+            )
+        return value
+
+    def text(self, name: str) -> str:
+        return self.get(name, lambda v: isinstance(v, str), "a string")
+
+    def optional_text(self, name: str) -> str | None:
+        return self.get(name, lambda v: v is None or isinstance(v, str), "a string or nil", None)
+
+
+def _int_list(value: object) -> bool:
+    return isinstance(value, list) and all(_is_int(t) for t in value)
+
+
+def _logprobs_entry(value: object) -> bool:
+    return value is None or (
+        isinstance(value, list)
+        and len(value) == 4
+        and _is_int(value[0])
+        and isinstance(value[1], float | int)
+        and _is_int(value[2])
+        and isinstance(value[3], list)
+        and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) for p in value[3])
+    )
+
+
+def _read_generate(f: _Fields) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=f.text("request_id"),
+        prompt_token_ids=f.get("prompt_token_ids", _int_list, "a list of integers"),
+        block_hashes=f.get(
+            "block_hashes",
+            lambda v: isinstance(v, list) and all(isinstance(h, bytes) for h in v),
+            "a list of binary strings",
+            [],
+        ),
+        sampling=f.get("sampling", lambda v: isinstance(v, dict), "a map of sampling parameters", {}),
+        tenant=f.optional_text("tenant"),
+        cache_salt=f.optional_text("cache_salt"),
+        traceparent=f.optional_text("traceparent"),
+    )
+
+
+def _read_abort(f: _Fields) -> AbortRequest:
+    return AbortRequest(request_id=f.text("request_id"))
+
+
+def _read_step(f: _Fields) -> StepBatch:
+    outputs = f.get("outputs", lambda v: isinstance(v, list), "a list")
+    updates = []
+    for i, item in enumerate(outputs):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"step message: outputs[{i}] must be a map, got {item!r:.80}")
+        u = _Fields(item, f"step message outputs[{i}]", None)
+        updates.append(
+            RequestUpdate(
+                request_id=u.text("request_id"),
+                token_ids=u.get("token_ids", _int_list, "a list of integers"),
+                logprobs=u.get(
+                    "logprobs",
+                    lambda v: v is None or (isinstance(v, list) and all(map(_logprobs_entry, v))),
+                    "nil or a list of [token_id, logprob, rank, top] entries",
+                ),
+                finish_reason=u.optional_text("finish_reason"),
+                num_cached_tokens=u.get("num_cached_tokens", _is_int, "an integer"),
+            )
+        )
+    return StepBatch(outputs=updates)
+
+
+def _read_error(f: _Fields) -> RequestError:
+    return RequestError(
+        request_id=f.text("request_id"),
+        message=f.text("message"),
+        code=f.get("code", _is_int, "an integer"),
+    )
+
+
+_READERS: dict[str, Callable[[_Fields], Message]] = {
+    GenerateRequest.TYPE: _read_generate,
+    AbortRequest.TYPE: _read_abort,
+    StepBatch.TYPE: _read_step,
+    RequestError.TYPE: _read_error,
+}

@@ -1,0 +1,46 @@
+"""Every Redis key kvserve uses, in one place: executors write them, gateways read them.
+
+Layout (`<id>` is an executor id):
+- `kvserve:executors`                 set of executor ids that registered. A set member cannot expire on its own,
+                                      so a reader treats an id whose info hash is gone as dead.
+- `kvserve:executor:<id>`             hash, the registration: address, model, block_size, kv_blocks_total,
+                                      max_model_len, started_at. Its TTL is the heartbeat: refreshed every
+                                      HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
+- `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached.
+- `kvserve:executor:<id>:load`        hash: running, waiting, kv_usage (0..1), updated_at.
+All of an executor's keys carry the heartbeat TTL, so a dead executor's entries expire together.
+"""
+
+from __future__ import annotations
+
+import re
+
+EXECUTORS = "kvserve:executors"
+HEARTBEAT_TTL_S = 5
+HEARTBEAT_INTERVAL_S = 1.0
+
+_EXECUTOR_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def check_executor_id(executor_id: str) -> str:
+    """Ids become key parts: a ':' would let one executor's keys alias another's."""
+    if not _EXECUTOR_ID.fullmatch(executor_id):
+        raise ValueError(f"executor_id: {executor_id!r} must be 1-128 of A-Z a-z 0-9 _ . -")
+    return executor_id
+
+
+def executor_key(executor_id: str) -> str:
+    return f"kvserve:executor:{executor_id}"
+
+
+def blocks_key(executor_id: str) -> str:
+    return f"kvserve:executor:{executor_id}:blocks"
+
+
+def load_key(executor_id: str) -> str:
+    return f"kvserve:executor:{executor_id}:load"
+
+
+def executor_keys(executor_id: str) -> list[str]:
+    """Every key one executor owns."""
+    return [executor_key(executor_id), blocks_key(executor_id), load_key(executor_id)]

@@ -1,0 +1,255 @@
+"""`kvserve executor` as a real process: a real ZeroMQ DEALER client, a real Redis server."""
+
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from shared import protocol
+from shared import redis_keys as keys
+from shared.block_hash import hash_blocks
+from tests.processes import ExecutorProcess, eventually, free_port
+
+PROMPT_A = list(range(100, 140))  # 40 tokens: two full blocks of 16
+PROMPT_B = [5, 17, 23, 99, 1000, 2000, 7]
+
+
+class Gateway:
+    """The gateway's side of the wire, as a test client."""
+
+    def __init__(self, address: str) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.connect(address)
+
+    def send(self, msg) -> None:
+        self.socket.send(protocol.encode(msg))
+
+    def generate(self, request_id: str, prompt: list[int], **sampling) -> None:
+        self.send(protocol.GenerateRequest(request_id, prompt, hash_blocks(prompt, 16), sampling))
+
+    def receive(self, timeout: float = 20.0):
+        if not self.socket.poll(int(timeout * 1000)):
+            raise AssertionError(f"nothing from the executor in {timeout} s")
+        return protocol.decode(self.socket.recv())
+
+    def collect(self, request_ids: set[str], timeout: float = 30.0, until_tokens: int | None = None):
+        """Updates until every request finished (or one has until_tokens tokens): tokens, reasons, errors, batches."""
+        tokens: dict[str, list[int]] = {r: [] for r in request_ids}
+        reasons: dict[str, str] = {}
+        errors: dict[str, protocol.RequestError] = {}
+        batches: list[protocol.StepBatch] = []
+        deadline = time.monotonic() + timeout
+        while set(reasons) | set(errors) != request_ids:
+            msg = self.receive(deadline - time.monotonic())
+            if isinstance(msg, protocol.RequestError):
+                errors[msg.request_id] = msg
+                continue
+            assert isinstance(msg, protocol.StepBatch)
+            batches.append(msg)
+            for update in msg.outputs:
+                assert update.request_id not in reasons, "an update after the request finished"
+                tokens[update.request_id].extend(update.token_ids)
+                if update.finish_reason is not None:
+                    reasons[update.request_id] = update.finish_reason
+            if until_tokens is not None and any(len(t) >= until_tokens for t in tokens.values()):
+                break
+        return tokens, reasons, errors, batches
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_models, redis_url, tmp_path_factory):
+    proc = ExecutorProcess(tiny_models["llama"], redis_url, tmp_path_factory.mktemp("executor") / "log")
+    try:
+        proc.wait_registered()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def gateway(executor):
+    client = Gateway(executor.address)
+    yield client
+    client.close()
+
+
+def test_streams_batched_greedy_tokens_equal_to_the_offline_api(executor, gateway, tiny_models):
+    from executor import LLM, SamplingParams
+
+    gateway.generate("a", PROMPT_A, max_tokens=12, temperature=0.0)
+    gateway.generate("b", PROMPT_B, max_tokens=12, temperature=0.0, logprobs=2)
+    gateway.generate("bad", [1, 2, 10**7], max_tokens=4, temperature=0.0)
+    tokens, reasons, errors, batches = gateway.collect({"a", "b", "bad"})
+
+    assert set(errors) == {"bad"} and errors["bad"].code == 400
+    assert "token id 10000000 is outside the vocabulary" in errors["bad"].message
+    llm = LLM(tiny_models["llama"], kv_cache_memory="8MiB", device="cpu")
+    expected = llm.generate([PROMPT_A, PROMPT_B], SamplingParams(max_tokens=12, temperature=0.0))
+    assert tokens["a"] == expected[0].outputs[0].token_ids
+    assert tokens["b"] == expected[1].outputs[0].token_ids
+    assert reasons == {"a": expected[0].outputs[0].finish_reason, "b": expected[1].outputs[0].finish_reason}
+    # one message per step for this gateway, holding both requests while both run
+    assert any({u.request_id for u in batch.outputs} == {"a", "b"} for batch in batches)
+    updates_b = [u for batch in batches for u in batch.outputs if u.request_id == "b"]
+    logprobs = [entry for u in updates_b for entry in u.logprobs]
+    assert len(logprobs) == len(tokens["b"]) and [e[0] for e in logprobs] == tokens["b"]
+    assert all(len(top) == 2 and e[3][0][1] >= e[3][1][1] for e in logprobs for top in [e[3]])
+
+
+def test_repeated_prompt_reports_cached_tokens(executor, gateway):
+    gateway.generate("a1", PROMPT_A, max_tokens=2, temperature=0.0)
+    gateway.collect({"a1"})
+    gateway.generate("a2", PROMPT_A, max_tokens=2, temperature=0.0)
+    _, reasons, _, batches = gateway.collect({"a2"})
+    assert reasons["a2"] == "length"
+    assert batches[-1].outputs[-1].num_cached_tokens == 32  # both full prompt blocks
+
+
+def test_redis_holds_registration_block_hashes_and_load(executor, gateway):
+    gateway.generate("r", PROMPT_A, max_tokens=2, temperature=0.0)
+    gateway.collect({"r"})
+    r = executor.redis
+    assert executor.id in r.smembers(keys.EXECUTORS)
+    info = r.hgetall(keys.executor_key(executor.id))
+    assert info["address"] == executor.address and info["block_size"] == "16"
+    assert int(info["kv_blocks_total"]) > 0 and int(info["max_model_len"]) == 1024
+    assert float(info["started_at"]) > 0 and info["model"]
+
+    held = r.smembers(keys.blocks_key(executor.id))
+    assert {h.hex() for h in hash_blocks(PROMPT_A, 16)} <= held
+    assert "stale" not in held  # what an earlier run under this id left was cleared on start
+    assert eventually(lambda: r.hget(keys.load_key(executor.id), "running") == "0")
+    load = r.hgetall(keys.load_key(executor.id))
+    assert load == {"running": "0", "waiting": "0", "kv_usage": "0.0", "updated_at": load["updated_at"]}
+    for key in keys.executor_keys(executor.id):
+        assert 0 < r.ttl(key) <= keys.HEARTBEAT_TTL_S  # a dead executor's entries expire with it
+
+
+def test_abort_stops_a_request(executor, gateway):
+    gateway.generate("long", PROMPT_B, max_tokens=500, temperature=0.0, ignore_eos=True)
+    tokens, reasons, _, _ = gateway.collect({"long"}, until_tokens=1)
+    assert not reasons
+    load_key = keys.load_key(executor.id)  # published every step, just after the tokens go out
+    assert eventually(lambda: executor.redis.hget(load_key, "running") == "1")
+    assert 0 < float(executor.redis.hget(load_key, "kv_usage")) < 1
+    gateway.send(protocol.AbortRequest("long"))
+    more, reasons, _, _ = gateway.collect({"long"})
+    assert reasons == {"long": "abort"}
+    assert len(tokens["long"]) + len(more["long"]) < 500
+    assert eventually(lambda: executor.redis.hget(load_key, "running") == "0", timeout=0.5)
+    assert executor.redis.hget(load_key, "kv_usage") == "0.0"  # its blocks are free again
+
+
+def test_bad_input_is_answered_and_the_loop_keeps_serving(executor, gateway):
+    gateway.socket.send(b"\xc1 not msgpack")  # no request id to answer: logged and dropped
+    gateway.socket.send_multipart([b"two", b"frames"])
+    wrong_version = {"v": protocol.PROTOCOL_VERSION + 1, "type": "abort", "request_id": "old"}
+    gateway.socket.send(msgpack.packb(wrong_version))
+    gateway.send(protocol.GenerateRequest("odd", [1, 2], sampling={"max_tokens": 2, "beam_width": 4}))
+    gateway.send(protocol.GenerateRequest("neg", [1, 2], sampling={"max_tokens": -1}))
+    gateway.send(protocol.RequestError("x", "executors take no errors", 400))
+    gateway.generate("ok", PROMPT_B, max_tokens=3, temperature=0.0)
+    _, reasons, errors, _ = gateway.collect({"old", "odd", "neg", "x", "ok"})
+    assert reasons == {"ok": "length"}
+    assert {r: e.code for r, e in errors.items()} == {"old": 400, "odd": 400, "neg": 400, "x": 400}
+    assert "protocol version 2 from peer, this side speaks 1" in errors["old"].message
+    assert "beam_width" in errors["odd"].message and "max_tokens" in errors["neg"].message
+    assert executor.process.poll() is None
+
+
+def test_sigterm_refuses_new_work_finishes_running_and_deregisters(tiny_models, redis_url, tmp_path):
+    proc = ExecutorProcess(tiny_models["llama"], redis_url, tmp_path / "log")
+    client = None
+    try:
+        proc.wait_registered()
+        client = Gateway(proc.address)
+        client.generate("running", PROMPT_B, max_tokens=300, temperature=0.0, ignore_eos=True)
+        tokens, _, _, _ = client.collect({"running"}, until_tokens=1)
+        os.kill(proc.process.pid, signal.SIGTERM)
+        assert eventually(lambda: b"draining" in proc.log_path.read_bytes(), timeout=5)
+        client.generate("late", PROMPT_A, max_tokens=2, temperature=0.0)
+        more, reasons, errors, _ = client.collect({"running", "late"})
+        assert errors["late"].code == 503 and errors["late"].message == "executor draining"
+        assert reasons == {"running": "length"}
+        assert len(tokens["running"]) + len(more["running"]) == 300
+        assert proc.process.wait(20) == 0
+        assert proc.id not in proc.redis.smembers(keys.EXECUTORS)
+        assert not any(proc.redis.exists(k) for k in keys.executor_keys(proc.id))
+    finally:
+        if client is not None:
+            client.close()
+        proc.stop()
+
+
+class _NoRedis:
+    """Stands in for the Registry where a test is about the loop alone."""
+
+    def publish(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def local_service(tiny_models):
+    """The service loop in a thread of this process, on a real socket, without Redis: for what a real process
+    cannot be made to do on cue."""
+    import threading
+
+    from executor.config import EngineConfig
+    from executor.engine import Engine
+    from executor.service import ExecutorService
+
+    engine = Engine(EngineConfig(model=tiny_models["llama"], kv_cache_memory="8MiB", device="cpu"))
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    router.bind(address)
+    service = ExecutorService(engine, router, _NoRedis(), grace_s=0.2)
+    loop = threading.Thread(target=service.run)
+    client = Gateway(address)
+    loop.start()
+    try:
+        yield service, client, loop
+    finally:
+        if loop.is_alive():
+            service.drain()
+            service.drain()  # asked twice, it stops at once
+            loop.join(5)
+        client.close()
+        router.close(linger=0)
+        context.term()
+
+
+def test_grace_period_over_aborts_what_still_runs(local_service):
+    service, client, loop = local_service
+    client.generate("long", PROMPT_B, max_tokens=900, temperature=0.0, ignore_eos=True)
+    tokens, _, _, _ = client.collect({"long"}, until_tokens=1)
+    service.drain()
+    more, reasons, _, _ = client.collect({"long"})
+    assert reasons == {"long": "abort"} and len(tokens["long"]) + len(more["long"]) < 900
+    loop.join(5)
+    assert not loop.is_alive() and not service.engine.has_unfinished()
+
+
+def test_a_failing_engine_step_ends_its_requests_with_500_and_the_loop_goes_on(local_service):
+    service, client, _ = local_service
+    real_step = service.engine.step
+
+    def broken_step():
+        service.engine.step = real_step  # fails once
+        raise RuntimeError("simulated fault")
+
+    service.engine.step = broken_step
+    client.generate("hit", PROMPT_B, max_tokens=3, temperature=0.0)
+    _, _, errors, _ = client.collect({"hit"})
+    assert errors["hit"].code == 500 and not service.engine.has_unfinished()
+    client.generate("after", PROMPT_B, max_tokens=3, temperature=0.0)
+    _, reasons, _, _ = client.collect({"after"})
+    assert reasons == {"after": "length"}

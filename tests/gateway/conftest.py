@@ -1,0 +1,12 @@
+"""The default model's tokenizer, loaded once: the gateway's tests run on the real vocabulary and template."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model, local_files_only=True)

@@ -1,0 +1,261 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.api_error import APIError
+from gateway.openai_protocol import (
+    MAX_BODY_BYTES,
+    fit_to_context,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+MODELS = ("SmolLM2-135M-Instruct",)
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"model": MODELS[0], "messages": MESSAGES, **fields}).encode()
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"model": MODELS[0], "prompt": "Once upon", **fields}).encode()
+
+
+def error_of(parse, raw: bytes) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse(raw, MODELS)
+    return info.value
+
+
+def test_error_body_has_openais_shape():
+    err = error_of(parse_chat_request, chat(temperature=-1))
+    assert err.body() == {
+        "error": {
+            "message": "temperature must be non-negative, got -1.0",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": None,
+        }
+    }
+    assert err.sse_event().startswith('data: {"error":{') and err.sse_event().endswith("}\n\n")
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'"hi"', "must be a JSON object"),
+    ],
+)
+def test_malformed_body_is_400(raw, message):
+    for parse in (parse_chat_request, parse_completion_request):
+        err = error_of(parse, raw)
+        assert (err.status, err.type, err.param) == (400, "invalid_request_error", None)
+        assert message in err.message
+
+
+def test_body_too_large_is_413():
+    raw = chat(pad="x" * MAX_BODY_BYTES)
+    err = error_of(parse_chat_request, raw)
+    assert err.status == 413 and str(MAX_BODY_BYTES) in err.message
+
+
+@pytest.mark.parametrize(
+    "fields, param, message",
+    [
+        ({"model": 7}, "model", "model must be a string"),
+        ({"stream": "yes"}, "stream", "stream must be a boolean"),
+        ({"stream": 1}, "stream", "stream must be a boolean"),
+        ({"stream_options": True, "stream": True}, "stream_options", "must be an object"),
+        (
+            {"stream_options": {"include_usage": "y"}, "stream": True},
+            "stream_options.include_usage",
+            "boolean",
+        ),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+        ({"max_tokens": "16"}, "max_tokens", "max_tokens must be an integer"),
+        ({"max_tokens": True}, "max_tokens", "max_tokens must be an integer"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be at least 1"),
+        ({"max_completion_tokens": 2.5}, "max_completion_tokens", "must be an integer"),
+        ({"temperature": "hot"}, "temperature", "temperature must be a finite number"),
+        ({"temperature": -0.5}, "temperature", "temperature must be non-negative"),
+        ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+        ({"top_k": -2}, "top_k", "top_k must be"),
+        ({"min_p": 2}, "min_p", "min_p must be in [0, 1]"),
+        ({"seed": 1.5}, "seed", "seed must be an integer"),
+        ({"stop": ""}, "stop", "stop must be a non-empty string"),
+        ({"stop": ["ok", 3]}, "stop", "stop must be a non-empty string"),
+        ({"stop": 5}, "stop", "stop must be a list"),
+        ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be positive"),
+        ({"ignore_eos": "no"}, "ignore_eos", "ignore_eos must be a boolean"),
+        ({"logprobs": 3}, "logprobs", "logprobs must be a boolean"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
+        ({"logprobs": True, "top_logprobs": "5"}, "top_logprobs", "top_logprobs must be an integer"),
+        ({"top_logprobs": 2}, "top_logprobs", "top_logprobs requires logprobs"),
+        ({"n": 2}, "n", "n > 1 is not supported"),
+        ({"n": 0}, "n", "n must be at least 1"),
+        ({"messages": "hi"}, "messages", "messages must be a list"),
+        ({"messages": []}, "messages", "messages must not be empty"),
+        ({"messages": ["hi"]}, "messages[0]", "messages[0] must be an object"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "messages[0].role",
+            "must be one of system, user",
+        ),
+        ({"messages": [{"content": "x"}]}, "messages[0].role", "must be one of"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content", "content is required"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "string or a list of text"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+            "only text is supported",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+            "messages[0].content[0].text",
+            "must be a string",
+        ),
+    ],
+)
+def test_bad_chat_fields_are_400_naming_the_field(fields, param, message):
+    err = error_of(parse_chat_request, chat(**fields))
+    assert (err.status, err.type, err.param) == (400, "invalid_request_error", param)
+    assert message in err.message
+
+
+def test_missing_messages_is_400():
+    err = error_of(parse_chat_request, json.dumps({"model": MODELS[0]}).encode())
+    assert (err.status, err.param) == (400, "messages")
+
+
+@pytest.mark.parametrize(
+    "fields, param, message",
+    [
+        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"prompt": []}, "prompt", "non-empty string or a non-empty list of token ids"),
+        ({"prompt": [1, "a"]}, "prompt", "list of token ids"),
+        ({"prompt": [True, False]}, "prompt", "list of token ids"),
+        ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
+        ({"prompt": [[1], [2]]}, "prompt", "batched prompts are not supported"),
+        ({"logprobs": True}, "logprobs", "logprobs must be an integer"),
+        ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
+        ({"echo": True}, "echo", "echo is not supported"),
+        ({"best_of": 3}, "best_of", "best_of"),
+        ({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1"),
+    ],
+)
+def test_bad_completion_fields_are_400_naming_the_field(fields, param, message):
+    err = error_of(parse_completion_request, completion(**fields))
+    assert (err.status, err.type, err.param) == (400, "invalid_request_error", param)
+    assert message in err.message
+
+
+def test_unknown_model_is_404_model_not_found():
+    for parse, raw in (
+        (parse_chat_request, chat(model="gpt-9")),
+        (parse_completion_request, completion(model="x")),
+    ):
+        err = error_of(parse, raw)
+        assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
+
+
+def test_chat_request_fields():
+    request = parse_chat_request(
+        chat(
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=5,
+            max_completion_tokens=9,
+            temperature=0,
+            top_p=0.5,
+            stop="\n",
+            seed=3,
+            logprobs=True,
+            top_logprobs=2,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            top_k=4,
+            min_p=0.1,
+            ignore_eos=True,
+            repetition_penalty=1.1,
+            user="someone",  # unknown fields are ignored, as vLLM does
+        ),
+        MODELS,
+    )
+    assert request.endpoint == "chat" and request.model == MODELS[0]
+    assert [(m.role, m.content) for m in request.messages] == [("user", "hi")]
+    assert request.stream and request.include_usage
+    assert request.max_tokens == 9  # max_completion_tokens wins
+    s = request.sampling
+    assert (s.temperature, s.top_p, s.stop, s.seed, s.logprobs) == (0.0, 0.5, ["\n"], 3, 2)
+    assert (s.presence_penalty, s.frequency_penalty, s.top_k, s.min_p) == (0.5, -0.5, 4, 0.1)
+    assert s.ignore_eos and s.repetition_penalty == 1.1
+
+
+def test_chat_defaults_and_nulls():
+    request = parse_chat_request(chat(temperature=None, stop=None, logprobs=False, n=1), MODELS)
+    assert not request.stream and not request.include_usage and request.max_tokens is None
+    assert (
+        request.sampling.temperature == 1.0
+        and request.sampling.stop == []
+        and request.sampling.logprobs is None
+    )
+
+
+def test_model_may_be_omitted():
+    request = parse_chat_request(json.dumps({"messages": MESSAGES}).encode(), MODELS)
+    assert request.model == MODELS[0]
+
+
+def test_text_parts_are_joined():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    request = parse_chat_request(chat(messages=[{"role": "user", "content": parts}]), MODELS)
+    assert request.messages[0].content == "ab"
+
+
+def test_completion_request_fields():
+    request = parse_completion_request(completion(prompt=[[5, 6, 7]], logprobs=3, stop=["a", "b"]), MODELS)
+    assert request.endpoint == "completion" and request.prompt == [5, 6, 7] and request.messages is None
+    assert request.sampling.logprobs == 3 and request.sampling.stop == ["a", "b"]
+    assert parse_completion_request(completion(prompt=["text"]), MODELS).prompt == "text"
+
+
+def test_fit_to_context_defaults():
+    chat_request = parse_chat_request(chat(), MODELS)
+    assert fit_to_context(chat_request, 100, 2048).max_tokens == 1948  # chat: the rest of the context
+    text_request = parse_completion_request(completion(), MODELS)
+    assert fit_to_context(text_request, 100, 2048).max_tokens == 16  # completions: OpenAI's 16
+    assert fit_to_context(text_request, 2040, 2048).max_tokens == 8  # ... shrunk to fit
+    assert fit_to_context(parse_chat_request(chat(max_tokens=48), MODELS), 2000, 2048).max_tokens == 48
+
+
+@pytest.mark.parametrize(
+    "request_raw, parse, num_prompt, param",
+    [
+        (chat(max_tokens=49), parse_chat_request, 2000, "messages"),
+        (chat(max_completion_tokens=4000), parse_chat_request, 10, "messages"),
+        (chat(), parse_chat_request, 2048, "messages"),
+        (completion(max_tokens=100), parse_completion_request, 2000, "prompt"),
+        (completion(), parse_completion_request, 3000, "prompt"),
+    ],
+)
+def test_context_overflow_is_400_context_length_exceeded(request_raw, parse, num_prompt, param):
+    request = parse(request_raw, MODELS)
+    with pytest.raises(APIError) as info:
+        fit_to_context(request, num_prompt, 2048)
+    err = info.value
+    assert (err.status, err.type, err.code, err.param) == (
+        400,
+        "invalid_request_error",
+        "context_length_exceeded",
+        param,
+    )
+    assert "maximum context length is 2048 tokens" in err.message

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+
+from gateway.output_text import OutputText
+
+MULTIBYTE = "Emoji 😀🎉🇯🇵 and CJK 日本語の文章, 中文 — héllo wörld ✓"
+
+
+def feed_one_by_one(output: OutputText, ids: list[int]) -> list[str]:
+    return [output.add([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+
+
+def test_multibyte_characters_split_across_tokens_are_never_broken_or_dropped(tokenizer):
+    ids = tokenizer.encode(MULTIBYTE)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # the text really splits characters
+    deltas = feed_one_by_one(OutputText(tokenizer, []), ids)
+    assert "".join(deltas) == tokenizer.decode(ids) == MULTIBYTE
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_multibyte_after_a_prompt(tokenizer):
+    prompt = tokenizer.encode("Say it: ")
+    ids = tokenizer.encode("日本語 😀")
+    output = OutputText(tokenizer, prompt)
+    deltas = feed_one_by_one(output, ids)
+    assert "".join(deltas) == output.text == tokenizer.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def straddling_stop(tokenizer, text: str) -> tuple[list[int], int, str]:
+    """Token ids of text, index i of a token, and a stop string made of token i-1's tail and token i's head."""
+    ids = tokenizer.encode(text)
+    pieces = [tokenizer.decode([t]) for t in ids]
+    i = next(i for i in range(2, len(ids)) if len(pieces[i - 1]) >= 3 and len(pieces[i]) >= 3)
+    return ids, i, pieces[i - 1][-2:] + pieces[i][:2]
+
+
+def test_stop_string_straddling_tokens_is_trimmed_and_never_streamed(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog"
+    ids, i, stop = straddling_stop(tokenizer, text)
+    output = OutputText(tokenizer, [], [stop])
+    deltas = []
+    for j, token_id in enumerate(ids):
+        deltas.append(output.add([token_id]))
+        assert output.stopped == (j >= i)  # matched exactly when the token completing it arrived
+    expected = text[: text.index(stop)]
+    assert "".join(deltas) == output.text == expected
+    assert output.stop_reason == stop
+    assert output.num_tokens == i + 1  # tokens the executor made after the match are not counted
+    # before the match, the stop string's first characters were held back, not streamed
+    assert "".join(deltas[:i]) == expected
+
+
+def test_stop_inside_one_token_cuts_mid_token(tokenizer):
+    output = OutputText(tokenizer, [], ["row"])
+    deltas = feed_one_by_one(output, tokenizer.encode("a brown cow"))
+    assert "".join(deltas) == output.text == "a b"
+    assert output.stopped
+
+
+def test_earliest_stop_string_wins(tokenizer):
+    output = OutputText(tokenizer, [], ["lazy", "fox"])
+    output.add(tokenizer.encode("the fox and the lazy dog"))
+    assert (output.text, output.stop_reason) == ("the ", "fox")
+
+
+def test_held_back_text_is_released_when_no_stop_follows(tokenizer):
+    text = "I like jam and jelly"
+    output = OutputText(tokenizer, [], ["jelly bean"])
+    ids = tokenizer.encode(text)
+    deltas = [output.add([t]) for t in ids]
+    assert "".join(deltas) == text[: text.index("jelly")]  # could still become the stop string
+    assert output.add([], finished=True) == "jelly"  # the output ended: nothing can complete it
+    assert output.text == text and not output.stopped
+
+
+def test_false_start_is_released_as_soon_as_it_diverges(tokenizer):
+    output = OutputText(tokenizer, [], ["jam!"])
+    deltas = [output.add([t]) for t in tokenizer.encode("jam and more")]
+    assert "".join(deltas) == "jam and more"
+    assert deltas[0] == ""  # "jam" was held while it could have been "jam!"
+
+
+@pytest.mark.parametrize("stop", ["😀", "語"])
+def test_multibyte_stop_string(tokenizer, stop):
+    output = OutputText(tokenizer, [], [stop])
+    deltas = feed_one_by_one(output, tokenizer.encode(MULTIBYTE))
+    assert "".join(deltas) == MULTIBYTE[: MULTIBYTE.index(stop)]
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_nothing_after_the_stop(tokenizer):
+    output = OutputText(tokenizer, [], ["cat"])
+    output.add(tokenizer.encode("a cat sat"))
+    assert output.add(tokenizer.encode(" more"), finished=True) == ""
+    assert output.text == "a "

@@ -1,0 +1,67 @@
+"""Real processes for tests: free ports, waiting for a condition, an executor subprocess registered in Redis."""
+
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from shared import redis_keys as keys
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def eventually(check, timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class ExecutorProcess:
+    def __init__(self, model: str, redis_url: str, log_path: Path, *extra: str) -> None:
+        self.id = f"test-{uuid.uuid4().hex[:8]}"
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
+        # what a crashed earlier run under this id would have left
+        self.redis.sadd(keys.blocks_key(self.id), "stale")
+        self.redis.hset(keys.load_key(self.id), "running", 99)
+        args = [sys.executable, "-m", "executor.cli", "executor", "--executor-id", self.id]
+        args += ["--bind", self.address, "--redis-url", redis_url, "--model", model]
+        args += ["--kv-cache-memory", "8MiB", "--device", "cpu", *extra]
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log_path = log_path
+
+    def wait_registered(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"executor exited {self.process.returncode}:\n{self.log_path.read_text()}"
+                )
+            if self.redis.exists(keys.executor_key(self.id)):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"executor did not register in {timeout} s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()

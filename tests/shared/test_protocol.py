@@ -1,0 +1,139 @@
+import msgpack
+import pytest
+
+from shared import protocol
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    GenerateRequest,
+    ProtocolError,
+    RequestError,
+    RequestUpdate,
+    StepBatch,
+    decode,
+    encode,
+)
+
+MESSAGES = [
+    GenerateRequest(
+        "req-1",
+        [1, 2, 3],
+        block_hashes=[b"\x00" * 16, bytes(range(16))],
+        sampling={"max_tokens": 8, "temperature": 0.0, "stop": ["\n"], "seed": None},
+        tenant="acme",
+        cache_salt="salt",
+        traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    ),
+    GenerateRequest("req-2", [7]),
+    AbortRequest("req-1"),
+    StepBatch(
+        [
+            RequestUpdate("a", [5], [[5, -0.25, 1, [[5, -0.25], [9, -2.5]]]], None, 16),
+            RequestUpdate("b", [6, 7], None, "length", 0),
+            RequestUpdate("c", [], None, "abort", 0),
+        ]
+    ),
+    StepBatch([]),
+    RequestError("req-3", "prompt_token_ids: token id 99999 is outside the vocabulary", 400),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    data = encode(msg)
+    assert isinstance(data, bytes)
+    assert decode(data) == msg
+
+
+def test_every_map_carries_version_and_type():
+    for msg in MESSAGES:
+        body = msgpack.unpackb(encode(msg))
+        assert body["v"] == PROTOCOL_VERSION and body["type"] == msg.TYPE
+
+
+def _raw(**body):
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def test_version_mismatch_is_refused_with_a_clear_error():
+    with pytest.raises(
+        ProtocolError, match=rf"protocol version 2 from peer, this side speaks {PROTOCOL_VERSION}"
+    ):
+        decode(_raw(v=2, type="abort", request_id="r"))
+    with pytest.raises(ProtocolError, match="protocol version None from peer") as info:
+        decode(_raw(type="abort", request_id="r"))
+    assert info.value.request_id == "r"  # so the executor can still answer that request
+    with pytest.raises(ProtocolError, match="protocol version True"):
+        decode(_raw(v=True, type="abort", request_id="r"))  # msgpack true is not version 1
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\xc1garbage", "not a msgpack message"),
+        (b"", "not a msgpack message"),
+        (msgpack.packb([1, 2]), "expected a msgpack map, got list"),
+        (_raw(v=PROTOCOL_VERSION, type="launch"), "unknown message type 'launch'"),
+        (_raw(v=PROTOCOL_VERSION), "unknown message type None"),
+        (_raw(v=PROTOCOL_VERSION, type="generate", request_id="r"), "missing field 'prompt_token_ids'"),
+        (
+            _raw(v=PROTOCOL_VERSION, type="generate", request_id="r", prompt_token_ids=[1, "2"]),
+            "field 'prompt_token_ids' must be a list of integers",
+        ),
+        (
+            _raw(
+                v=PROTOCOL_VERSION, type="generate", request_id="r", prompt_token_ids=[1], block_hashes=["ab"]
+            ),
+            "field 'block_hashes' must be a list of binary strings",
+        ),
+        (
+            _raw(v=PROTOCOL_VERSION, type="generate", request_id="r", prompt_token_ids=[1], sampling=[1]),
+            "field 'sampling' must be a map",
+        ),
+        (_raw(v=PROTOCOL_VERSION, type="abort", request_id=7), "field 'request_id' must be a string"),
+        (
+            _raw(v=PROTOCOL_VERSION, type="error", request_id="r", message="m", code="400"),
+            "'code' must be an integer",
+        ),
+        (_raw(v=PROTOCOL_VERSION, type="step", outputs=[1]), r"outputs\[0\] must be a map"),
+        (
+            _raw(
+                v=PROTOCOL_VERSION,
+                type="step",
+                outputs=[
+                    dict(
+                        request_id="a",
+                        token_ids=[1],
+                        logprobs=[[1, 0.5]],
+                        finish_reason=None,
+                        num_cached_tokens=0,
+                    )
+                ],
+            ),
+            "field 'logprobs' must be nil or a list of",
+        ),
+    ],
+)
+def test_malformed_messages_are_refused_naming_the_problem(data, message):
+    with pytest.raises(ProtocolError, match=message):
+        decode(data)
+
+
+def test_a_malformed_request_keeps_its_id_for_the_answer():
+    with pytest.raises(ProtocolError) as info:
+        decode(_raw(v=PROTOCOL_VERSION, type="generate", request_id="r9", prompt_token_ids="hello"))
+    assert info.value.request_id == "r9"
+
+
+def test_unknown_keys_are_ignored_so_fields_can_be_added_within_a_version():
+    assert decode(_raw(v=PROTOCOL_VERSION, type="abort", request_id="r", priority=3)) == AbortRequest("r")
+
+
+def test_shared_protocol_imports_neither_side():
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(protocol.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"gateway", "executor"}
