@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from gateway.api_error import APIError
-from gateway.executor_client import ExecutorClient, ExecutorRequestError
+from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError
 from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
 from gateway.openai_protocol import (
     MAX_BODY_BYTES,
@@ -42,20 +43,25 @@ NO_EXECUTOR = "none"  # the header's value when a request was answered before re
 DISCONNECT_POLL_S = 0.25
 
 
+ROUTING_POLICIES = ("cache_aware", "round_robin", "random")
+
+
 @dataclass
 class GatewayConfig:
     redis_url: str
     model_name: str
     tokenizer: object
+    routing_policy: str = "cache_aware"
 
 
 @dataclass(slots=True)
 class Routed:
-    executor: ExecutorInfo
+    executor: ExecutorInfo  # changes if the first choice dies before answering
     request: protocol.GenerateRequest
     generation: Generation
     stream: bool
     include_usage: bool
+    tried: set[str] = dataclasses.field(default_factory=set)
 
 
 def _error(error: APIError, executor_id: str = NO_EXECUTOR) -> JSONResponse:
@@ -166,19 +172,7 @@ class Gateway:
         ids = prompt_token_ids(parsed, self.config.tokenizer)
         if not ids:
             raise APIError(400, "the prompt is empty", param="messages" if endpoint == "chat" else "prompt")
-        try:
-            executors = await self.directory.live_executors()
-        except Exception as error:
-            log.error("redis unreachable: %s", error)
-            raise APIError(503, "the executor directory (Redis) is unreachable", "server_error") from None
-        if not executors:
-            raise APIError(503, "no executor is available; try again shortly", "server_error")
-        block_size = executors[0].block_size
-        executors = [e for e in executors if e.block_size == block_size]
-        hashes = hash_blocks(ids, block_size)
-        candidates = await self.directory.candidates(executors, hashes)
-        chosen = route_request(candidates, len(ids), block_size)
-        info = next(e for e in executors if e.executor_id == chosen.executor_id)
+        info, hashes = await self._choose(ids, exclude=set())
         params = fit_to_context(parsed, len(ids), info.max_model_len)
         generate = protocol.GenerateRequest(
             request_id=uuid.uuid4().hex,
@@ -189,11 +183,59 @@ class Gateway:
         generation = Generation.start(parsed, ids, params.stop, self.config.tokenizer)
         return Routed(info, generate, generation, parsed.stream, parsed.include_usage)
 
+    async def _choose(self, ids: list[int], exclude: set[str]) -> tuple[ExecutorInfo, list[bytes]]:
+        """The executor for a prompt under the routing policy, and the prompt's block hashes."""
+        try:
+            executors = [e for e in await self.directory.live_executors() if e.executor_id not in exclude]
+        except Exception as error:
+            log.error("redis unreachable: %s", error)
+            raise APIError(503, "the executor directory (Redis) is unreachable", "server_error") from None
+        if not executors:
+            raise APIError(503, "no executor is available; try again shortly", "server_error")
+        block_size = executors[0].block_size
+        executors = [e for e in executors if e.block_size == block_size]
+        hashes = hash_blocks(ids, block_size)
+        policy = self.config.routing_policy
+        if policy == "round_robin":
+            return executors[await self.directory.next_round_robin() % len(executors)], hashes
+        if policy == "random":
+            return random.choice(executors), hashes
+        candidates = await self.directory.candidates(executors, hashes)
+        chosen = route_request(candidates, len(ids), block_size)
+        return next(e for e in executors if e.executor_id == chosen.executor_id), hashes
+
+    async def _updates(self, routed: Routed):
+        """The request's updates; an executor that dies before its first update is replaced by another."""
+        while True:
+            executor = routed.executor
+
+            async def alive(executor_id: str = executor.executor_id) -> bool:
+                return await self.directory.is_alive(executor_id)
+
+            streamed = False
+            try:
+                async for update in self.client.generate(executor.address, routed.request, alive):
+                    streamed = True
+                    self.tokens["completion"] += len(update.token_ids)
+                    yield update
+                return
+            except ExecutorGone:
+                log.warning(
+                    "executor %s stopped answering (request %s)",
+                    executor.executor_id,
+                    routed.request.request_id,
+                )
+                if streamed:
+                    raise APIError(
+                        502, f"executor {executor.executor_id} stopped answering mid-stream", "server_error"
+                    ) from None
+                routed.tried.add(executor.executor_id)
+                routed.executor, _ = await self._choose(routed.request.prompt_token_ids, routed.tried)
+
     async def _events(self, routed: Routed):
         stream = EventStream(routed.generation, routed.include_usage)
         try:
-            async for update in self.client.generate(routed.executor.address, routed.request):
-                self.tokens["completion"] += len(update.token_ids)
+            async for update in self._updates(routed):
                 text = stream.update(
                     update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
                 )
@@ -203,15 +245,14 @@ class Gateway:
                     return  # a stop string matched: leaving the loop aborts the executor request
         except ExecutorRequestError as error:
             yield _executor_error(error).sse_event()
-        except TimeoutError:
-            yield APIError(504, "the executor stopped answering", "server_error").sse_event()
+        except APIError as error:
+            yield error.sse_event()
 
     async def _whole(self, request: Request, routed: Routed) -> Response:
         generation = routed.generation
 
         async def collect() -> None:
-            async for update in self.client.generate(routed.executor.address, routed.request):
-                self.tokens["completion"] += len(update.token_ids)
+            async for update in self._updates(routed):
                 generation.feed(
                     update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
                 )
@@ -228,11 +269,10 @@ class Gateway:
             task.result()
         except ExecutorRequestError as error:
             return _error(_executor_error(error), routed.executor.executor_id)
-        except TimeoutError:
-            return _error(
-                APIError(504, "the executor stopped answering", "server_error"), routed.executor.executor_id
-            )
-        return JSONResponse(response_body(generation), headers={EXECUTOR_HEADER: routed.executor.executor_id})
+        except APIError as error:
+            return _error(error, routed.executor.executor_id)
+        headers = {EXECUTOR_HEADER: routed.executor.executor_id}
+        return JSONResponse(response_body(generation), headers=headers)
 
 
 def build_app(config: GatewayConfig) -> Starlette:

@@ -26,6 +26,12 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
         "--redis-url", default=os.environ.get("KVSERVE_REDIS_URL"), help="default: $KVSERVE_REDIS_URL"
     )
     parser.add_argument("--served-model-name", default=None, help="the model name clients ask for")
+    parser.add_argument(
+        "--routing-policy",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "random"],
+        help="cache_aware: least prefill still to compute plus load (gateway/routing.py); others for comparison",
+    )
 
 
 def add_gateway_commands(commands: argparse._SubParsersAction) -> None:
@@ -69,7 +75,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     except (ModelLoadError, OSError) as error:
         print(f"kvserve gateway: error: --model: {error}", file=sys.stderr)
         return 2
-    app = build_app(GatewayConfig(args.redis_url, _served_name(args), tokenizer))
+    app = build_app(GatewayConfig(args.redis_url, _served_name(args), tokenizer, args.routing_policy))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import zmq
 import zmq.asyncio
@@ -14,6 +14,8 @@ from shared import protocol
 
 log = logging.getLogger("kvserve.gateway")
 
+LIVENESS_CHECK_S = 1.0  # how long to wait for an update before asking Redis whether the executor still lives
+
 
 class ExecutorRequestError(Exception):
     """The executor refused or failed a request (code is HTTP-like: 400, 503, 500)."""
@@ -21,6 +23,10 @@ class ExecutorRequestError(Exception):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
+
+
+class ExecutorGone(Exception):
+    """The executor stopped answering: its heartbeat expired in Redis."""
 
 
 class ExecutorClient:
@@ -62,10 +68,14 @@ class ExecutorClient:
                     queue.put_nowait(ExecutorRequestError(msg.message, msg.code))
 
     async def generate(
-        self, address: str, request: protocol.GenerateRequest, first_update_timeout: float = 600.0
+        self,
+        address: str,
+        request: protocol.GenerateRequest,
+        is_alive: Callable[[], Awaitable[bool]],
     ) -> AsyncIterator[protocol.RequestUpdate]:
         """Send the request; yield its updates until it finishes. Leaving early (a client that went away, a
-        stop string matched) aborts it on the executor, so its blocks are freed."""
+        stop string matched) aborts it on the executor, so its blocks are freed. While no update comes,
+        is_alive is asked every LIVENESS_CHECK_S; an executor that is gone raises ExecutorGone."""
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request.request_id] = queue
         finished = False
@@ -73,7 +83,13 @@ class ExecutorClient:
         try:
             await socket.send(protocol.encode(request))
             while True:
-                item = await asyncio.wait_for(queue.get(), first_update_timeout)
+                try:
+                    item = await asyncio.wait_for(queue.get(), LIVENESS_CHECK_S)
+                except TimeoutError:
+                    if not await is_alive():
+                        finished = True  # nobody is left to abort
+                        raise ExecutorGone(address) from None
+                    continue
                 if isinstance(item, ExecutorRequestError):
                     finished = True  # refused: nothing runs there
                     raise item

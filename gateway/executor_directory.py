@@ -52,6 +52,12 @@ class ExecutorDirectory:
             )
         return live
 
+    async def is_alive(self, executor_id: str) -> bool:
+        return bool(await self.redis.exists(redis_keys.executor_key(executor_id)))
+
+    async def next_round_robin(self) -> int:
+        return int(await self.redis.incr(redis_keys.ROUND_ROBIN))
+
     async def candidates(
         self, executors: Sequence[ExecutorInfo], block_hashes: Sequence[bytes]
     ) -> list[Candidate]:

@@ -8,6 +8,7 @@ Layout (`<id>` is an executor id):
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
 - `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached.
 - `kvserve:executor:<id>:load`        hash: running, waiting, kv_usage (0..1), updated_at.
+- `kvserve:gateway:round_robin`       counter the gateways share for the round_robin routing policy.
 All of an executor's keys carry the heartbeat TTL, so a dead executor's entries expire together.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import re
 
 EXECUTORS = "kvserve:executors"
+ROUND_ROBIN = "kvserve:gateway:round_robin"  # counter shared by every gateway replica
 HEARTBEAT_TTL_S = 5
 HEARTBEAT_INTERVAL_S = 1.0
 

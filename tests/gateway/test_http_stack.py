@@ -16,35 +16,55 @@ from shared.redis_server import start_redis_server
 from tests.processes import REPO, ExecutorProcess, eventually, free_port
 
 
+class GatewayProcess:
+    def __init__(self, model: str, redis_url: str, log_path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        args = [
+            sys.executable,
+            "-m",
+            "executor.cli",
+            "gateway",
+            "--model",
+            model,
+            "--served-model-name",
+            "tiny",
+        ]
+        args += ["--redis-url", redis_url, "--port", str(self.port)]
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.base}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(15)
+        self.log.close()
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    """(base url, executors) with a Redis of its own, so no other test's executors are seen."""
+    """(base url of gateway 1, executors, base url of gateway 2), with a Redis of its own, so no other test's
+    executors are seen."""
     logs = tmp_path_factory.mktemp("stack-logs")
     server = start_redis_server()
     model = tiny_models["llama"]
     executors = [ExecutorProcess(model, server.url, logs / f"executor-{i}.log") for i in range(2)]
-    port = free_port()
-    args = [sys.executable, "-m", "executor.cli", "gateway", "--model", model, "--served-model-name", "tiny"]
-    args += ["--redis-url", server.url, "--port", str(port)]
-    gateway_log = open(logs / "gateway.log", "wb")  # noqa: SIM115 - closed below
-    gateway = subprocess.Popen(args, cwd=REPO, stdout=gateway_log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    gateways = [GatewayProcess(model, server.url, logs / f"gateway-{i}.log") for i in range(2)]
     try:
         for executor in executors:
             executor.wait_registered()
-
-        def healthy() -> bool:
-            try:
-                return httpx.get(f"{base}/health").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert eventually(healthy, timeout=60), (logs / "gateway.log").read_text()
-        yield base, executors
+        for gateway in gateways:
+            assert eventually(gateway.healthy, timeout=60), gateway.log_path.read_text()
+        yield gateways[0].base, executors, gateways[1].base
     finally:
-        gateway.terminate()
-        gateway.wait(15)
-        gateway_log.close()
+        for gateway in gateways:
+            gateway.stop()
         for executor in executors:
             executor.stop()
         server.stop()
@@ -70,7 +90,7 @@ def sse_events(response: httpx.Response) -> list:
 
 
 def test_completion_equals_the_offline_api_and_names_its_executor(stack, offline):
-    base, executors = stack
+    base, executors, _ = stack
     response = httpx.post(
         f"{base}/v1/completions",
         json={"model": "tiny", "prompt": "hello world", "max_tokens": 8, "temperature": 0},
@@ -84,7 +104,7 @@ def test_completion_equals_the_offline_api_and_names_its_executor(stack, offline
 
 
 def test_streaming_chat_is_framed_as_openai_and_matches_the_whole_answer(stack):
-    base, _ = stack
+    base, _, _ = stack
     whole = httpx.post(f"{base}/v1/chat/completions", json=chat_body("Tell me about paging", max_tokens=12))
     assert whole.status_code == 200, whole.text
     streamed = httpx.post(
@@ -135,7 +155,7 @@ def test_streaming_chat_is_framed_as_openai_and_matches_the_whole_answer(stack):
     ],
 )
 def test_bad_requests_get_openai_errors(stack, path, body, status, code):
-    base, _ = stack
+    base, _, _ = stack
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     response = httpx.post(f"{base}{path}", **kwargs)
     assert response.status_code == status
@@ -150,7 +170,7 @@ def _running(executors) -> int:
 
 
 def test_stop_string_and_client_disconnect_free_the_executor(stack, offline):
-    base, executors = stack
+    base, executors, _ = stack
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     text = offline.generate(["abc"], params)[0].outputs[0].text
     stop = text[6:10]
@@ -178,9 +198,76 @@ def test_stop_string_and_client_disconnect_free_the_executor(stack, offline):
 
 
 def test_health_models_and_metrics(stack):
-    base, executors = stack
+    base, executors, _ = stack
     assert sorted(httpx.get(f"{base}/health").json()["executors"]) == sorted(e.id for e in executors)
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
     metrics = httpx.get(f"{base}/metrics").text
     assert 'kvserve_gateway_requests_total{endpoint="completion",status="200"}' in metrics
     assert f'kvserve_executor_kv_usage{{executor="{executors[0].id}"}}' in metrics
+
+
+def test_the_openai_client_gets_the_offline_answer(stack, offline):
+    import openai
+
+    base, _, _ = stack
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    chunks = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    prompt = offline.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    expected = offline.generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0].outputs[0].text
+    assert whole.choices[0].message.content == streamed == expected
+    completion = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
+    assert (
+        completion.choices[0].text
+        == offline.generate(["hello world"], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    )
+
+
+def _complete(base: str, prompt: list[int]) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_prefix_families_return_to_the_executor_holding_them_through_either_gateway(stack):
+    base, _, other_base = stack
+    families = {name: list(range(start, start + 96)) for name, start in (("a", 3000), ("b", 7000))}
+    home = {}
+    for name, prefix in families.items():
+        home[name] = _complete(base, prefix + [1]).headers["x-kvserve-executor"]
+    for i in range(3):
+        for name, prefix in families.items():
+            for url in (base, other_base):
+                response = _complete(url, prefix + [10 + i])
+                assert response.headers["x-kvserve-executor"] == home[name]
+                assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+
+
+def test_a_killed_executor_is_routed_around_and_its_entries_expire(stack):
+    """Last in this module: it kills an executor."""
+    base, executors, _ = stack
+    prefix = list(range(9000, 9064))
+    victim_id = _complete(base, prefix + [1]).headers["x-kvserve-executor"]
+    victim = next(e for e in executors if e.id == victim_id)
+    survivor = next(e for e in executors if e.id != victim_id)
+    victim.process.kill()
+    victim.process.wait()
+    # routed to the dead one first (its prefix, its heartbeat not yet expired), then retried on the survivor
+    response = _complete(base, prefix + [2])
+    assert response.headers["x-kvserve-executor"] == survivor.id
+    streamed = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": prefix + [3], "max_tokens": 3, "stream": True},
+        timeout=60,
+    )
+    assert sse_events(streamed)[-1] == "[DONE]"
+    gone = [keys.executor_key(victim_id), keys.blocks_key(victim_id), keys.load_key(victim_id)]
+    assert eventually(lambda: not any(survivor.redis.exists(k) for k in gone), timeout=10)
+    assert httpx.get(f"{base}/health").json()["executors"] == [survivor.id]
