@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-PROMPT ?= What is the capital of France?
+PORT ?= 8000
 
 .PHONY: install run test test-fast lint format bench clean
 
@@ -18,7 +18,10 @@ install: $(STAMP)
 
 run: install
 	$(VENV)/bin/kvserve model pull
-	$(VENV)/bin/kvserve generate --chat "$(PROMPT)"
+	@echo "Starting kvserve on http://127.0.0.1:$(PORT) (Ctrl-C stops all of it). Try:"
+	@echo "  curl http://127.0.0.1:$(PORT)/v1/chat/completions -H 'content-type: application/json' \\"
+	@echo "    -d '{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
+	$(VENV)/bin/kvserve up --host 127.0.0.1 --port $(PORT)
 
 test: install
 	$(VENV)/bin/kvserve model pull

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import httpx
 
@@ -102,13 +102,14 @@ async def first_model(url: str, api_key: str | None, timeout: float = 30.0) -> s
 class Progress:
     """One stderr line rewritten with \\r, at most ten times a second."""
 
-    def __init__(self, total: int | None, stream=sys.stderr, enabled: bool = True) -> None:
+    def __init__(self, total: int | None, stream: TextIO | None = None, enabled: bool = True) -> None:
         self.total = total
-        self.stream = stream
+        self.stream = stream or sys.stderr
         self.enabled = enabled
         self.start = time.perf_counter()
         self.done = self.failed = self.tokens = 0
         self._last_draw = 0.0
+        self._width = 0  # of the line drawn last: a shorter one must blank its tail
 
     def update(self, result: RequestResult) -> None:
         self.done += 1
@@ -124,10 +125,11 @@ class Progress:
         elapsed = now - self.start
         of = f"/{self.total}" if self.total is not None else ""
         line = (
-            f"\r{self.done}{of} requests, {self.failed} failed, {elapsed:.1f} s, "
+            f"{self.done}{of} requests, {self.failed} failed, {elapsed:.1f} s, "
             f"{self.tokens / elapsed if elapsed > 0 else 0:.1f} output tok/s"
         )
-        self.stream.write(line + ("\n" if final else ""))
+        self.stream.write("\r" + line.ljust(self._width) + ("\n" if final else ""))
+        self._width = len(line)
         self.stream.flush()
 
 

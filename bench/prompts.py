@@ -3,8 +3,10 @@
 Without a tokenizer, lengths are counted in words: the text is made of common lowercase English words, each one
 token (with its leading space) in GPT-2-style BPE vocabularies such as SmolLM2's and Llama's, so a P-word prefix
 is about P tokens. With a tokenizer, each word is weighed by the tokens it actually takes, so lengths are exact
-up to merges at the ends. The prefix ends in a blank line, where BPE pre-tokenizers always split, so the prefix
-tokenizes the same whatever question follows: that is what lets a prefix cache reuse it.
+up to merges at the ends. The prefix ends in ".\n" and the question starts with a letter: byte-level BPE
+pre-tokenizers (GPT-2's, Llama 3's) never merge across that boundary, so the prefix tokenizes the same whatever
+question follows, which is what lets a prefix cache reuse it. (A blank line would not do: "\n\n" before a letter
+splits into "\n", "\n".)
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def shared_prefixes(groups: int, prefix_tokens: int, seed: int, count_tokens: To
     for group in range(groups):
         rng = random.Random(f"{seed}:prefix:{group}")
         words = _words(rng, prefix_tokens, count_tokens)
-        prefixes.append(" ".join(words).capitalize() + ".\n\n" if words else "")
+        prefixes.append(" ".join(words).capitalize() + ".\n" if words else "")
     return prefixes
 
 
