@@ -33,7 +33,9 @@ def test_every_service_runs_a_real_kvserve_command(compose):
             build_parser().parse_args(command[1:])
         except SystemExit as exit_:
             pytest.fail(f"service {name}: `{shlex.join(command)}` does not parse (exit {exit_.code})")
-        assert service["build"] == "." and service["environment"]["KVSERVE_REDIS_URL"].startswith("redis://redis:")
+        assert service["build"] == "." and service["environment"]["KVSERVE_REDIS_URL"].startswith(
+            "redis://redis:"
+        )
         assert "models:/models" in service["volumes"], f"{name} lacks the model volume"
 
 
