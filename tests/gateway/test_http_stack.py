@@ -195,6 +195,8 @@ def test_stop_string_and_client_disconnect_free_the_executor(stack, offline):
     ) as streaming:
         next(streaming.iter_lines())
     assert eventually(lambda: _running(executors) == 0, timeout=10)
+    # and its blocks are back in the pool
+    assert all(float(e.redis.hget(keys.load_key(e.id), "kv_usage")) == 0 for e in executors)
 
 
 def test_health_models_and_metrics(stack):
