@@ -239,9 +239,15 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         "prompts", "a fixed --prompt, or synthetic groups with shared prefixes"
     )
     prompts.add_argument("--prompt", default=None, help="send this text in every request")
-    prompts.add_argument("--prefix-groups", type=int, default=1)
-    prompts.add_argument("--prefix-tokens", type=int, default=256)
-    prompts.add_argument("--question-tokens", type=int, default=32)
+    prompts.add_argument(
+        "--prefix-groups", type=int, default=1, help="request i uses group i mod G's prefix (default: 1)"
+    )
+    prompts.add_argument(
+        "--prefix-tokens", type=int, default=256, help="shared prefix length per group (default: 256)"
+    )
+    prompts.add_argument(
+        "--question-tokens", type=int, default=32, help="unique question per request (default: 32)"
+    )
     prompts.add_argument(
         "--tokenizer", default=None, help="model directory whose tokenizer counts tokens (default: words)"
     )

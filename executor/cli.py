@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from bench.load import add_bench_command
 from executor.config import add_engine_args, config_from_args
 from executor.model_files import DEFAULT_MODEL, ModelLoadError, resolve_model
 from executor.service import add_executor_command
@@ -78,6 +79,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_generate_command,
     add_executor_command,
     add_gateway_commands,
+    add_bench_command,
 ]
 
 

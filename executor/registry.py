@@ -7,6 +7,7 @@ copy, so a write that fails is kept and retried with the next one rather than lo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import redis
@@ -41,6 +42,7 @@ class Registry:
         self._pending_removed: set[str] = set()
         self._failing = False
         self._info: dict[str, str | int | float] = {}
+        self._beating: threading.Thread | None = None
 
     def register(self, info: dict[str, str | int]) -> None:
         """Clear whatever an earlier run under this id left, then announce this one."""
@@ -93,7 +95,34 @@ class Registry:
         self._pending_added.clear()
         self._pending_removed.clear()
 
+    def start_heartbeat(self) -> None:
+        """Keep the registration alive from a thread of its own: a long engine step (a big prefill on a busy
+        CPU) must not look to the gateways like a dead executor."""
+        self._stop_beating = threading.Event()
+        self._beating = threading.Thread(target=self._beat, name="kvserve-heartbeat", daemon=True)
+        self._beating.start()
+
+    def _beat(self) -> None:
+        failing = False
+        while not self._stop_beating.wait(keys.HEARTBEAT_INTERVAL_S):
+            pipe = self.client.pipeline(transaction=False)
+            self._announce(pipe)
+            for key in self.keys:
+                pipe.expire(key, self.ttl_s)
+            try:
+                pipe.execute()
+            except redis.RedisError as error:
+                if not failing:
+                    log.warning("heartbeat to Redis failed, will retry: %s", error)
+                failing = True
+                continue
+            failing = False
+
     def deregister(self) -> None:
+        if self._beating is not None:
+            self._stop_beating.set()
+            self._beating.join()
+            self._beating = None
         pipe = self.client.pipeline()
         pipe.delete(*self.keys)
         pipe.srem(keys.EXECUTORS, self.executor_id)

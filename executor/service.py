@@ -293,6 +293,7 @@ def serve(args: argparse.Namespace) -> int:
             "max_model_len": engine.max_model_len,
         }
     )
+    registry.start_heartbeat()
     log.info("executor %s serving %s on %s", executor_id, engine.model_path, args.bind)
     try:
         service.run()

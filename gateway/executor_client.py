@@ -87,7 +87,7 @@ class ExecutorClient:
                     item = await asyncio.wait_for(queue.get(), LIVENESS_CHECK_S)
                 except TimeoutError:
                     if not await is_alive():
-                        finished = True  # nobody is left to abort
+                        # the abort sent on the way out still matters if it was only slow, not dead
                         raise ExecutorGone(address) from None
                     continue
                 if isinstance(item, ExecutorRequestError):

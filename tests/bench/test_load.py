@@ -155,3 +155,12 @@ def test_unreachable_server_and_bad_flags(numbered_prompts, capsys):
     assert main(["--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "1"]) == 1
     assert main(["--request-rate", "inf", "--duration", "5"]) == 2
     assert "--request-rate inf needs --num-requests" in capsys.readouterr().err
+
+
+def test_duration_stops_new_requests_and_lets_running_ones_finish(fake_server, numbered_prompts, tmp_path):
+    out = tmp_path / "run.json"
+    args = ["--url", fake_server, "--concurrency", "2", "--duration", "0.05", "--max-tokens", str(TOKENS)]
+    assert main([*args, "--ignore-eos", "--no-progress", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    # both clients start one request at once; each outlasts the 0.05 s, so neither starts another
+    assert (report["completed"], report["failed"], report["output_tokens"]) == (2, 0, 2 * TOKENS)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Routing policies side by side: for each policy, `kvserve up` with 2 executors whose KV pools hold about five
+# of the eight 1,024-token prefix groups each, then the same load. Results: bench/results/routing-POLICY.json.
+# usage: bench/routing.sh [requests] [concurrency]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REQUESTS=${1:-48}
+CONCURRENCY=${2:-4}
+PORT=${PORT:-8310}
+mkdir -p bench/results
+for policy in cache_aware round_robin random; do
+  .venv/bin/kvserve up --port "$PORT" --executors 2 --kv-cache-memory 256MiB --max-model-len 2048 \
+    --routing-policy "$policy" > "bench/results/routing-$policy.log" 2>&1 &
+  up=$!
+  until curl -sf "http://127.0.0.1:$PORT/health" | grep -q executor-1; do sleep 1; done
+  .venv/bin/kvserve bench --url "http://127.0.0.1:$PORT" --endpoint completions --prefix-groups 8 \
+    --prefix-tokens 1024 --question-tokens 32 --tokenizer "$(.venv/bin/kvserve model pull)" \
+    --num-requests "$REQUESTS" --concurrency "$CONCURRENCY" --max-tokens 8 --ignore-eos --no-progress \
+    --output "bench/results/routing-$policy.json" | tee "bench/results/routing-$policy.txt"
+  kill -INT "$up"
+  wait "$up" || true
+done
