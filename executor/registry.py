@@ -58,6 +58,11 @@ class Registry:
         pipe.expire(keys.executor_key(self.executor_id), self.ttl_s)
         pipe.sadd(keys.EXECUTORS, self.executor_id)
 
+    def _refresh_ttls(self, pipe) -> None:
+        """Every key of this executor lives exactly as long as its heartbeat."""
+        for key in self.keys:
+            pipe.expire(key, self.ttl_s)
+
     def publish(
         self, added: list[bytes], removed: list[bytes], load: dict[str, float], heartbeat: bool = False
     ) -> None:
@@ -80,8 +85,7 @@ class Registry:
         pipe.hset(keys.load_key(self.executor_id), mapping={**load, "updated_at": time.time()})
         if heartbeat:
             self._announce(pipe)
-        for key in self.keys:
-            pipe.expire(key, self.ttl_s)
+        self._refresh_ttls(pipe)
         try:
             pipe.execute()
         except redis.RedisError as error:
@@ -107,8 +111,7 @@ class Registry:
         while not self._stop_beating.wait(keys.HEARTBEAT_INTERVAL_S):
             pipe = self.client.pipeline(transaction=False)
             self._announce(pipe)
-            for key in self.keys:
-                pipe.expire(key, self.ttl_s)
+            self._refresh_ttls(pipe)
             try:
                 pipe.execute()
             except redis.RedisError as error:
