@@ -180,6 +180,14 @@ class Engine:
 
     # -- introspection ----------------------------------------------------------------------------
 
+    def load(self) -> dict[str, float]:
+        """What routing needs, cheap enough to publish every step (stats() walks every block table)."""
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": self.pool.num_used_blocks / self.pool.num_blocks,
+        }
+
     def stats(self) -> dict[str, int]:
         filled: dict[int, int] = {}
         for request in self.scheduler.running:

@@ -206,14 +206,8 @@ class ExecutorService:
         self.socket.send_multipart([identity, protocol.encode(error)])
 
     def _publish(self, heartbeat: bool) -> None:
-        stats = self.engine.stats()
-        load = {
-            "running": stats["num_running"],
-            "waiting": stats["num_waiting"],
-            "kv_usage": stats["kv_blocks_used"] / stats["kv_blocks_total"],
-        }
         added, removed = self.engine.pool.drain_events()
-        self.registry.publish(added, removed, load, heartbeat)
+        self.registry.publish(added, removed, self.engine.load(), heartbeat)
 
 
 def _wire_logprobs(lp: TokenLogprobs | None) -> list | None:
