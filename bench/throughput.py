@@ -100,7 +100,6 @@ def main() -> None:
     )
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     model_dir = str(resolve_model(args.model))
     from transformers import AutoTokenizer
 

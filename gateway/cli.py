@@ -6,13 +6,13 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from executor.config import add_engine_args, config_from_args, engine_argv
 from shared.defaults import DEFAULT_MODEL
+from shared.redis_server import free_port
 
 log = logging.getLogger("kvserve.up")
 
@@ -80,12 +80,6 @@ def run_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for_executors(redis_url: str, ids: list[str], children: list[subprocess.Popen]) -> None:
     import redis
 
@@ -132,13 +126,13 @@ def run_up(args: argparse.Namespace) -> int:
             log.info("embedded Redis at %s", embedded.url)
         ids = [f"executor-{i}" for i in range(args.executors)]
         for executor_id in ids:
-            bind = f"tcp://127.0.0.1:{_free_port()}"
+            bind = f"tcp://127.0.0.1:{free_port()}"
             argv = [sys.executable, "-m", "executor.cli", "executor", "--executor-id", executor_id]
             argv += ["--bind", bind, "--redis-url", args.redis_url, *engine_argv(config)]
             children.append(subprocess.Popen(argv))
         _wait_for_executors(args.redis_url, ids, children)
         args.model = model_dir
-        if args.served_model_name is None and config.model == model_dir and _is_default(model_dir):
+        if args.served_model_name is None and _is_default(model_dir):
             args.served_model_name = DEFAULT_MODEL
         return run_gateway(args)
     except RuntimeError as error:

@@ -54,7 +54,7 @@ class EmbeddedRedis:
         self.data_dir.cleanup()
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -66,7 +66,7 @@ def start_redis_server(host: str = "127.0.0.1", timeout: float = 10.0) -> Embedd
     data_dir = tempfile.TemporaryDirectory(prefix="kvserve-redis-")
     last_error = ""
     for _ in range(3):  # another process may take the free port between our probe and the server's bind
-        port = _free_port(host)
+        port = free_port(host)
         args = [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"]
         args += ["--dir", data_dir.name, "--logfile", str(Path(data_dir.name) / "server.log")]
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)

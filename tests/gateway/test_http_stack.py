@@ -3,6 +3,7 @@ talked to over real HTTP."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -14,6 +15,9 @@ from executor import LLM, SamplingParams
 from shared import redis_keys as keys
 from shared.redis_server import start_redis_server
 from tests.processes import REPO, ExecutorProcess, eventually, free_port
+
+# the default 5 s is too short for a first request on a busy 2-core machine
+post = functools.partial(httpx.post, timeout=60)
 
 
 class GatewayProcess:
@@ -91,7 +95,7 @@ def sse_events(response: httpx.Response) -> list:
 
 def test_completion_equals_the_offline_api_and_names_its_executor(stack, offline):
     base, executors, _ = stack
-    response = httpx.post(
+    response = post(
         f"{base}/v1/completions",
         json={"model": "tiny", "prompt": "hello world", "max_tokens": 8, "temperature": 0},
     )
@@ -105,9 +109,9 @@ def test_completion_equals_the_offline_api_and_names_its_executor(stack, offline
 
 def test_streaming_chat_is_framed_as_openai_and_matches_the_whole_answer(stack):
     base, _, _ = stack
-    whole = httpx.post(f"{base}/v1/chat/completions", json=chat_body("Tell me about paging", max_tokens=12))
+    whole = post(f"{base}/v1/chat/completions", json=chat_body("Tell me about paging", max_tokens=12))
     assert whole.status_code == 200, whole.text
-    streamed = httpx.post(
+    streamed = post(
         f"{base}/v1/chat/completions",
         json=chat_body(
             "Tell me about paging", max_tokens=12, stream=True, stream_options={"include_usage": True}
@@ -157,7 +161,7 @@ def test_streaming_chat_is_framed_as_openai_and_matches_the_whole_answer(stack):
 def test_bad_requests_get_openai_errors(stack, path, body, status, code):
     base, _, _ = stack
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    response = httpx.post(f"{base}{path}", **kwargs)
+    response = post(f"{base}{path}", **kwargs)
     assert response.status_code == status
     error = response.json()["error"]
     assert set(error) >= {"message", "type", "code"} and error["message"]
@@ -174,7 +178,7 @@ def test_stop_string_and_client_disconnect_free_the_executor(stack, offline):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     text = offline.generate(["abc"], params)[0].outputs[0].text
     stop = text[6:10]
-    response = httpx.post(
+    response = post(
         f"{base}/v1/completions",
         json={
             "model": "tiny",
@@ -233,7 +237,7 @@ def test_the_openai_client_gets_the_offline_answer(stack, offline):
 
 def _complete(base: str, prompt: list[int]) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    response = post(f"{base}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response
 
@@ -264,7 +268,7 @@ def test_a_killed_executor_is_routed_around_and_its_entries_expire(stack):
     # routed to the dead one first (its prefix, its heartbeat not yet expired), then retried on the survivor
     response = _complete(base, prefix + [2])
     assert response.headers["x-kvserve-executor"] == survivor.id
-    streamed = httpx.post(
+    streamed = post(
         f"{base}/v1/completions",
         json={"model": "tiny", "prompt": prefix + [3], "max_tokens": 3, "stream": True},
         timeout=60,

@@ -46,7 +46,7 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
         started = children(up.pid)
         assert len(started) == 3  # Redis and two executors
         response = httpx.post(
-            f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}
+            f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=60
         )
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
         up.send_signal(signal.SIGINT)
