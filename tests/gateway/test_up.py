@@ -53,7 +53,16 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
         up.wait(60)
         assert eventually(lambda: not any(alive(pid) for pid in started), timeout=10)
     finally:
+        # a failed test must not leave the stack behind: ask nicely, then stop every child by its PID
+        leftover = children(up.pid)
         if up.poll() is None:
-            up.kill()
-            up.wait()
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+        for pid in leftover:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
         log.close()
