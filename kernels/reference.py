@@ -47,3 +47,32 @@ def paged_attention(
         scores.masked_fill_(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in fp32, round to x's dtype, then scale by the weight."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight.to(x.dtype) * normed
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream's add fused with the next layer's norm."""
+    summed = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of query [T,Hq,D] and key [T,Hkv,D], cos/sin [T,D] (each half repeated),
+    computed in fp32 and rounded once."""
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf, half = x.float(), x.shape[-1] // 2
+        rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * cos.float()[:, None, :] + rotated * sin.float()[:, None, :]).to(x.dtype)
+
+    return rotate(query), rotate(key)
