@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from shared.defaults import DEFAULT_BLOCK_SIZE
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -53,6 +55,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
+    attention_backend: str = "auto"  # triton on CUDA, torch elsewhere (kernels/backend.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +72,10 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +98,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max)
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=ATTENTION_BACKENDS,
+        help="paged-attention kernels: auto (Triton on CUDA, torch elsewhere), torch or triton",
+    )
     g.add_argument("--seed", type=int, default=d.seed)
 
 

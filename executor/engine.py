@@ -19,6 +19,7 @@ from executor.request import Request, RequestStatus
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs
 from executor.sampling_params import SamplingParams
 from executor.scheduler import Scheduler
+from kernels.backend import choose_attention_backend
 
 log = logging.getLogger("kvserve.engine")
 
@@ -40,6 +41,7 @@ class Engine:
         if config.speculative_model is not None:
             raise ValueError("speculative_model: speculative decoding is not available in this build yet")
         self.device, self.dtype = pick_device_and_dtype(config.device, config.dtype)
+        self.attention = choose_attention_backend(config.attention_backend, self.device)
         self.model_path = resolve_model(config.model)
         hf_config = read_config(self.model_path)
         spec = decoder_spec(hf_config)
@@ -60,7 +62,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, num_blocks, self.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(model, num_blocks, self.block_size, self.device, self.dtype, self.attention)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         capacity = num_blocks * self.block_size

@@ -9,6 +9,7 @@ import torch
 from executor.kv_cache_manager import KVCacheManager
 from executor.models import AttentionBatch, DecoderLM
 from executor.request import Request
+from kernels.backend import TORCH, AttentionBackend
 
 
 @dataclass(slots=True)
@@ -19,10 +20,17 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+        self,
+        model: DecoderLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention: AttentionBackend = TORCH,
     ):
         spec = model.spec
         self.model = model
+        self.attention = attention
         self.block_size = block_size
         self.device = device
         # every layer's K and V in one tensor, so zeroing fresh blocks is one op
@@ -83,6 +91,7 @@ class ModelRunner:
             block_table=table.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            attention=self.attention,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)

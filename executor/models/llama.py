@@ -1,7 +1,7 @@
 """The Llama family as one decoder: Llama (with Llama 3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 Weights keep HuggingFace's names, so a checkpoint loads with load_state_dict. Attention reads and writes the
-paged KV cache through kernels.paged_attention / kernels.reshape_and_cache.
+paged KV cache through the paged_attention / reshape_and_cache of the batch's attention backend.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+from kernels.backend import TORCH, AttentionBackend
 
 
 @dataclass(slots=True)
@@ -24,6 +24,7 @@ class AttentionBatch:
     block_table: torch.Tensor  # [S, M] int32
     seq_lens: torch.Tensor  # [S] int32, context length after this step
     query_start_loc: torch.Tensor  # [S+1] int32
+    attention: AttentionBackend = TORCH  # the kernels that write and read the cache (--attention-backend)
 
 
 @dataclass(slots=True)
@@ -116,8 +117,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         key_cache, value_cache = kv_cache
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
-        o = kernels.paged_attention(
+        batch.attention.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        o = batch.attention.paged_attention(
             q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, self.scale
         )
         return self.o_proj(o.reshape(t, -1))
