@@ -129,7 +129,7 @@ def run_up(args: argparse.Namespace) -> int:
             bind = f"tcp://127.0.0.1:{free_port()}"
             argv = [sys.executable, "-m", "executor.cli", "executor", "--executor-id", executor_id]
             argv += ["--bind", bind, "--redis-url", args.redis_url, *engine_argv(config)]
-            children.append(subprocess.Popen(argv))
+            children.append(subprocess.Popen(argv, env=executor_env(args.executors, config.device)))
         _wait_for_executors(args.redis_url, ids, children)
         args.model = model_dir
         if args.served_model_name is None and _is_default(model_dir):
@@ -149,6 +149,15 @@ def run_up(args: argparse.Namespace) -> int:
                 child.kill()
         if embedded is not None:
             embedded.stop()
+
+
+def executor_env(num_executors: int, device: str) -> dict[str, str]:
+    """Split this machine's cores between CPU executors: oversubscribed OpenMP threads spin against each other
+    and slowed two executors on two cores several-fold. An OMP_NUM_THREADS already set is left alone."""
+    env = dict(os.environ)
+    if device != "cuda" and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // num_executors))
+    return env
 
 
 def _exit_on_signal(signum: int, _frame) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from executor.models.llama import AttentionBatch, DecoderLM, DecoderSpec, rope_inv_freq
+from kernels.cpu_linear import pack_linears, packing_available
 
 __all__ = ["AttentionBatch", "DecoderLM", "build_model", "decoder_spec", "SUPPORTED_ARCHITECTURES"]
 
@@ -98,4 +99,7 @@ def build_model(
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(spec).to(device)  # built outside the meta device
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if packing_available(device, dtype):
+        pack_linears(model)
+    return model
