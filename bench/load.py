@@ -27,6 +27,7 @@ import httpx
 
 from bench.metrics import RequestResult, format_summary, summarize
 from bench.prompts import FixedPrompt, PrefixWorkload, Prompt, one_token_per_word, tokenizer_counter
+from bench.server_metrics import added_latency_summary, scrape_histogram
 from bench.stream import stream_request
 
 DEFAULT_NUM_REQUESTS = 100
@@ -323,9 +324,12 @@ def bench_main(args: argparse.Namespace) -> int:
         return 1
     config = config_from_args(args, model)
     progress = Progress(config.num_requests, enabled=not args.no_progress)
+    server = base_url(args.url)
+    before = asyncio.run(scrape_histogram(server))
     results, duration = asyncio.run(run_load(config, workload, progress.update))
     progress.draw(final=True)
     summary = summarize(results, duration)
+    summary["gateway_added_latency"] = added_latency_summary(asyncio.run(scrape_histogram(server)), before)
     if args.output:
         with open(args.output, "w") as f:
             report = {"config": {**asdict(config), "api_key": None}, **summary}

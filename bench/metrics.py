@@ -141,6 +141,12 @@ def format_summary(summary: dict) -> str:
         ms("tpot"),
         ms("e2e"),
     ]
+    added = summary.get("gateway_added_latency")
+    if added:
+        lines.append(
+            f"gateway     added latency p50 {added['p50_ms']:.2f} ms, p90 {added['p90_ms']:.2f} ms, "
+            f"{added['share_within_5ms']:.1%} of {added['count']} requests within 5 ms (server histogram)"
+        )
     if summary["executors"]:
         lines.append("executors   " + ", ".join(f"{k}: {v}" for k, v in summary["executors"].items()))
     for message in summary["errors"]["messages"]:

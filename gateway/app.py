@@ -11,19 +11,20 @@ import contextlib
 import dataclasses
 import logging
 import random
+import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.api_error import APIError
 from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError
 from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
+from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import (
     MAX_BODY_BYTES,
     fit_to_context,
@@ -61,7 +62,9 @@ class Routed:
     generation: Generation
     stream: bool
     include_usage: bool
+    arrival: float  # time.monotonic() when the HTTP request came in
     tried: set[str] = dataclasses.field(default_factory=set)
+    first_token_seen: bool = False
 
 
 def _error(error: APIError, executor_id: str = NO_EXECUTOR) -> JSONResponse:
@@ -78,8 +81,7 @@ class Gateway:
         self.config = config
         self.directory = ExecutorDirectory(config.redis_url)
         self.client: ExecutorClient | None = None
-        self.counts: Counter[tuple[str, int]] = Counter()
-        self.tokens: Counter[str] = Counter()
+        self.metrics = GatewayMetrics()
 
     async def startup(self) -> None:
         self.client = ExecutorClient()
@@ -117,41 +119,26 @@ class Gateway:
         }
         return JSONResponse(body, status, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
-    async def metrics(self, request: Request) -> Response:
-        lines = [
-            "# HELP kvserve_gateway_requests_total HTTP requests answered by this gateway.",
-            "# TYPE kvserve_gateway_requests_total counter",
-        ]
-        for (endpoint, status), n in sorted(self.counts.items()):
-            lines.append(f'kvserve_gateway_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-        lines += [
-            "# HELP kvserve_gateway_tokens_total Tokens through this gateway.",
-            "# TYPE kvserve_gateway_tokens_total counter",
-        ]
-        for kind, n in sorted(self.tokens.items()):
-            lines.append(f'kvserve_gateway_tokens_total{{kind="{kind}"}} {n}')
+    async def metrics_page(self, request: Request) -> Response:
         executors = await self.directory.live_executors()
-        candidates = await self.directory.candidates(executors, [])
-        for name, help_text in (
-            ("running", "Requests running on each executor."),
-            ("waiting", "Requests waiting on each executor."),
-            ("kv_usage", "Share of each executor's KV blocks in use."),
-        ):
-            lines += [f"# HELP kvserve_executor_{name} {help_text}", f"# TYPE kvserve_executor_{name} gauge"]
-            for c in candidates:
-                lines.append(f'kvserve_executor_{name}{{executor="{c.executor_id}"}} {getattr(c, name)}')
-        return PlainTextResponse("\n".join(lines) + "\n", headers={EXECUTOR_HEADER: NO_EXECUTOR})
+        loads = await self.directory.candidates(executors, [])
+        return Response(
+            self.metrics.render(loads),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+            headers={EXECUTOR_HEADER: NO_EXECUTOR},
+        )
 
     # -- one completion request ------------------------------------------------------------------------
 
     async def _serve(self, request: Request, endpoint: str) -> Response:
+        arrival = time.monotonic()
         try:
-            routed = await self._route(request, endpoint)
+            routed = await self._route(request, endpoint, arrival)
         except APIError as error:
-            self.counts[(endpoint, error.status)] += 1
+            self.metrics.requests.labels(endpoint, str(error.status)).inc()
             return _error(error)
-        self.counts[(endpoint, 200)] += 1
-        self.tokens["prompt"] += len(routed.request.prompt_token_ids)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        self.metrics.tokens.labels("prompt").inc(len(routed.request.prompt_token_ids))
         if routed.stream:
             return StreamingResponse(
                 self._events(routed),
@@ -160,7 +147,7 @@ class Gateway:
             )
         return await self._whole(request, routed)
 
-    async def _route(self, request: Request, endpoint: str) -> Routed:
+    async def _route(self, request: Request, endpoint: str, arrival: float) -> Routed:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise APIError(
@@ -181,7 +168,7 @@ class Gateway:
             sampling=dataclasses.asdict(params),
         )
         generation = Generation.start(parsed, ids, params.stop, self.config.tokenizer)
-        return Routed(info, generate, generation, parsed.stream, parsed.include_usage)
+        return Routed(info, generate, generation, parsed.stream, parsed.include_usage, arrival)
 
     async def _choose(self, ids: list[int], exclude: set[str]) -> tuple[ExecutorInfo, list[bytes]]:
         """The executor for a prompt under the routing policy, and the prompt's block hashes."""
@@ -216,7 +203,7 @@ class Gateway:
             try:
                 async for update in self.client.generate(executor.address, routed.request, alive):
                     streamed = True
-                    self.tokens["completion"] += len(update.token_ids)
+                    self.metrics.tokens.labels("completion").inc(len(update.token_ids))
                     yield update
                 return
             except ExecutorGone:
@@ -239,6 +226,7 @@ class Gateway:
                 text = stream.update(
                     update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
                 )
+                self._observe_first_token(routed, update)
                 if text:
                     yield text
                 if routed.generation.finished:
@@ -248,6 +236,11 @@ class Gateway:
         except APIError as error:
             yield error.sse_event()
 
+    def _observe_first_token(self, routed: Routed, update: protocol.RequestUpdate) -> None:
+        if update.token_ids and not routed.first_token_seen:
+            routed.first_token_seen = True
+            self.metrics.first_token(time.monotonic() - routed.arrival, update.executor_ttft_s)
+
     async def _whole(self, request: Request, routed: Routed) -> Response:
         generation = routed.generation
 
@@ -256,6 +249,7 @@ class Gateway:
                 generation.feed(
                     update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
                 )
+                self._observe_first_token(routed, update)
                 if generation.finished:
                     return
 
@@ -282,7 +276,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
-        Route("/metrics", gateway.metrics, methods=["GET"]),
+        Route("/metrics", gateway.metrics_page, methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager

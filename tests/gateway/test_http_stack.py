@@ -207,9 +207,30 @@ def test_health_models_and_metrics(stack):
     base, executors, _ = stack
     assert sorted(httpx.get(f"{base}/health").json()["executors"]) == sorted(e.id for e in executors)
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
-    metrics = httpx.get(f"{base}/metrics").text
-    assert 'kvserve_gateway_requests_total{endpoint="completion",status="200"}' in metrics
-    assert f'kvserve_executor_kv_usage{{executor="{executors[0].id}"}}' in metrics
+    before = _samples(httpx.get(f"{base}/metrics").text)
+    body = {"model": "tiny", "prompt": "count", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as response:
+        assert response.status_code == 200 and "data: [DONE]" in list(response.iter_lines())
+    after = _samples(httpx.get(f"{base}/metrics").text)
+    served = ("kvserve_gateway_requests_total", (("endpoint", "completion"), ("status", "200")))
+    assert after[served] == before.get(served, 0) + 1
+    assert after[("kvserve_executor_kv_usage", (("executor", executors[0].id),))] >= 0
+    # the gateway's own share of time to first token is counted, and never exceeds the whole
+    added = "kvserve_gateway_added_latency_seconds"
+    ttft = "kvserve_gateway_time_to_first_token_seconds"
+    assert after[(f"{added}_count", ())] == before[(f"{added}_count", ())] + 1
+    added_now = after[(f"{added}_sum", ())] - before[(f"{added}_sum", ())]
+    assert 0 <= added_now <= after[(f"{ttft}_sum", ())] - before[(f"{ttft}_sum", ())]
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_the_openai_client_gets_the_offline_answer(stack, offline):
