@@ -219,7 +219,8 @@ def _choose_num_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int, ma
     sms = _num_sms(query.device.index if query.device.index is not None else torch.cuda.current_device())
     if programs >= 2 * sms:
         return 1
-    return max(1, min(16, triton.cdiv(2 * sms, programs), max_context // 512))
+    splits = max(1, min(16, triton.cdiv(2 * sms, programs), max_context // 512))
+    return 1 << (splits.bit_length() - 1)  # a power of two: few variants to compile
 
 
 def paged_attention(
