@@ -14,8 +14,20 @@ from kernels.backend import TORCH, AttentionBackend
 
 @dataclass(slots=True)
 class StepLogits:
-    requests: list[Request]  # the requests that get a new token this step
-    logits: torch.Tensor  # [len(requests), V] float32
+    requests: list[Request]  # the requests that get new tokens this step
+    logits: torch.Tensor  # [sum(num_rows), V] float32, each request's rows after one another
+    # per request: 1, plus the proposals it verifies this step (one row of logits each)
+    num_rows: list[int]
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A run of one sequence's tokens to compute, from position start on, over its block table."""
+
+    block_ids: list[int]
+    start: int
+    token_ids: list[int]
+    num_logits: int  # logits wanted for the last num_logits tokens
 
 
 class ModelRunner:
@@ -52,36 +64,51 @@ class ModelRunner:
             rows = self.kv_cache.view(layers * kv, num_blocks, -1)
             rows.index_fill_(1, torch.tensor(block_ids), 0)
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager) -> StepLogits:
-        batch, input_ids, positions, sample_rows, sampled = self._prepare(scheduled, kv)
-        hidden = self.model(input_ids, positions, self.kv_caches, batch)
-        logits = self.model.compute_logits(hidden[sample_rows]) if sampled else hidden.new_empty((0, 0))
-        return StepLogits(sampled, logits)
+        """One step of the scheduler's work; a request whose tokens all have KV after it gets logits at its last
+        token and at each of the proposals scheduled for verification."""
+        chunks, sampled, num_rows = [], [], []
+        for req, n in scheduled:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            token_ids = req.token_ids[start:end]
+            num_logits = 0
+            if end >= req.num_tokens:
+                token_ids += req.spec_token_ids[: end - req.num_tokens]
+                num_logits = end - req.num_tokens + 1
+                sampled.append(req)
+                num_rows.append(num_logits)
+            chunks.append(Chunk(kv.block_ids(req), start, token_ids, num_logits))
+        return StepLogits(sampled, self.run(chunks), num_rows)
 
-    def _prepare(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager):
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk]) -> torch.Tensor:
+        """One forward pass over every chunk; logits [sum(num_logits), V] in chunk order."""
+        batch, input_ids, positions, logit_rows = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_caches, batch)
+        if logit_rows.numel() == 0:
+            return hidden.new_empty((0, 0))
+        return self.model.compute_logits(hidden[logit_rows])
+
+    def _prepare(self, chunks: list[Chunk]):
         bs = self.block_size
         ids: list[int] = []
         seq_index: list[int] = []
         pos: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sampled: list[Request] = []
-        for s, (req, n) in enumerate(scheduled):
-            start = req.num_computed_tokens
-            ids.extend(req.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
+        logit_rows: list[int] = []
+        for s, chunk in enumerate(chunks):
+            n = len(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+            pos.extend(range(chunk.start, chunk.start + n))
             seq_index.extend([s] * n)
             query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(kv.block_ids(req))
-            if start + n == req.num_tokens:
-                sample_rows.append(query_start[-1] - 1)
-                sampled.append(req)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            seq_lens.append(chunk.start + n)
+            logit_rows.extend(range(query_start[-1] - chunk.num_logits, query_start[-1]))
+        width = max(len(c.block_ids) for c in chunks)
+        table = torch.tensor(
+            [c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks], dtype=torch.int32
+        )
         positions = torch.tensor(pos, dtype=torch.int64)
         seq_idx = torch.tensor(seq_index, dtype=torch.int64)
         slots = table[seq_idx, positions // bs].long() * bs + positions % bs
@@ -94,5 +121,5 @@ class ModelRunner:
             attention=self.attention,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-        return batch, input_ids, positions.to(dev), rows, sampled
+        rows = torch.tensor(logit_rows, dtype=torch.int64, device=dev)
+        return batch, input_ids, positions.to(dev), rows

@@ -107,7 +107,7 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return probs
 
 
-def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """argmax(probs / q), q ~ Exp(1), draws from probs; a seeded row's q comes only from its own generator."""
     q = torch.empty_like(probs)
     if any(g is None for g in generators):
@@ -119,7 +119,7 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     return probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
 
-def _token_logprobs(
+def token_logprobs(
     raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
 ) -> list[TokenLogprobs | None]:
     """Logprobs of the raw model distribution (before penalties and temperature), vLLM's default."""
@@ -159,5 +159,5 @@ class Sampler:
             # Gather only when the batch is mixed: copying [S, V] logits for nothing costs real time.
             index = torch.tensor(random, device=logits.device) if len(random) < len(rows) else slice(None)
             probs = sampling_probs(penalised[index], [rows[i].params for i in random])
-            token_ids[index] = _exponential_race(probs, generators)
-        return SampleResult(token_ids.tolist(), _token_logprobs(logits, token_ids, rows))
+            token_ids[index] = exponential_race(probs, generators)
+        return SampleResult(token_ids.tolist(), token_logprobs(logits, token_ids, rows))
