@@ -53,6 +53,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # speculation pauses while more requests than this are running (spec_decode/backoff.py)
+    speculative_disable_by_batch_size: int = 4
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     attention_backend: str = "auto"  # triton on CUDA, torch elsewhere (kernels/backend.py)
@@ -76,6 +78,30 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_model is None:
+            return
+        if not isinstance(self.speculative_model, str) or not self.speculative_model:
+            raise ValueError(
+                f"speculative_model must be 'ngram' or a model path, got {self.speculative_model!r}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be at least 1 with speculative_model, got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be at least 1, got {self.prompt_lookup_min}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
+                f"({self.prompt_lookup_min})"
+            )
+        if self.speculative_disable_by_batch_size < 1:
+            raise ValueError(
+                f"speculative_disable_by_batch_size must be at least 1, got {self.speculative_disable_by_batch_size}"
+            )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +122,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
     g.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min)
     g.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max)
+    g.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=d.speculative_disable_by_batch_size,
+        help="no speculation while more requests than this are running",
+    )
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     g.add_argument(

@@ -19,9 +19,13 @@ from executor.request import Request, RequestStatus
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs
 from executor.sampling_params import SamplingParams
 from executor.scheduler import Scheduler
+from executor.spec_decode import NgramProposer, SpecBackoff, verify
+from executor.spec_decode.draft import DraftProposer, load_draft_model
 from kernels.backend import choose_attention_backend
 
 log = logging.getLogger("kvserve.engine")
+
+NGRAM = "ngram"  # --speculative-model ngram: prompt lookup instead of a draft model
 
 
 @dataclass(slots=True)
@@ -33,13 +37,12 @@ class StepOutput:
     new_logprobs: list[TokenLogprobs | None]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     num_cached_tokens: int
+    num_accepted_tokens: int = 0  # proposals of this request the target has accepted so far
 
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.speculative_model is not None:
-            raise ValueError("speculative_model: speculative decoding is not available in this build yet")
         self.device, self.dtype = pick_device_and_dtype(config.device, config.dtype)
         self.attention = choose_attention_backend(config.attention_backend, self.device)
         self.model_path = resolve_model(config.model)
@@ -52,7 +55,20 @@ class Engine:
         model = build_model(spec, load_weights(self.model_path), self.dtype, self.device)
         self.vocab_size = spec.vocab_size
         self.block_size = config.block_size
-        block_bytes = ModelRunner.bytes_per_block(model, self.block_size, self.dtype)
+        draft_model = None
+        if config.speculative_model not in (None, NGRAM):
+            draft_model = load_draft_model(
+                config.speculative_model,
+                self.tokenizer,
+                self.vocab_size,
+                self.max_model_len,
+                self.dtype,
+                self.device,
+            )
+        # a draft's KV blocks mirror the target's, so each block costs both
+        block_bytes = sum(
+            ModelRunner.bytes_per_block(m, self.block_size, self.dtype) for m in (model, draft_model) if m
+        )
         num_blocks = kv_cache_bytes(config, model, self.device, self.dtype) // block_bytes
         if num_blocks < 1:
             raise ValueError("kv_cache_memory: too small for even one KV block")
@@ -65,6 +81,16 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, self.block_size, self.device, self.dtype, self.attention)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.ngram = self.draft = None
+        if config.speculative_model == NGRAM:
+            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif draft_model is not None:
+            self.draft = DraftProposer(
+                draft_model, num_blocks, self.block_size, self.device, self.dtype, self.attention
+            )
+        self.backoff = SpecBackoff(config.speculative_disable_by_batch_size)
+        self.num_draft_tokens = 0  # proposals verified, all requests
+        self.num_accepted_tokens = 0  # of which accepted
         capacity = num_blocks * self.block_size
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens; %.1f requests of max_model_len %d fit",
@@ -150,35 +176,111 @@ class Engine:
                     "scheduler made no progress with requests waiting"
                 )  # admission forbids this
             return []
-        self.runner.zero_blocks(self.pool.drain_fresh())
+        fresh = self.pool.drain_fresh()
+        self.runner.zero_blocks(fresh)
+        if self.draft is not None:
+            self.draft.runner.zero_blocks(fresh)
+        starts = [request.num_computed_tokens for request, _ in sched.scheduled]
         step = self.runner.execute(sched.scheduled, self.kv)
         for request, n in sched.scheduled:
             request.num_computed_tokens += n
+        outputs, finished = [], []
+        for request, token_ids, logprobs in zip(step.requests, *self._sample(step), strict=True):
+            out = self._advance(request, token_ids, logprobs)
+            outputs.append(out)
+            if out.finish_reason is not None:
+                finished.append(request)
+        if self.ngram is not None or self.draft is not None:
+            self._propose(sched.scheduled, starts, set(step.requests), finished)
+        for request, _ in sched.scheduled:
             self.kv.cache_full_blocks(request)
-        outputs = []
-        if step.requests:
-            rows = [
-                SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator)
-                for r in step.requests
-            ]
-            result = self.sampler(step.logits, rows)
-            for request, token_id, logprobs in zip(
-                step.requests, result.token_ids, result.logprobs, strict=True
-            ):
-                request.append_token(token_id)
-                reason = request.check_stop(self.max_model_len)
-                if reason is not None:
-                    self.requests.pop(request.request_id, None)
-                    self._finish(request, reason)
-                outputs.append(
-                    StepOutput(request.request_id, [token_id], [logprobs], reason, request.num_cached_tokens)
-                )
+        for request in finished:
+            self.requests.pop(request.request_id, None)
+            self._finish(request, request.finish_reason)
         return outputs
+
+    def _sample(self, step) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+        """Each request's new tokens: one sampled, or its accepted proposals and one more when it verifies."""
+        rows = [
+            SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in step.requests
+        ]
+        if not rows:
+            return [], []
+        if all(n == 1 for n in step.num_rows):
+            result = self.sampler(step.logits, rows)
+            return [[t] for t in result.token_ids], [[lp] for lp in result.logprobs]
+        drafts = [r.spec_token_ids for r in step.requests]
+        verified = verify(step.logits, rows, drafts, [r.draft_probs for r in step.requests])
+        return verified.token_ids, verified.logprobs
+
+    def _advance(self, request: Request, token_ids: list[int], logprobs: list) -> StepOutput:
+        """Append the step's tokens up to a stop; give back the KV positions of rejected proposals."""
+        num_proposed, num_accepted = len(request.spec_token_ids), len(token_ids) - 1
+        if num_proposed:
+            request.num_draft_tokens += num_proposed
+            request.num_accepted_tokens += num_accepted
+            self.num_draft_tokens += num_proposed
+            self.num_accepted_tokens += num_accepted
+            self.backoff.record(request.request_id, num_proposed, num_accepted)
+            # the rejected positions' KV is garbage: forget it (later tokens overwrite those slots)
+            request.num_computed_tokens -= num_proposed - num_accepted
+            request.set_spec_tokens([])
+        reason, kept = None, 0
+        while reason is None and kept < len(token_ids):  # a stop inside an accepted run ends it there
+            request.append_token(token_ids[kept])
+            kept += 1
+            reason = request.check_stop(self.max_model_len)
+        del token_ids[kept:], logprobs[kept:]
+        # all but the newest token have KV (fewer when a stop cut the run short)
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        request.finish_reason = reason
+        return StepOutput(
+            request.request_id,
+            token_ids,
+            logprobs,
+            reason,
+            request.num_cached_tokens,
+            request.num_accepted_tokens,
+        )
+
+    def _propose(
+        self,
+        scheduled: list[tuple[Request, int]],
+        starts: list[int],
+        sampled: set[Request],
+        finished: list[Request],
+    ) -> None:
+        """Proposals for the next step, for requests the back-off rule lets speculate (spec_decode/backoff.py)."""
+        done = set(finished)
+        batch_ok = self.backoff.batch_allows(len(self.scheduler.running) - len(done))
+        k_max = self.config.num_speculative_tokens
+        work = []
+        for (request, _), start in zip(scheduled, starts, strict=True):
+            k = 0
+            wants = request in sampled and request not in done and batch_ok
+            if wants and self.backoff.request_allows(request.request_id):
+                # the run it emits (accepted proposals + one) must fit max_tokens and max_model_len
+                k = min(k_max, request.num_tokens_left(self.max_model_len) - 1)
+            if self.ngram is not None:
+                if k > 0:
+                    request.set_spec_tokens(self.ngram.propose(request.token_ids, k))
+                continue
+            # to propose, the draft writes KV for the new token and k - 1 proposals past it, beyond the slots
+            # this step allocated: never preempt for that
+            if k > 0 and not self.kv.allocate(request, k):
+                k = 0
+            # otherwise it computes what the target did: KV for the same (verified) tokens
+            end = request.num_tokens if k > 0 else request.num_computed_tokens
+            if end > start:
+                work.append((request, start, end, k))
+        if work:
+            self.draft.propose(work, self.kv)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.scheduler.remove(request)
+        self.backoff.forget(request.request_id)
 
     # -- introspection ----------------------------------------------------------------------------
 
@@ -190,7 +292,7 @@ class Engine:
             "kv_usage": self.pool.num_used_blocks / self.pool.num_blocks,
         }
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         filled: dict[int, int] = {}
         for request in self.scheduler.running:
             table = self.kv.tables.get(request.request_id, [])
@@ -205,8 +307,11 @@ class Engine:
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            "spec_draft_tokens": 0,
-            "spec_accepted_tokens": 0,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens
+            if self.num_draft_tokens
+            else 0.0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }

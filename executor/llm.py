@@ -32,6 +32,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    num_accepted_tokens: int = 0  # speculative decoding: proposals the target accepted for this request
 
 
 @dataclass
@@ -54,7 +55,7 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
     def generate(
@@ -121,6 +122,7 @@ class LLM:
     def _apply(self, tracked: _Tracked, step_out: StepOutput) -> None:
         output, completion = tracked.output, tracked.output.outputs[0]
         output.num_cached_tokens = step_out.num_cached_tokens
+        output.num_accepted_tokens = step_out.num_accepted_tokens
         completion.token_ids.extend(step_out.new_token_ids)
         if tracked.params.logprobs is not None:
             completion.logprobs = completion.logprobs or []

@@ -36,6 +36,13 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    # speculative decoding: proposals awaiting verification, never part of token_ids (so never hashed into the
+    # prefix cache); draft_probs [len(spec_token_ids), V] is the distribution each was drawn from, None when
+    # they were chosen deterministically (n-gram lookup, greedy draft), i.e. one-hot
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    num_draft_tokens: int = 0  # proposals verified so far
+    num_accepted_tokens: int = 0  # of which the target accepted
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -47,6 +54,24 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+    def num_tokens_left(self, max_model_len: int) -> int:
+        """How many more tokens it may still emit before max_tokens or max_model_len ends it."""
+        return min(self.params.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
+
+    def set_spec_tokens(self, token_ids: list[int], probs: torch.Tensor | None = None) -> None:
+        self.spec_token_ids = token_ids
+        self.draft_probs = probs if token_ids else None
+
+    def truncate_spec_tokens(self, n: int) -> None:
+        """Keep only the first n proposals (what the step's budget or blocks allow)."""
+        if n < len(self.spec_token_ids):
+            self.spec_token_ids = self.spec_token_ids[:n]
+            self.draft_probs = self.draft_probs[:n] if self.draft_probs is not None and n else None
 
     @property
     def output_token_ids(self) -> list[int]:

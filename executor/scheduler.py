@@ -61,9 +61,15 @@ class Scheduler:
         for request in decodes + prefills:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # a decode also verifies its proposals (spec tokens): as many as the budget leaves room for
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if num_new == 0:
                 break
+            request.truncate_spec_tokens(max(0, request.num_computed_tokens + num_new - request.num_tokens))
+            if request.spec_token_ids and not self.kv.allocate(request, num_new):
+                # proposals never preempt anyone: drop them and schedule the plain decode
+                request.set_spec_tokens([])
+                num_new = request.num_tokens - request.num_computed_tokens
             while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -101,6 +107,7 @@ class Scheduler:
         """Recompute later: drop its KV (the prefix cache keeps most of it) and requeue it first in line."""
         self.running.remove(request)
         self.kv.free(request)
+        request.set_spec_tokens([])  # proposed for a context it no longer has in the cache
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
