@@ -11,10 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import torch_paged
+from kernels import reference, torch_paged
 from kernels.triton_mode import interpreting, triton_available
-
-BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,26 +20,35 @@ class AttentionBackend:
     name: str
     paged_attention: Callable[..., torch.Tensor]
     reshape_and_cache: Callable[..., None]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-TORCH = AttentionBackend("torch", torch_paged.paged_attention, torch_paged.reshape_and_cache)
+# the rotary twin is batched torch already (fp32 math, one rounding: in fp32 the ops HF does)
+TORCH = AttentionBackend(
+    "torch", torch_paged.paged_attention, torch_paged.reshape_and_cache, reference.rotary_embedding
+)
 
 
 def _triton() -> AttentionBackend:
-    from kernels import triton_attention, triton_cache
+    from kernels import triton_attention, triton_cache, triton_norm_rope
 
-    return AttentionBackend("triton", triton_attention.paged_attention, triton_cache.reshape_and_cache)
+    return AttentionBackend(
+        "triton",
+        triton_attention.paged_attention,
+        triton_cache.reshape_and_cache,
+        triton_norm_rope.rotary_embedding,
+    )
 
 
 def choose_attention_backend(choice: str, device: torch.device) -> AttentionBackend:
     """Raises ValueError naming the flag when Triton is asked for where it cannot run."""
-    if choice not in BACKENDS:
-        raise ValueError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
     if choice == "auto":
         # the interpreter is for tests: auto never picks it
         choice = "triton" if device.type == "cuda" and triton_available() and not interpreting() else "torch"
     if choice == "torch":
         return TORCH
+    if choice != "triton":
+        raise ValueError(f"--attention-backend must be auto, torch or triton, got {choice!r}")
     if not triton_available():
         raise ValueError(
             "--attention-backend triton: the triton package is not installed (pip install triton)"

@@ -79,13 +79,6 @@ def rope_inv_freq(spec: DecoderSpec) -> torch.Tensor:
     return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled).float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D]. HF's rotate-half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
@@ -115,7 +108,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = batch.attention.rotary_embedding(q, k, cos, sin)
         key_cache, value_cache = kv_cache
         batch.attention.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
         o = batch.attention.paged_attention(

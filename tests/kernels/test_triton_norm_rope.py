@@ -74,11 +74,15 @@ def test_rotary_matches_reference(device, dtype, q_heads, k_heads, head_dim):
     torch.testing.assert_close(got_k.cpu(), expected_k, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_reference_rotary_is_the_models_rope():
-    from executor.models.llama import apply_rope
+def test_reference_rotary_is_hfs():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     cos, sin = randn(4, 32, dtype=torch.float32).cos(), randn(4, 32, dtype=torch.float32, seed=1).sin()
     query, key = randn(4, 2, 32, dtype=torch.float32), randn(4, 1, 32, dtype=torch.float32, seed=2)
     got_q, got_k = reference.rotary_embedding(query, key, cos, sin)
-    torch.testing.assert_close(got_q, apply_rope(query, cos, sin))
-    torch.testing.assert_close(got_k, apply_rope(key, cos, sin))
+    # HF: [batch, heads, T, D] with cos/sin [batch, T, D]
+    hf_q, hf_k = apply_rotary_pos_emb(
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    torch.testing.assert_close(got_q, hf_q[0].transpose(0, 1))
+    torch.testing.assert_close(got_k, hf_k[0].transpose(0, 1))
