@@ -252,7 +252,7 @@ def paged_attention(
     decode_like = num_tokens == num_seqs
     block_m = max(16 if decode_like else 64, triton.next_power_of_2(group))
     block_q = block_m // group
-    head_dim_pad = triton.next_power_of_2(head_dim)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     tile_n = 64 if decode_like or head_dim_pad <= 64 else 32
     if num_kv_splits is None:
         num_kv_splits = _choose_num_splits(query, num_seqs, num_kv_heads, block_table.shape[1] * block_size)

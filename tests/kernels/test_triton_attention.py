@@ -67,6 +67,13 @@ def test_mixed_batch_matches_reference(device, head_dim, group, block_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [8, 80])  # below tl.dot's minimum; not a power of two
+def test_head_dims_are_padded_and_masked(device, head_dim):
+    got, expected = run_both(*MIXED, device, num_kv_splits=2, heads=4, kv_heads=2, dim=head_dim)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs_accumulate_in_fp32(device, dtype):
     got, expected = run_both(*MIXED, device, dtype, block_size=16, heads=6, kv_heads=2, dim=64)
