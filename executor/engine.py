@@ -176,11 +176,7 @@ class Engine:
                     "scheduler made no progress with requests waiting"
                 )  # admission forbids this
             return []
-        fresh = self.pool.drain_fresh()
-        self.runner.zero_blocks(fresh)
-        if self.draft is not None:
-            self.draft.runner.zero_blocks(fresh)
-        starts = [request.num_computed_tokens for request, _ in sched.scheduled]
+        self._zero_fresh_blocks()
         step = self.runner.execute(sched.scheduled, self.kv)
         for request, n in sched.scheduled:
             request.num_computed_tokens += n
@@ -191,7 +187,7 @@ class Engine:
             if out.finish_reason is not None:
                 finished.append(request)
         if self.ngram is not None or self.draft is not None:
-            self._propose(sched.scheduled, starts, set(step.requests), finished)
+            self._propose(step.requests, finished)
         for request, _ in sched.scheduled:
             self.kv.cache_full_blocks(request)
         for request in finished:
@@ -222,6 +218,8 @@ class Engine:
             self.num_draft_tokens += num_proposed
             self.num_accepted_tokens += num_accepted
             self.backoff.record(request.request_id, num_proposed, num_accepted)
+            # the draft wrote KV for all its proposals but the last while proposing
+            request.num_draft_computed += min(num_accepted, num_proposed - 1)
             # the rejected positions' KV is garbage: forget it (later tokens overwrite those slots)
             request.num_computed_tokens -= num_proposed - num_accepted
             request.set_spec_tokens([])
@@ -243,38 +241,35 @@ class Engine:
             request.num_accepted_tokens,
         )
 
-    def _propose(
-        self,
-        scheduled: list[tuple[Request, int]],
-        starts: list[int],
-        sampled: set[Request],
-        finished: list[Request],
-    ) -> None:
-        """Proposals for the next step, for requests the back-off rule lets speculate (spec_decode/backoff.py)."""
+    def _propose(self, sampled: list[Request], finished: list[Request]) -> None:
+        """Proposals for the next step, from requests the back-off rule lets speculate (spec_decode/backoff.py)."""
         done = set(finished)
-        batch_ok = self.backoff.batch_allows(len(self.scheduler.running) - len(done))
+        if not self.backoff.batch_allows(len(self.scheduler.running) - len(done)):
+            return
         k_max = self.config.num_speculative_tokens
         work = []
-        for (request, _), start in zip(scheduled, starts, strict=True):
-            k = 0
-            wants = request in sampled and request not in done and batch_ok
-            if wants and self.backoff.request_allows(request.request_id):
-                # the run it emits (accepted proposals + one) must fit max_tokens and max_model_len
-                k = min(k_max, request.num_tokens_left(self.max_model_len) - 1)
-            if self.ngram is not None:
-                if k > 0:
-                    request.set_spec_tokens(self.ngram.propose(request.token_ids, k))
+        for request in sampled:
+            if request in done or not self.backoff.request_allows(request.request_id):
                 continue
-            # to propose, the draft writes KV for the new token and k - 1 proposals past it, beyond the slots
-            # this step allocated: never preempt for that
-            if k > 0 and not self.kv.allocate(request, k):
-                k = 0
-            # otherwise it computes what the target did: KV for the same (verified) tokens
-            end = request.num_tokens if k > 0 else request.num_computed_tokens
-            if end > start:
-                work.append((request, start, end, k))
+            # the run it emits (accepted proposals + one) must fit max_tokens and max_model_len
+            k = min(k_max, request.num_tokens_left(self.max_model_len) - 1)
+            if k < 1:
+                continue
+            if self.ngram is not None:
+                request.set_spec_tokens(self.ngram.propose(request.token_ids, k))
+            # the draft writes KV for the new token and k - 1 proposals past it, beyond the slots this step
+            # allocated: never preempt for that
+            elif self.kv.allocate(request, k):
+                work.append((request, k))
         if work:
+            self._zero_fresh_blocks()  # before the draft writes into blocks it just took
             self.draft.propose(work, self.kv)
+
+    def _zero_fresh_blocks(self) -> None:
+        fresh = self.pool.drain_fresh()
+        self.runner.zero_blocks(fresh)
+        if self.draft is not None:
+            self.draft.runner.zero_blocks(fresh)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED

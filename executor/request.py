@@ -41,6 +41,8 @@ class Request:
     # they were chosen deterministically (n-gram lookup, greedy draft), i.e. one-hot
     spec_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
+    # a draft model's KV is valid for this many leading tokens: it computes only when it proposes, catching up
+    num_draft_computed: int = 0
     num_draft_tokens: int = 0  # proposals verified so far
     num_accepted_tokens: int = 0  # of which the target accepted
 

@@ -109,7 +109,7 @@ class Scheduler:
         self.kv.free(request)
         request.set_spec_tokens([])  # proposed for a context it no longer has in the cache
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_draft_computed = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

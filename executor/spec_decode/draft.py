@@ -1,8 +1,10 @@
 """A draft model: a smaller model with the target's vocabulary proposes k tokens one at a time.
 
-Its paged KV cache mirrors the target's block for block (same block ids, same tables), so prefix caching,
-preemption and freeing need no bookkeeping of their own: after every step the draft computes KV for exactly the
-tokens the target verified, plus the new token, and then proposes.
+Its paged KV cache mirrors the target's block for block (same block ids, same tables), so preemption and freeing
+need no bookkeeping of their own. It computes only for requests that propose: first the tokens it has not seen
+(request.num_draft_computed on; a whole prompt after admission, usually just the target's newest token), then
+its proposals one at a time. Proposals the target accepts keep the KV the draft wrote for them. When speculation
+backs off the draft costs nothing, and catches up when it resumes.
 """
 
 from __future__ import annotations
@@ -54,33 +56,33 @@ class DraftProposer:
         self.runner = ModelRunner(model, num_blocks, block_size, device, dtype, attention)
         self.vocab_size = model.spec.vocab_size
 
-    def propose(self, work: list[tuple[Request, int, int, int]], kv: KVCacheManager) -> None:
-        """work: (request, start, end, k): compute the draft's KV for token positions [start, end) (what the
-        target just computed, and the new token), then propose k tokens where k > 0, which needs end to be the
-        request's length and its blocks to cover k - 1 positions past it. k forward passes in all."""
+    def propose(self, work: list[tuple[Request, int]], kv: KVCacheManager) -> None:
+        """Set k proposals on each (request, k), whose blocks must cover k - 1 positions past its last token;
+        k forward passes of the draft in all."""
         chunks = []
-        for request, start, end, k in work:
-            chunks.append(Chunk(kv.block_ids(request), start, request.token_ids[start:end], 1 if k else 0))
+        for request, _ in work:
+            start = request.num_draft_computed
+            chunks.append(Chunk(kv.block_ids(request), start, request.token_ids[start:], 1))
+            request.num_draft_computed = request.num_tokens
         logits = self.runner.run(chunks)
-        active = [(request, k) for request, _, _, k in work if k]
-        tokens: list[list[int]] = [[] for _ in active]
-        probs: list[list[torch.Tensor]] = [[] for _ in active]
-        for j in range(max((k for _, k in active), default=0)):
-            live = [i for i, (_, k) in enumerate(active) if k > j]
+        tokens: list[list[int]] = [[] for _ in work]
+        probs: list[list[torch.Tensor]] = [[] for _ in work]
+        for j in range(max(k for _, k in work)):
+            live = [i for i, (_, k) in enumerate(work) if k > j]
             if j:  # the previous proposals in, the next distributions out
                 chunks = []
                 for i in live:
-                    request = active[i][0]
+                    request = work[i][0]
                     chunks.append(
                         Chunk(kv.block_ids(request), request.num_tokens + j - 1, [tokens[i][-1]], 1)
                     )
                 logits = self.runner.run(chunks)
-            drawn = self._draw(logits, [active[i][0] for i in live])
+            drawn = self._draw(logits, [work[i][0] for i in live])
             for i, (token_id, q) in zip(live, drawn, strict=True):
                 tokens[i].append(token_id)
                 if q is not None:
                     probs[i].append(q)
-        for i, (request, _) in enumerate(active):
+        for i, (request, _) in enumerate(work):
             request.set_spec_tokens(tokens[i], torch.stack(probs[i]) if probs[i] else None)
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, torch.Tensor | None]]:

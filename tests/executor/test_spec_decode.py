@@ -271,19 +271,27 @@ def test_stats_and_per_request_accepted_counts(tiny):
 # -- back-off -----------------------------------------------------------------------------------------------
 
 
-def test_no_speculation_while_the_batch_is_large(tiny):
+@pytest.mark.parametrize("draft", ["ngram", "self"])
+def test_no_speculation_while_the_batch_is_large(tiny, draft):
+    """Over the batch limit nothing is proposed, and a draft model does not even run."""
+    model = "ngram" if draft == "ngram" else tiny
     llm = LLM(
         tiny,
         kv_cache_memory="8MiB",
-        speculative_model="ngram",
+        speculative_model=model,
         num_speculative_tokens=4,
         speculative_disable_by_batch_size=3,
     )
+    draft_runs = []
+    if llm.engine.draft is not None:
+        run = llm.engine.draft.runner.run
+        llm.engine.draft.runner.run = lambda chunks: draft_runs.append(len(chunks)) or run(chunks)
     prompts = [[7, 8, 9, 10] * 6 + [i] for i in range(4)]
     generate(llm, prompts)  # four running, all to the end
-    assert llm.stats()["spec_draft_tokens"] == 0
+    assert llm.stats()["spec_draft_tokens"] == 0 and not draft_runs
     generate(llm, prompts[:3])
     assert llm.stats()["spec_draft_tokens"] > 0
+    assert draft_runs or draft == "ngram"
 
 
 def test_low_acceptance_pauses_a_request_then_lets_it_try_again():
