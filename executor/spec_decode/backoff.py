@@ -8,13 +8,19 @@
    verifications weigh EMA_WEIGHT). When it falls below MIN_ACCEPTANCE the request stops proposing for a pause
    of PAUSE_STEPS of its steps, doubled each time it falls again (at most MAX_PAUSE_STEPS), then tries again
    from a neutral average; a request whose proposals do well again starts over from the shortest pause.
+
+MIN_ACCEPTANCE is low on purpose. Below the batch limit a step is bound by reading the weights, so verifying
+k = 4 more tokens costs about 15% more per step (CPU, default model; less on a GPU), and a request pays for its
+proposals only when fewer than about 4% are accepted. Pausing sooner costs more than it saves: a pause also
+skips the runs of good proposals that follow a few bad ones (measured: on a code rewrite a threshold of 0.25
+halved the speed-up).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_ACCEPTANCE = 0.25
+MIN_ACCEPTANCE = 0.1
 EMA_WEIGHT = 0.3
 PAUSE_STEPS = 8
 MAX_PAUSE_STEPS = 128
