@@ -4,7 +4,7 @@
     python -m bench.spec_decode sweep       # 1..8 concurrent streams, back-off off: where speculation stops paying
     python -m bench.spec_decode concurrent  # 32 concurrent streams, back-off on (the default rule)
     python -m bench.spec_decode draft       # a draft made of the default model's first layers
-    [--k 4] [--max-tokens 128] [--draft-layers 6] [--output FILE.json]
+    [--k 4] [--max-tokens 128] [--draft-layers 6] [--repeat 1] [--output FILE.json]
 
 Greedy, so every configuration produces the same tokens: only time differs. The model is the default one.
 """
@@ -118,14 +118,19 @@ def engine(model: str, **spec) -> LLM:
     return llm
 
 
-def compare(model: str, configs: dict[str, dict], prompts_of, max_tokens: int) -> dict:
-    """Each configuration on the same prompts; the first is the baseline every other must match token for
+def compare(model: str, configs: dict[str, dict], prompts_of, max_tokens: int, repeat: int = 1) -> dict:
+    """Each configuration on the same prompts, `repeat` rounds taking turns (so a noisy neighbour hits all
+    alike), the median round kept; the first configuration is the baseline every other must match token for
     token (greedy) and is measured against."""
+    engines = {name: engine(model, **spec) for name, spec in configs.items()}
+    rounds: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(repeat):
+        for name, llm in engines.items():
+            rounds[name].append(run(llm, prompts_of(llm), max_tokens))
     results = {}
-    for name, spec in configs.items():
-        llm = engine(model, **spec)
-        results[name] = run(llm, prompts_of(llm), max_tokens)
-        del llm
+    for name, runs in rounds.items():
+        runs.sort(key=lambda r: r["output_tok_s"])
+        results[name] = dict(runs[len(runs) // 2], rounds_tok_s=[r["output_tok_s"] for r in runs])
     base = next(iter(results.values()))
     for name, result in results.items():
         if result["outputs"] != base["outputs"]:
@@ -140,7 +145,7 @@ def single(model: str, args) -> dict:
     ngram = dict(speculative_model="ngram", num_speculative_tokens=args.k)
     configs = {"off": {}, f"ngram k={args.k}": ngram}
     return {
-        name: compare(model, configs, lambda llm, text=text: [chat(llm, text)], args.max_tokens)
+        name: compare(model, configs, lambda llm, text=text: [chat(llm, text)], args.max_tokens, args.repeat)
         for name, text in WORKLOADS.items()
     }
 
@@ -160,14 +165,16 @@ def sweep(model: str, args) -> dict:
         speculative_model="ngram", num_speculative_tokens=args.k, speculative_disable_by_batch_size=10**6
     )
     configs = {"off": {}, f"ngram k={args.k}, no batch back-off": always}
-    return {f"{n} streams": compare(model, configs, many(n), args.max_tokens) for n in (1, 2, 4, 8)}
+    return {
+        f"{n} streams": compare(model, configs, many(n), args.max_tokens, args.repeat) for n in (1, 2, 4, 8)
+    }
 
 
 def concurrent(model: str, args) -> dict:
     ngram = dict(speculative_model="ngram", num_speculative_tokens=args.k)
     no_backoff = dict(ngram, speculative_disable_by_batch_size=10**6)
     configs = {"off": {}, f"ngram k={args.k}": ngram, f"ngram k={args.k}, no batch back-off": no_backoff}
-    return compare(model, configs, many(args.streams), args.max_tokens)
+    return compare(model, configs, many(args.streams), args.max_tokens, args.repeat)
 
 
 def first_layers(model: str, num_layers: int, out_dir: Path) -> Path:
@@ -207,7 +214,9 @@ def draft(model: str, args) -> dict:
             ),
         }
         return {
-            name: compare(model, configs, lambda llm, text=text: [chat(llm, text)], args.max_tokens)
+            name: compare(
+                model, configs, lambda llm, text=text: [chat(llm, text)], args.max_tokens, args.repeat
+            )
             for name, text in WORKLOADS.items()
         }
 
@@ -221,6 +230,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--draft-layers", type=int, default=6)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds per configuration; the median is kept")
     parser.add_argument("--output", help="write the results here as JSON")
     args = parser.parse_args()
     torch.set_num_threads(2)
