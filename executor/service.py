@@ -42,7 +42,6 @@ class ExecutorService:
         self.registry = registry
         self.grace_s = grace_s
         self.owners: dict[str, bytes] = {}  # request id -> identity of the gateway that sent it
-        self.arrivals: dict[str, float] = {}  # request id -> monotonic arrival, until its first token leaves
         self.outbox: dict[bytes, list[protocol.RequestUpdate]] = defaultdict(list)
         self.drain_deadline: float | None = None
 
@@ -132,7 +131,6 @@ class ExecutorService:
             self._send_error(identity, msg.request_id, str(error), 400)
             return
         self.owners[msg.request_id] = identity
-        self.arrivals[msg.request_id] = time.monotonic()
         log.debug(
             "request %s from %s (tenant %s, trace %s)",
             msg.request_id,
@@ -164,24 +162,16 @@ class ExecutorService:
         logprobs = None
         if any(lp is not None for lp in out.new_logprobs):
             logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]
-        ttft = None
-        if out.new_token_ids and out.request_id in self.arrivals:
-            ttft = time.monotonic() - self.arrivals.pop(out.request_id)
         self.outbox[identity].append(
             protocol.RequestUpdate(
-                out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.num_cached_tokens, ttft
+                out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.num_cached_tokens
             )
         )
         if out.finish_reason is not None:
-            self._forget(out.request_id)
-
-    def _forget(self, request_id: str) -> bytes | None:
-        """Drop what the service keeps about a request; returns the gateway that owned it."""
-        self.arrivals.pop(request_id, None)
-        return self.owners.pop(request_id, None)
+            del self.owners[out.request_id]
 
     def _finished(self, request_id: str, reason: str, num_cached_tokens: int) -> None:
-        identity = self._forget(request_id)
+        identity = self.owners.pop(request_id)
         self.outbox[identity].append(protocol.RequestUpdate(request_id, [], None, reason, num_cached_tokens))
 
     def _abort_all(self, why: str) -> None:
@@ -197,7 +187,7 @@ class ExecutorService:
                 self.engine.abort(request_id)
             except Exception:
                 log.exception("abort of request %s failed too", request_id)
-            self._forget(request_id)
+            self.owners.pop(request_id, None)
         self._send_error(identity, request_id, message, 500)
 
     def _fail_all(self, message: str) -> None:

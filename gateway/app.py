@@ -13,6 +13,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
@@ -22,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.api_error import APIError
-from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError
+from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError, ExecutorTiming
 from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import (
@@ -33,9 +34,10 @@ from gateway.openai_protocol import (
 )
 from gateway.prompt import prompt_token_ids
 from gateway.responses import EventStream, Generation, response_body
-from gateway.routing import route_request
+from gateway.routing import Candidate, route_request
 from shared import protocol
 from shared.block_hash import hash_blocks
+from shared.defaults import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -64,11 +66,27 @@ class Routed:
     include_usage: bool
     arrival: float  # time.monotonic() when the HTTP request came in
     tried: set[str] = dataclasses.field(default_factory=set)
+    timing: ExecutorTiming = dataclasses.field(default_factory=ExecutorTiming)
     first_token_seen: bool = False
 
 
 def _error(error: APIError, executor_id: str = NO_EXECUTOR) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers={EXECUTOR_HEADER: executor_id})
+
+
+class ReleasingStreamingResponse(StreamingResponse):
+    """Runs `release` however the response ends, even when the client left before the first event (then the
+    body generator never started, and its own cleanup never runs)."""
+
+    def __init__(self, content, release: Callable[[], Awaitable[None]], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
 
 
 def _executor_error(error: ExecutorRequestError) -> APIError:
@@ -120,8 +138,7 @@ class Gateway:
         return JSONResponse(body, status, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
     async def metrics_page(self, request: Request) -> Response:
-        executors = await self.directory.live_executors()
-        loads = await self.directory.candidates(executors, [])
+        loads = [load for _, load in await self.directory.routing_view()]
         return Response(
             self.metrics.render(loads),
             media_type="text/plain; version=0.0.4; charset=utf-8",
@@ -139,13 +156,19 @@ class Gateway:
             return _error(error)
         self.metrics.requests.labels(endpoint, "200").inc()
         self.metrics.tokens.labels("prompt").inc(len(routed.request.prompt_token_ids))
+        # sent before the response starts, so the executor works while the HTTP machinery sets up
+        await self.client.submit(routed.executor.address, routed.request, routed.timing)
         if routed.stream:
-            return StreamingResponse(
+            return ReleasingStreamingResponse(
                 self._events(routed),
+                release=lambda: self.client.release(routed.executor.address, routed.request.request_id),
                 media_type="text/event-stream",
                 headers={EXECUTOR_HEADER: routed.executor.executor_id, "cache-control": "no-cache"},
             )
-        return await self._whole(request, routed)
+        try:
+            return await self._whole(request, routed)
+        finally:
+            await self.client.release(routed.executor.address, routed.request.request_id)
 
     async def _route(self, request: Request, endpoint: str, arrival: float) -> Routed:
         length = request.headers.get("content-length")
@@ -172,27 +195,37 @@ class Gateway:
 
     async def _choose(self, ids: list[int], exclude: set[str]) -> tuple[ExecutorInfo, list[bytes]]:
         """The executor for a prompt under the routing policy, and the prompt's block hashes."""
+        block_size = DEFAULT_BLOCK_SIZE  # a guess, checked against what the executors report
+        hashes = hash_blocks(ids, block_size)
+        view = await self._routing_view(hashes, exclude)
+        if view[0][0].block_size != block_size:  # executors with other blocks: hash again, read again
+            block_size = view[0][0].block_size
+            hashes = hash_blocks(ids, block_size)
+            view = await self._routing_view(hashes, exclude)
+        view = [(info, load) for info, load in view if info.block_size == block_size]
+        policy = self.config.routing_policy
+        if policy == "round_robin":
+            return view[await self.directory.next_round_robin() % len(view)][0], hashes
+        if policy == "random":
+            return random.choice(view)[0], hashes
+        chosen = route_request([load for _, load in view], len(ids), block_size)
+        return next(info for info, _ in view if info.executor_id == chosen.executor_id), hashes
+
+    async def _routing_view(
+        self, hashes: list[bytes], exclude: set[str]
+    ) -> list[tuple[ExecutorInfo, Candidate]]:
         try:
-            executors = [e for e in await self.directory.live_executors() if e.executor_id not in exclude]
+            view = await self.directory.routing_view(hashes)
         except Exception as error:
             log.error("redis unreachable: %s", error)
             raise APIError(503, "the executor directory (Redis) is unreachable", "server_error") from None
-        if not executors:
+        view = [(info, load) for info, load in view if info.executor_id not in exclude]
+        if not view:
             raise APIError(503, "no executor is available; try again shortly", "server_error")
-        block_size = executors[0].block_size
-        executors = [e for e in executors if e.block_size == block_size]
-        hashes = hash_blocks(ids, block_size)
-        policy = self.config.routing_policy
-        if policy == "round_robin":
-            return executors[await self.directory.next_round_robin() % len(executors)], hashes
-        if policy == "random":
-            return random.choice(executors), hashes
-        candidates = await self.directory.candidates(executors, hashes)
-        chosen = route_request(candidates, len(ids), block_size)
-        return next(e for e in executors if e.executor_id == chosen.executor_id), hashes
+        return view
 
     async def _updates(self, routed: Routed):
-        """The request's updates; an executor that dies before its first update is replaced by another."""
+        """The submitted request's updates; an executor that dies before its first update is replaced."""
         while True:
             executor = routed.executor
 
@@ -201,7 +234,9 @@ class Gateway:
 
             streamed = False
             try:
-                async for update in self.client.generate(executor.address, routed.request, alive):
+                async for update in self.client.updates(
+                    executor.address, routed.request.request_id, alive, routed.timing
+                ):
                     streamed = True
                     self.metrics.tokens.labels("completion").inc(len(update.token_ids))
                     yield update
@@ -218,6 +253,7 @@ class Gateway:
                     ) from None
                 routed.tried.add(executor.executor_id)
                 routed.executor, _ = await self._choose(routed.request.prompt_token_ids, routed.tried)
+                await self.client.submit(routed.executor.address, routed.request, routed.timing)
 
     async def _events(self, routed: Routed):
         stream = EventStream(routed.generation, routed.include_usage)
@@ -239,7 +275,7 @@ class Gateway:
     def _observe_first_token(self, routed: Routed, update: protocol.RequestUpdate) -> None:
         if update.token_ids and not routed.first_token_seen:
             routed.first_token_seen = True
-            self.metrics.first_token(time.monotonic() - routed.arrival, update.executor_ttft_s)
+            self.metrics.first_token(time.monotonic() - routed.arrival, routed.timing.executor_ttft)
 
     async def _whole(self, request: Request, routed: Routed) -> Response:
         generation = routed.generation

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -29,12 +31,28 @@ class ExecutorGone(Exception):
     """The executor stopped answering: its heartbeat expired in Redis."""
 
 
+@dataclass(slots=True)
+class ExecutorTiming:
+    """time.monotonic() when the request left for the executor, and when its first token came back off the
+    socket: the span between is the executor's (and the wire's) share of time to first token."""
+
+    sent: float | None = None
+    first_token: float | None = None
+
+    @property
+    def executor_ttft(self) -> float | None:
+        if self.sent is None or self.first_token is None:
+            return None
+        return self.first_token - self.sent
+
+
 class ExecutorClient:
     def __init__(self) -> None:
         self.context = zmq.asyncio.Context()
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.readers: dict[str, asyncio.Task] = {}
         self.streams: dict[str, asyncio.Queue] = {}
+        self.started: set[str] = set()  # request ids whose stream has had an update
 
     def _socket(self, address: str) -> zmq.asyncio.Socket:
         socket = self.sockets.get(address)
@@ -58,30 +76,46 @@ class ExecutorClient:
                 log.warning("bad message from executor %s: %s", address, error)
                 continue
             if isinstance(msg, protocol.StepBatch):
-                for update in msg.outputs:
+                received = time.monotonic()  # before the update waits in a queue: that wait is the gateway's
+                # first tokens first: streams wake in the order their queues are fed, and a request still
+                # waiting for its first token should not wait behind every running stream's next chunk
+                for update in sorted(msg.outputs, key=lambda u: u.request_id in self.started):
                     queue = self.streams.get(update.request_id)
                     if queue is not None:
-                        queue.put_nowait(update)
+                        queue.put_nowait((received, update))
+                        self.started.add(update.request_id)
             elif isinstance(msg, protocol.RequestError):
                 queue = self.streams.get(msg.request_id)
                 if queue is not None:
                     queue.put_nowait(ExecutorRequestError(msg.message, msg.code))
 
-    async def generate(
+    async def submit(
+        self, address: str, request: protocol.GenerateRequest, timing: ExecutorTiming | None = None
+    ) -> None:
+        """Send the request now; its updates wait in a queue for `updates`. The caller must end with `updates`
+        or `release`, so the executor never runs a request nobody reads. timing, when given, records when
+        the request left (and, through `updates`, when its first token came back)."""
+        self.streams[request.request_id] = asyncio.Queue()
+        try:
+            await self._socket(address).send(protocol.encode(request))
+        except BaseException:
+            self._forget(request.request_id)
+            raise
+        if timing is not None:
+            timing.sent, timing.first_token = time.monotonic(), None
+
+    async def updates(
         self,
         address: str,
-        request: protocol.GenerateRequest,
+        request_id: str,
         is_alive: Callable[[], Awaitable[bool]],
+        timing: ExecutorTiming | None = None,
     ) -> AsyncIterator[protocol.RequestUpdate]:
-        """Send the request; yield its updates until it finishes. Leaving early (a client that went away, a
-        stop string matched) aborts it on the executor, so its blocks are freed. While no update comes,
-        is_alive is asked every LIVENESS_CHECK_S; an executor that is gone raises ExecutorGone."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self.streams[request.request_id] = queue
-        finished = False
-        socket = self._socket(address)
+        """A submitted request's updates until it finishes. Leaving early (a client that went away, a stop
+        string matched) aborts it on the executor, so its blocks are freed. While no update comes, is_alive
+        is asked every LIVENESS_CHECK_S; an executor that is gone raises ExecutorGone."""
+        queue = self.streams[request_id]
         try:
-            await socket.send(protocol.encode(request))
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), LIVENESS_CHECK_S)
@@ -91,17 +125,28 @@ class ExecutorClient:
                         raise ExecutorGone(address) from None
                     continue
                 if isinstance(item, ExecutorRequestError):
-                    finished = True  # refused: nothing runs there
+                    self._forget(request_id)  # refused: nothing runs there
                     raise item
+                received, item = item
+                if item.token_ids and timing is not None and timing.first_token is None:
+                    timing.first_token = received
                 if item.finish_reason is not None:
-                    finished = True
+                    self._forget(request_id)
                 yield item
-                if finished:
+                if item.finish_reason is not None:
                     return
         finally:
-            self.streams.pop(request.request_id, None)
-            if not finished:
-                await self.abort(address, request.request_id)
+            await self.release(address, request_id)
+
+    async def release(self, address: str, request_id: str) -> None:
+        """Done with a request in whatever state: forget it, and abort it on the executor if it still runs."""
+        if self._forget(request_id):
+            await self.abort(address, request_id)
+
+    def _forget(self, request_id: str) -> bool:
+        """Whether the request was still open."""
+        self.started.discard(request_id)
+        return self.streams.pop(request_id, None) is not None
 
     async def abort(self, address: str, request_id: str) -> None:
         try:

@@ -1,4 +1,8 @@
-"""What the gateway knows of the executors, read fresh from Redis for each request (the gateway keeps none)."""
+"""What the gateway knows of the executors, read fresh from Redis for each request (the gateway keeps none).
+
+One Lua script reads everything a routing decision needs in a single round trip: which registered executors
+are still alive, their registration, which of the prompt's block hashes each holds, and each one's load.
+"""
 
 from __future__ import annotations
 
@@ -20,67 +24,75 @@ class ExecutorInfo:
     max_model_len: int
 
 
+# KEYS[1]: the set of executor ids. ARGV: key prefix, blocks suffix, load suffix, then the prompt's hex hashes.
+# Returns, per live executor: {id, registration (flat HGETALL), held flags (SMISMEMBER), load (flat HGETALL)}.
+_ROUTING_VIEW = """
+local prefix, blocks, load = ARGV[1], ARGV[2], ARGV[3]
+local hashes = {}
+for i = 4, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local key = prefix .. id
+  local info = redis.call('HGETALL', key)
+  if #info > 0 then
+    local held = {}
+    if #hashes > 0 then held = redis.call('SMISMEMBER', key .. blocks, unpack(hashes)) end
+    out[#out + 1] = {id, info, held, redis.call('HGETALL', key .. load)}
+  end
+end
+return out
+"""
+_PREFIX = redis_keys.executor_key("")
+_BLOCKS_SUFFIX = redis_keys.blocks_key("").removeprefix(_PREFIX)
+_LOAD_SUFFIX = redis_keys.load_key("").removeprefix(_PREFIX)
+
+
+def _as_dict(flat: list[bytes]) -> dict[str, str]:
+    return {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+
+
 class ExecutorDirectory:
     def __init__(self, redis_url: str) -> None:
         self.redis = aioredis.from_url(redis_url)
+        self._routing_view = self.redis.register_script(_ROUTING_VIEW)
 
     async def close(self) -> None:
         await self.redis.aclose()
 
-    async def live_executors(self) -> list[ExecutorInfo]:
-        """Registered executors whose heartbeat-bound info hash still exists."""
-        ids = sorted(m.decode() for m in await self.redis.smembers(redis_keys.EXECUTORS))
-        if not ids:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for executor_id in ids:
-                pipe.hgetall(redis_keys.executor_key(executor_id))
-            infos = await pipe.execute()
-        live = []
-        for executor_id, info in zip(ids, infos, strict=True):
-            if not info:
-                continue  # its heartbeat expired
-            info = {k.decode(): v.decode() for k, v in info.items()}
-            live.append(
-                ExecutorInfo(
-                    executor_id,
-                    info["address"],
-                    info.get("model", ""),
-                    int(info["block_size"]),
-                    int(info["max_model_len"]),
+    async def routing_view(self, block_hashes: Sequence[bytes] = ()) -> list[tuple[ExecutorInfo, Candidate]]:
+        """Live executors (registered, heartbeat not expired), sorted by id, each with its cached leading run
+        of block_hashes and its load, in one round trip."""
+        args = [_PREFIX, _BLOCKS_SUFFIX, _LOAD_SUFFIX, *(h.hex() for h in block_hashes)]
+        rows = await self._routing_view(keys=[redis_keys.EXECUTORS], args=args)
+        view = []
+        for raw_id, raw_info, held, raw_load in rows:
+            executor_id, info, load = raw_id.decode(), _as_dict(raw_info), _as_dict(raw_load)
+            view.append(
+                (
+                    ExecutorInfo(
+                        executor_id,
+                        info["address"],
+                        info.get("model", ""),
+                        int(info["block_size"]),
+                        int(info["max_model_len"]),
+                    ),
+                    Candidate(
+                        executor_id,
+                        info["address"],
+                        cached_blocks=leading_run([bool(x) for x in held]),
+                        running=int(load.get("running", 0)),
+                        waiting=int(load.get("waiting", 0)),
+                        kv_usage=float(load.get("kv_usage", 0.0)),
+                    ),
                 )
             )
-        return live
+        return sorted(view, key=lambda pair: pair[0].executor_id)
+
+    async def live_executors(self) -> list[ExecutorInfo]:
+        return [info for info, _ in await self.routing_view()]
 
     async def is_alive(self, executor_id: str) -> bool:
         return bool(await self.redis.exists(redis_keys.executor_key(executor_id)))
 
     async def next_round_robin(self) -> int:
         return int(await self.redis.incr(redis_keys.ROUND_ROBIN))
-
-    async def candidates(
-        self, executors: Sequence[ExecutorInfo], block_hashes: Sequence[bytes]
-    ) -> list[Candidate]:
-        """Each executor's cached leading run of the prompt's blocks and its load, in one round trip."""
-        hexes = [h.hex() for h in block_hashes]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for e in executors:
-                if hexes:
-                    pipe.smismember(redis_keys.blocks_key(e.executor_id), hexes)
-                pipe.hgetall(redis_keys.load_key(e.executor_id))
-            replies = iter(await pipe.execute())
-        out = []
-        for e in executors:
-            held = next(replies) if hexes else []
-            load = {k.decode(): v.decode() for k, v in next(replies).items()}
-            out.append(
-                Candidate(
-                    e.executor_id,
-                    e.address,
-                    cached_blocks=leading_run([bool(x) for x in held]),
-                    running=int(load.get("running", 0)),
-                    waiting=int(load.get("waiting", 0)),
-                    kv_usage=float(load.get("kv_usage", 0.0)),
-                )
-            )
-        return out

@@ -58,7 +58,8 @@ class GatewayMetrics:
         )
         self.added_latency = Histogram(
             "kvserve_gateway_added_latency_seconds",
-            "The gateway's own share of time to first token: its TTFT minus the executor's.",
+            "The gateway's own share of time to first token: its TTFT minus the span from handing the request "
+            "to ZeroMQ to the first token coming back.",
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )

@@ -60,9 +60,6 @@ class RequestUpdate:
     logprobs: list[TokenLogprobsWire | None] | None  # one entry per new token; None when not asked for
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     num_cached_tokens: int
-    # on the first update carrying tokens: seconds from the executor receiving the request to sending it,
-    # so the gateway can tell its own share of time to first token
-    executor_ttft_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -201,12 +198,6 @@ def _read_step(f: _Fields) -> StepBatch:
                     "nil or a list of [token_id, logprob, rank, top] entries",
                 ),
                 finish_reason=u.optional_text("finish_reason"),
-                executor_ttft_s=u.get(
-                    "executor_ttft_s",
-                    lambda v: v is None or isinstance(v, float | int),
-                    "a number or nil",
-                    None,
-                ),
                 num_cached_tokens=u.get("num_cached_tokens", _is_int, "an integer"),
             )
         )

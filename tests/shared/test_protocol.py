@@ -29,7 +29,7 @@ MESSAGES = [
     StepBatch(
         [
             RequestUpdate("a", [5], [[5, -0.25, 1, [[5, -0.25], [9, -2.5]]]], None, 16),
-            RequestUpdate("b", [6, 7], None, "length", 0, executor_ttft_s=0.125),
+            RequestUpdate("b", [6, 7], None, "length", 0),
             RequestUpdate("c", [], None, "abort", 0),
         ]
     ),
