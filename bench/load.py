@@ -40,6 +40,7 @@ class LoadConfig:
     endpoint: str = "chat"  # or "completions"
     api_key: str | None = None
     concurrency: int | None = None
+    ramp_up: float = 0.0  # closed loop: client k starts k * ramp_up / concurrency seconds in
     request_rate: float | None = None
     num_requests: int | None = None
     duration: float | None = None
@@ -173,7 +174,7 @@ async def run_load(
             on_result(result)
 
         if config.request_rate is None:
-            await _closed_loop(config.concurrency or 1, claim, send)
+            await _closed_loop(config.concurrency or 1, config.ramp_up, claim, send)
         else:
             await _open_loop(config.request_rate, config.concurrency, config.seed, claim, send)
         duration = time.perf_counter() - start
@@ -182,13 +183,20 @@ async def run_load(
 
 
 async def _closed_loop(
-    concurrency: int, claim: Callable[[], int | None], send: Callable[[int], Awaitable[None]]
+    concurrency: int,
+    ramp_up: float,
+    claim: Callable[[], int | None],
+    send: Callable[[int], Awaitable[None]],
 ) -> None:
-    async def client_loop() -> None:
+    """N clients, each sending its next request when its last one ends. Started all at once, clients whose
+    requests have the same length stay in step and arrive in waves; a ramp-up staggers them."""
+
+    async def client_loop(k: int) -> None:
+        await asyncio.sleep(k * ramp_up / concurrency)
         while (i := claim()) is not None:
             await send(i)
 
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    await asyncio.gather(*(client_loop(k) for k in range(concurrency)))
 
 
 async def _open_loop(
@@ -228,6 +236,9 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
     target.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
     load = bench.add_argument_group("load")
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: N clients back to back")
+    load.add_argument(
+        "--ramp-up", type=float, default=0.0, help="closed loop: start the clients evenly over S seconds"
+    )
     load.add_argument(
         "--request-rate", type=float, default=None, help="Poisson arrivals per second; inf: all at once"
     )
@@ -275,6 +286,7 @@ def config_from_args(args: argparse.Namespace, model: str) -> LoadConfig:
         endpoint=args.endpoint,
         api_key=args.api_key,
         concurrency=concurrency,
+        ramp_up=args.ramp_up,
         request_rate=args.request_rate,
         num_requests=num_requests,
         duration=args.duration,
@@ -300,6 +312,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.request_rate is not None and not args.request_rate > 0:
         return "--request-rate must be positive (or inf)"
+    if args.ramp_up < 0:
+        return "--ramp-up must not be negative"
     if args.duration is not None and not args.duration > 0:
         return "--duration must be positive"
     if args.request_rate == math.inf and args.num_requests is None:

@@ -164,3 +164,16 @@ def test_duration_stops_new_requests_and_lets_running_ones_finish(fake_server, n
     report = json.loads(out.read_text())
     # both clients start one request at once; each outlasts the 0.05 s, so neither starts another
     assert (report["completed"], report["failed"], report["output_tokens"]) == (2, 0, 2 * TOKENS)
+
+
+def test_ramp_up_staggers_the_clients_first_requests(fake_server, numbered_prompts, tmp_path):
+    out = tmp_path / "run.json"
+    args = ["--url", fake_server, "--concurrency", "4", "--num-requests", "4", "--ramp-up", "0.2"]
+    assert (
+        main([*args, "--max-tokens", str(TOKENS), "--ignore-eos", "--no-progress", "--output", str(out)]) == 0
+    )
+    starts = sorted(r["start_s"] for r in json.loads(out.read_text())["requests"])
+    # clients start 0.05 s apart, each before the first request ends (FIRST_DELAY)
+    for k, start in enumerate(starts):
+        assert start == pytest.approx(0.05 * k, abs=0.03)
+    assert main(["--url", fake_server, "--concurrency", "2", "--ramp-up", "-1"]) == 2
