@@ -123,25 +123,33 @@ class LLM:
         output, completion = tracked.output, tracked.output.outputs[0]
         output.num_cached_tokens = step_out.num_cached_tokens
         output.num_accepted_tokens = step_out.num_accepted_tokens
-        completion.token_ids.extend(step_out.new_token_ids)
+        token_ids, reason = step_out.new_token_ids, step_out.finish_reason
+        # a step can bring several tokens (speculative decoding): with stop strings, add them one at a time so
+        # the output ends at the token that completes one
+        pieces = [[t] for t in token_ids] if tracked.params.stop else [token_ids]
+        kept, hit = 0, None
+        for i, piece in enumerate(pieces):
+            new_text = tracked.detok.add(piece)
+            kept += len(piece)
+            if i == len(pieces) - 1 and reason is not None:
+                new_text += tracked.detok.flush()
+            if tracked.params.stop and new_text:
+                hit = find_stop(tracked.detok.text, len(new_text), tracked.params.stop)
+                if hit is not None:
+                    break
+        completion.token_ids.extend(token_ids[:kept])
         if tracked.params.logprobs is not None:
             completion.logprobs = completion.logprobs or []
-            completion.logprobs.extend(step_out.new_logprobs)
-        new_text = tracked.detok.add(step_out.new_token_ids)
-        if step_out.finish_reason is not None:
-            new_text += tracked.detok.flush()
+            completion.logprobs.extend(step_out.new_logprobs[:kept])
         completion.text = tracked.detok.text
-        reason = step_out.finish_reason
-        if tracked.params.stop and new_text:
-            hit = find_stop(completion.text, len(new_text), tracked.params.stop)
-            if hit is not None:
-                completion.text = completion.text[: hit[0]]
-                completion.stop_reason = hit[1]
-                reason = "stop"
-                if step_out.finish_reason is None:
-                    self.engine.abort(output.request_id)
-        elif reason == "stop" and step_out.new_token_ids[-1] in tracked.params.stop_token_ids:
-            completion.stop_reason = step_out.new_token_ids[-1]  # EOS leaves it None, as in vLLM
+        if hit is not None:
+            completion.text = completion.text[: hit[0]]
+            completion.stop_reason = hit[1]
+            reason = "stop"
+            if step_out.finish_reason is None:
+                self.engine.abort(output.request_id)
+        elif reason == "stop" and token_ids[-1] in tracked.params.stop_token_ids:
+            completion.stop_reason = token_ids[-1]  # EOS leaves it None, as in vLLM
         if reason is not None:
             completion.finish_reason = reason
             output.finished = True

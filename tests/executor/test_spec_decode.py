@@ -169,6 +169,20 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(self_draft, t
     assert_no_blocks_held(self_draft)
 
 
+def test_a_stop_string_inside_an_accepted_run_ends_the_tokens_there_too(tiny, self_draft):
+    plain = LLM(tiny, kv_cache_memory="8MiB")
+    full = plain.generate([[3, 4, 5]], SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))[0]
+    text = full.outputs[0].text
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    assert stop and stop not in text[: len(text) // 3]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, stop=[stop])
+    expected = plain.generate([[3, 4, 5]], params)[0].outputs[0]
+    out = self_draft.generate([[3, 4, 5]], params)[0].outputs[0]
+    assert (out.text, out.token_ids, out.stop_reason) == (expected.text, expected.token_ids, stop)
+    assert len(out.token_ids) < MAX_NEW
+    assert_no_blocks_held(self_draft)
+
+
 def test_eos_inside_an_accepted_run_ends_the_output_there(tiny, tiny_reference):
     llm = LLM(tiny, kv_cache_memory="8MiB", speculative_model=tiny, num_speculative_tokens=6)
     eos = tiny_reference[9]
