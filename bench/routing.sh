@@ -13,7 +13,7 @@ for policy in cache_aware round_robin random; do
     --routing-policy "$policy" > "bench/results/routing-$policy.log" 2>&1 &
   up=$!
   until curl -sf "http://127.0.0.1:$PORT/health" | grep -q executor-1; do sleep 1; done
-  .venv/bin/kvserve bench --url "http://127.0.0.1:$PORT" --endpoint completions --prefix-groups 8 \
+  nice -n 19 .venv/bin/kvserve bench --url "http://127.0.0.1:$PORT" --endpoint completions --prefix-groups 8 \
     --prefix-tokens 1024 --question-tokens 32 --tokenizer "$(.venv/bin/kvserve model pull)" \
     --num-requests "$REQUESTS" --concurrency "$CONCURRENCY" --max-tokens 8 --ignore-eos --no-progress \
     --output "bench/results/routing-$policy.json" | tee "bench/results/routing-$policy.txt"

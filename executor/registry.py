@@ -48,7 +48,7 @@ class Registry:
         """Clear whatever an earlier run under this id left, then announce this one."""
         self._info = {**info, "started_at": time.time()}
         pipe = self.client.pipeline()
-        pipe.delete(*self.keys)
+        pipe.delete(*self.keys, keys.inflight_key(self.executor_id))
         self._announce(pipe)
         pipe.execute()
 
@@ -127,6 +127,6 @@ class Registry:
             self._beating.join()
             self._beating = None
         pipe = self.client.pipeline()
-        pipe.delete(*self.keys)
+        pipe.delete(*self.keys, keys.inflight_key(self.executor_id))
         pipe.srem(keys.EXECUTORS, self.executor_id)
         pipe.execute()

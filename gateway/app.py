@@ -67,6 +67,7 @@ class Routed:
     arrival: float  # time.monotonic() when the HTTP request came in
     tried: set[str] = dataclasses.field(default_factory=set)
     timing: ExecutorTiming = dataclasses.field(default_factory=ExecutorTiming)
+    counted_on: str | None = None  # the executor whose in-flight count in Redis includes this request
     first_token_seen: bool = False
 
 
@@ -100,6 +101,7 @@ class Gateway:
         self.directory = ExecutorDirectory(config.redis_url)
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics()
+        self.background: set[asyncio.Task] = set()
 
     async def startup(self) -> None:
         self.client = ExecutorClient()
@@ -157,18 +159,42 @@ class Gateway:
         self.metrics.requests.labels(endpoint, "200").inc()
         self.metrics.tokens.labels("prompt").inc(len(routed.request.prompt_token_ids))
         # sent before the response starts, so the executor works while the HTTP machinery sets up
-        await self.client.submit(routed.executor.address, routed.request, routed.timing)
+        await self._submit(routed)
         if routed.stream:
             return ReleasingStreamingResponse(
                 self._events(routed),
-                release=lambda: self.client.release(routed.executor.address, routed.request.request_id),
+                release=lambda: self._end(routed),
                 media_type="text/event-stream",
                 headers={EXECUTOR_HEADER: routed.executor.executor_id, "cache-control": "no-cache"},
             )
         try:
             return await self._whole(request, routed)
         finally:
-            await self.client.release(routed.executor.address, routed.request.request_id)
+            await self._end(routed)
+
+    async def _submit(self, routed: Routed) -> None:
+        """Send to the chosen executor, then count the request in its in-flight count until its first update,
+        so concurrent routing decisions (any gateway's) see it before the executor's own load does."""
+        await self.client.submit(routed.executor.address, routed.request, routed.timing)
+        routed.counted_on = routed.executor.executor_id
+        await self._add_inflight(routed.counted_on, 1)
+
+    def _uncount(self, routed: Routed) -> None:
+        if routed.counted_on is not None:
+            task = asyncio.create_task(self._add_inflight(routed.counted_on, -1))  # off the token's path
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
+            routed.counted_on = None
+
+    async def _add_inflight(self, executor_id: str, delta: int) -> None:
+        try:
+            await self.directory.add_inflight(executor_id, delta)
+        except Exception as error:  # a routing hint only: the request goes on, the count's TTL heals it
+            log.warning("in-flight count of %s not updated: %s", executor_id, error)
+
+    async def _end(self, routed: Routed) -> None:
+        self._uncount(routed)
+        await self.client.release(routed.executor.address, routed.request.request_id)
 
     async def _route(self, request: Request, endpoint: str, arrival: float) -> Routed:
         length = request.headers.get("content-length")
@@ -237,7 +263,9 @@ class Gateway:
                 async for update in self.client.updates(
                     executor.address, routed.request.request_id, alive, routed.timing
                 ):
-                    streamed = True
+                    if not streamed:
+                        streamed = True
+                        self._uncount(routed)  # from now on the executor's published load counts it
                     self.metrics.tokens.labels("completion").inc(len(update.token_ids))
                     yield update
                 return
@@ -252,8 +280,9 @@ class Gateway:
                         502, f"executor {executor.executor_id} stopped answering mid-stream", "server_error"
                     ) from None
                 routed.tried.add(executor.executor_id)
+                self._uncount(routed)
                 routed.executor, _ = await self._choose(routed.request.prompt_token_ids, routed.tried)
-                await self.client.submit(routed.executor.address, routed.request, routed.timing)
+                await self._submit(routed)
 
     async def _events(self, routed: Routed):
         stream = EventStream(routed.generation, routed.include_usage)

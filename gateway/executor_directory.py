@@ -24,12 +24,13 @@ class ExecutorInfo:
     max_model_len: int
 
 
-# KEYS[1]: the set of executor ids. ARGV: key prefix, blocks suffix, load suffix, then the prompt's hex hashes.
-# Returns, per live executor: {id, registration (flat HGETALL), held flags (SMISMEMBER), load (flat HGETALL)}.
+# KEYS[1]: the set of executor ids. ARGV: key prefix, blocks, load and inflight suffixes, then the prompt's
+# hex hashes. Returns, per live executor: {id, registration (flat HGETALL), held flags (SMISMEMBER),
+# load (flat HGETALL), in-flight count (or nil)}.
 _ROUTING_VIEW = """
-local prefix, blocks, load = ARGV[1], ARGV[2], ARGV[3]
+local prefix, blocks, load, inflight = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local hashes = {}
-for i = 4, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+for i = 5, #ARGV do hashes[#hashes + 1] = ARGV[i] end
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local key = prefix .. id
@@ -37,7 +38,7 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if #info > 0 then
     local held = {}
     if #hashes > 0 then held = redis.call('SMISMEMBER', key .. blocks, unpack(hashes)) end
-    out[#out + 1] = {id, info, held, redis.call('HGETALL', key .. load)}
+    out[#out + 1] = {id, info, held, redis.call('HGETALL', key .. load), redis.call('GET', key .. inflight)}
   end
 end
 return out
@@ -45,6 +46,7 @@ return out
 _PREFIX = redis_keys.executor_key("")
 _BLOCKS_SUFFIX = redis_keys.blocks_key("").removeprefix(_PREFIX)
 _LOAD_SUFFIX = redis_keys.load_key("").removeprefix(_PREFIX)
+_INFLIGHT_SUFFIX = redis_keys.inflight_key("").removeprefix(_PREFIX)
 
 
 def _as_dict(flat: list[bytes]) -> dict[str, str]:
@@ -62,10 +64,10 @@ class ExecutorDirectory:
     async def routing_view(self, block_hashes: Sequence[bytes] = ()) -> list[tuple[ExecutorInfo, Candidate]]:
         """Live executors (registered, heartbeat not expired), sorted by id, each with its cached leading run
         of block_hashes and its load, in one round trip."""
-        args = [_PREFIX, _BLOCKS_SUFFIX, _LOAD_SUFFIX, *(h.hex() for h in block_hashes)]
+        args = [_PREFIX, _BLOCKS_SUFFIX, _LOAD_SUFFIX, _INFLIGHT_SUFFIX, *(h.hex() for h in block_hashes)]
         rows = await self._routing_view(keys=[redis_keys.EXECUTORS], args=args)
         view = []
-        for raw_id, raw_info, held, raw_load in rows:
+        for raw_id, raw_info, held, raw_load, inflight in rows:
             executor_id, info, load = raw_id.decode(), _as_dict(raw_info), _as_dict(raw_load)
             view.append(
                 (
@@ -83,6 +85,7 @@ class ExecutorDirectory:
                         running=int(load.get("running", 0)),
                         waiting=int(load.get("waiting", 0)),
                         kv_usage=float(load.get("kv_usage", 0.0)),
+                        inflight=max(0, int(inflight or 0)),
                     ),
                 )
             )
@@ -93,6 +96,13 @@ class ExecutorDirectory:
 
     async def is_alive(self, executor_id: str) -> bool:
         return bool(await self.redis.exists(redis_keys.executor_key(executor_id)))
+
+    async def add_inflight(self, executor_id: str, delta: int) -> None:
+        key = redis_keys.inflight_key(executor_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.incrby(key, delta)
+            pipe.expire(key, redis_keys.INFLIGHT_TTL_S)
+            await pipe.execute()
 
     async def next_round_robin(self) -> int:
         return int(await self.redis.incr(redis_keys.ROUND_ROBIN))

@@ -8,6 +8,10 @@ Layout (`<id>` is an executor id):
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
 - `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached.
 - `kvserve:executor:<id>:load`        hash: running, waiting, kv_usage (0..1), updated_at.
+- `kvserve:executor:<id>:inflight`    counter the gateways keep: requests routed there whose first update has not
+                                      come back yet, so none of them is in the executor's load (a burst of
+                                      arrivals would otherwise all see the same idle executor). Its own TTL,
+                                      INFLIGHT_TTL_S from the last routing, bounds drift from a gateway that died.
 - `kvserve:gateway:round_robin`       counter the gateways share for the round_robin routing policy.
 All of an executor's keys carry the heartbeat TTL, so a dead executor's entries expire together.
 """
@@ -20,6 +24,7 @@ EXECUTORS = "kvserve:executors"
 ROUND_ROBIN = "kvserve:gateway:round_robin"  # counter shared by every gateway replica
 HEARTBEAT_TTL_S = 5
 HEARTBEAT_INTERVAL_S = 1.0
+INFLIGHT_TTL_S = 30
 
 _EXECUTOR_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
@@ -41,6 +46,10 @@ def blocks_key(executor_id: str) -> str:
 
 def load_key(executor_id: str) -> str:
     return f"kvserve:executor:{executor_id}:load"
+
+
+def inflight_key(executor_id: str) -> str:
+    return f"kvserve:executor:{executor_id}:inflight"
 
 
 def executor_keys(executor_id: str) -> list[str]:

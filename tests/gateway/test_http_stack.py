@@ -212,6 +212,8 @@ def test_health_models_and_metrics(stack):
     with httpx.stream("POST", f"{base}/v1/completions", json=body) as response:
         assert response.status_code == 200 and "data: [DONE]" in list(response.iter_lines())
     after = _samples(httpx.get(f"{base}/metrics").text)
+    # counted in flight from routing to its first update, then no longer
+    assert eventually(lambda: all(int(e.redis.get(keys.inflight_key(e.id)) or 0) == 0 for e in executors))
     served = ("kvserve_gateway_requests_total", (("endpoint", "completion"), ("status", "200")))
     assert after[served] == before.get(served, 0) + 1
     assert after[("kvserve_executor_kv_usage", (("executor", executors[0].id),))] >= 0

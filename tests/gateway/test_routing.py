@@ -1,3 +1,6 @@
+import random
+from collections import Counter
+
 import pytest
 
 from gateway.routing import Candidate, leading_run, route_request
@@ -27,8 +30,16 @@ def test_a_small_cache_hit_does_not_outweigh_a_long_queue():
     assert route_request([hit_but_swamped, cold_idle], prompt_tokens=100, block_size=16) is cold_idle
 
 
-def test_ties_are_deterministic_and_no_executor_is_an_error():
+def test_ties_are_broken_at_random_and_no_executor_is_an_error():
     a, b = Candidate("b", "tcp://b", 0), Candidate("a", "tcp://a", 0)
-    assert route_request([a, b], 50, 16).executor_id == "a"
+    rng = random.Random(0)
+    picks = Counter(route_request([a, b], 50, 16, rng).executor_id for _ in range(200))
+    assert set(picks) == {"a", "b"} and min(picks.values()) > 60  # a cold burst spreads
     with pytest.raises(LookupError):
         route_request([], 50, 16)
+
+
+def test_requests_in_flight_count_as_load_before_the_executor_publishes_them():
+    published_idle = Candidate("a", "tcp://a", 0, inflight=3)
+    quiet = Candidate("b", "tcp://b", 0)
+    assert route_request([published_idle, quiet], 50, 16) is quiet
