@@ -281,9 +281,12 @@ class Engine:
 
     def load(self) -> dict[str, float]:
         """What routing needs, cheap enough to publish every step (stats() walks every block table)."""
+        queued = [*self.scheduler.running, *self.scheduler.waiting]
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            # prompt tokens still to prefill: the work a new request waits behind
+            "prefill_tokens": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
             "kv_usage": self.pool.num_used_blocks / self.pool.num_blocks,
         }
 

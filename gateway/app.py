@@ -34,7 +34,7 @@ from gateway.openai_protocol import (
 )
 from gateway.prompt import prompt_token_ids
 from gateway.responses import EventStream, Generation, response_body
-from gateway.routing import Candidate, route_request
+from gateway.routing import Candidate, prefill_tokens, route_request
 from shared import protocol
 from shared.block_hash import hash_blocks
 from shared.defaults import DEFAULT_BLOCK_SIZE
@@ -67,6 +67,7 @@ class Routed:
     arrival: float  # time.monotonic() when the HTTP request came in
     tried: set[str] = dataclasses.field(default_factory=set)
     timing: ExecutorTiming = dataclasses.field(default_factory=ExecutorTiming)
+    prefill_estimate: int = 0  # prompt tokens the chosen executor has to prefill, by its cached blocks
     counted_on: str | None = None  # the executor whose in-flight count in Redis includes this request
     first_token_seen: bool = False
 
@@ -177,11 +178,12 @@ class Gateway:
         so concurrent routing decisions (any gateway's) see it before the executor's own load does."""
         await self.client.submit(routed.executor.address, routed.request, routed.timing)
         routed.counted_on = routed.executor.executor_id
-        await self._add_inflight(routed.counted_on, 1)
+        await self._add_inflight(routed.counted_on, routed.prefill_estimate)
 
     def _uncount(self, routed: Routed) -> None:
         if routed.counted_on is not None:
-            task = asyncio.create_task(self._add_inflight(routed.counted_on, -1))  # off the token's path
+            # off the token's path
+            task = asyncio.create_task(self._add_inflight(routed.counted_on, -routed.prefill_estimate))
             self.background.add(task)
             task.add_done_callback(self.background.discard)
             routed.counted_on = None
@@ -208,7 +210,7 @@ class Gateway:
         ids = prompt_token_ids(parsed, self.config.tokenizer)
         if not ids:
             raise APIError(400, "the prompt is empty", param="messages" if endpoint == "chat" else "prompt")
-        info, hashes = await self._choose(ids, exclude=set())
+        info, hashes, estimate = await self._choose(ids, exclude=set())
         params = fit_to_context(parsed, len(ids), info.max_model_len)
         generate = protocol.GenerateRequest(
             request_id=uuid.uuid4().hex,
@@ -217,10 +219,13 @@ class Gateway:
             sampling=dataclasses.asdict(params),
         )
         generation = Generation.start(parsed, ids, params.stop, self.config.tokenizer)
-        return Routed(info, generate, generation, parsed.stream, parsed.include_usage, arrival)
+        routed = Routed(info, generate, generation, parsed.stream, parsed.include_usage, arrival)
+        routed.prefill_estimate = estimate
+        return routed
 
-    async def _choose(self, ids: list[int], exclude: set[str]) -> tuple[ExecutorInfo, list[bytes]]:
-        """The executor for a prompt under the routing policy, and the prompt's block hashes."""
+    async def _choose(self, ids: list[int], exclude: set[str]) -> tuple[ExecutorInfo, list[bytes], int]:
+        """The executor for a prompt under the routing policy, the prompt's block hashes, and how many of its
+        tokens that executor would prefill."""
         block_size = DEFAULT_BLOCK_SIZE  # a guess, checked against what the executors report
         hashes = hash_blocks(ids, block_size)
         view = await self._routing_view(hashes, exclude)
@@ -231,11 +236,13 @@ class Gateway:
         view = [(info, load) for info, load in view if info.block_size == block_size]
         policy = self.config.routing_policy
         if policy == "round_robin":
-            return view[await self.directory.next_round_robin() % len(view)][0], hashes
-        if policy == "random":
-            return random.choice(view)[0], hashes
-        chosen = route_request([load for _, load in view], len(ids), block_size)
-        return next(info for info, _ in view if info.executor_id == chosen.executor_id), hashes
+            info, load = view[await self.directory.next_round_robin() % len(view)]
+        elif policy == "random":
+            info, load = random.choice(view)
+        else:
+            load = route_request([load for _, load in view], len(ids), block_size)
+            info = next(info for info, _ in view if info.executor_id == load.executor_id)
+        return info, hashes, prefill_tokens(load, len(ids), block_size)
 
     async def _routing_view(
         self, hashes: list[bytes], exclude: set[str]
@@ -281,7 +288,8 @@ class Gateway:
                     ) from None
                 routed.tried.add(executor.executor_id)
                 self._uncount(routed)
-                routed.executor, _ = await self._choose(routed.request.prompt_token_ids, routed.tried)
+                ids = routed.request.prompt_token_ids
+                routed.executor, _, routed.prefill_estimate = await self._choose(ids, routed.tried)
                 await self._submit(routed)
 
     async def _events(self, routed: Routed):

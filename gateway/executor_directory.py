@@ -85,7 +85,8 @@ class ExecutorDirectory:
                         running=int(load.get("running", 0)),
                         waiting=int(load.get("waiting", 0)),
                         kv_usage=float(load.get("kv_usage", 0.0)),
-                        inflight=max(0, int(inflight or 0)),
+                        prefill_tokens=int(load.get("prefill_tokens", 0)),
+                        inflight_tokens=max(0, int(inflight or 0)),
                     ),
                 )
             )

@@ -1,9 +1,10 @@
 """Which executor serves a request: the one with the least work ahead of it.
 
-Cost = prompt tokens it would still have to prefill (its cached leading run of the prompt's blocks is free)
-+ a load term: the requests already on it or on their way to it, each counted as the prefill-equivalent tokens
-of work it represents, and a penalty as its KV pool fills (a full pool means preemptions). Equal costs are
-broken at random, so a burst of cold requests spreads instead of all taking the first executor.
+Cost, in prefill-equivalent tokens of work ahead of the request's first token = the prompt tokens it would
+still have to prefill there (its cached leading run of the prompt's blocks is free) + the prompt tokens already
+queued there to prefill (published by the executor, plus those of requests on their way to it) + each running
+request's decode share of a step + a penalty as its KV pool fills (a full pool means preemptions). Equal costs
+are broken at random, so a burst of cold requests spreads instead of all taking the first executor.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# one running or waiting request delays a new one about as much as this many prompt tokens of prefill
-TOKENS_PER_QUEUED_REQUEST = 64
+# one running request delays a new one about as much as this many prompt tokens of prefill
+TOKENS_PER_RUNNING_REQUEST = 64
 # at a full KV pool, an executor looks this many tokens more expensive
 TOKENS_AT_FULL_KV = 2048
 
@@ -26,7 +27,8 @@ class Candidate:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0  # share of its KV blocks in use, 0..1
-    inflight: int = 0  # routed there by some gateway, not yet in its published load
+    prefill_tokens: int = 0  # prompt tokens queued there, still to prefill
+    inflight_tokens: int = 0  # prompt tokens to prefill of requests routed there, not yet in its load
 
 
 def leading_run(held: Sequence[bool]) -> int:
@@ -37,11 +39,16 @@ def leading_run(held: Sequence[bool]) -> int:
     return len(held)
 
 
+def prefill_tokens(candidate: Candidate, prompt_tokens: int, block_size: int) -> int:
+    """The prompt tokens this executor would compute; a hit never covers the last one, as in the engine."""
+    return prompt_tokens - min(candidate.cached_blocks * block_size, prompt_tokens - 1)
+
+
 def route_cost(candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
-    # a hit never covers the last prompt token, as in the engine
-    hit_tokens = min(candidate.cached_blocks * block_size, prompt_tokens - 1)
-    load = TOKENS_PER_QUEUED_REQUEST * (candidate.running + candidate.waiting + candidate.inflight)
-    return (prompt_tokens - hit_tokens) + load + TOKENS_AT_FULL_KV * candidate.kv_usage**2
+    queued = candidate.prefill_tokens + candidate.inflight_tokens
+    decodes = TOKENS_PER_RUNNING_REQUEST * candidate.running
+    own = prefill_tokens(candidate, prompt_tokens, block_size)
+    return own + queued + decodes + TOKENS_AT_FULL_KV * candidate.kv_usage**2
 
 
 def route_request(

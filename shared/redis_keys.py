@@ -7,11 +7,12 @@ Layout (`<id>` is an executor id):
                                       max_model_len, started_at. Its TTL is the heartbeat: refreshed every
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
 - `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached.
-- `kvserve:executor:<id>:load`        hash: running, waiting, kv_usage (0..1), updated_at.
-- `kvserve:executor:<id>:inflight`    counter the gateways keep: requests routed there whose first update has not
-                                      come back yet, so none of them is in the executor's load (a burst of
-                                      arrivals would otherwise all see the same idle executor). Its own TTL,
-                                      INFLIGHT_TTL_S from the last routing, bounds drift from a gateway that died.
+- `kvserve:executor:<id>:load`        hash: running, waiting, prefill_tokens (prompt tokens still to prefill),
+                                      kv_usage (0..1), updated_at.
+- `kvserve:executor:<id>:inflight`    counter the gateways keep: prompt tokens to prefill of requests routed there
+                                      whose first update has not come back yet, so not in the executor's load (a
+                                      burst of arrivals would otherwise all see the same idle executor). Its own
+                                      TTL, INFLIGHT_TTL_S from the last routing, bounds drift from a dead gateway.
 - `kvserve:gateway:round_robin`       counter the gateways share for the round_robin routing policy.
 All of an executor's keys carry the heartbeat TTL, so a dead executor's entries expire together.
 """

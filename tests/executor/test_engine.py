@@ -157,3 +157,18 @@ def test_a_sliding_window_bounds_max_model_len(tiny_models):
     assert LLM(tiny_models["mistral"], kv_cache_memory="4MiB").engine.max_model_len == 512
     with pytest.raises(ValueError, match="sliding window"):
         LLM(tiny_models["mistral"], kv_cache_memory="4MiB", max_model_len=1000)
+
+
+def test_load_counts_the_prompt_tokens_still_to_prefill(llm):
+    """What routing weighs: the prefill work a new request would wait behind."""
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    # prompts no other test sends, so no prefix hit; 100 tokens take two steps at a 64-token budget
+    first = llm.add_request(list(range(4200, 4300)), params)
+    second = llm.add_request(list(range(4300, 4340)), params)
+    assert llm.engine.load()["prefill_tokens"] == 140
+    llm.step()  # the first 64 of the first prompt
+    assert llm.engine.load()["prefill_tokens"] == 76
+    while llm.engine.has_unfinished():
+        llm.step()
+    assert llm.engine.load()["prefill_tokens"] == 0
+    assert {first, second} and llm.engine.load()["running"] == 0

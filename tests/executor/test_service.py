@@ -128,7 +128,13 @@ def test_redis_holds_registration_block_hashes_and_load(executor, gateway):
     assert "stale" not in held  # what an earlier run under this id left was cleared on start
     assert eventually(lambda: r.hget(keys.load_key(executor.id), "running") == "0")
     load = r.hgetall(keys.load_key(executor.id))
-    assert load == {"running": "0", "waiting": "0", "kv_usage": "0.0", "updated_at": load["updated_at"]}
+    assert load == {
+        "running": "0",
+        "waiting": "0",
+        "prefill_tokens": "0",
+        "kv_usage": "0.0",
+        "updated_at": load["updated_at"],
+    }
     for key in keys.executor_keys(executor.id):
         assert 0 < r.ttl(key) <= keys.HEARTBEAT_TTL_S  # a dead executor's entries expire with it
 

@@ -39,7 +39,12 @@ def test_ties_are_broken_at_random_and_no_executor_is_an_error():
         route_request([], 50, 16)
 
 
-def test_requests_in_flight_count_as_load_before_the_executor_publishes_them():
-    published_idle = Candidate("a", "tcp://a", 0, inflight=3)
-    quiet = Candidate("b", "tcp://b", 0)
-    assert route_request([published_idle, quiet], 50, 16) is quiet
+def test_queued_prefill_counts_including_requests_still_on_their_way():
+    # a holds a 200-token partial hit but is busy prefilling a cold 1,024-token prompt: b starts sooner
+    busy = Candidate("a", "tcp://a", cached_blocks=12, prefill_tokens=1024)
+    idle = Candidate("b", "tcp://b", 0)
+    assert route_request([busy, idle], 1056, 16) is idle
+    # the same when that prompt was only just routed there by some gateway, not yet in a's published load
+    on_its_way = Candidate("a", "tcp://a", cached_blocks=12, inflight_tokens=1024)
+    assert route_request([on_its_way, idle], 1056, 16) is idle
+    assert route_request([Candidate("a", "tcp://a", cached_blocks=12), idle], 1056, 16).executor_id == "a"
