@@ -219,9 +219,15 @@ class Gateway:
             sampling=dataclasses.asdict(params),
         )
         generation = Generation.start(parsed, ids, params.stop, self.config.tokenizer)
-        routed = Routed(info, generate, generation, parsed.stream, parsed.include_usage, arrival)
-        routed.prefill_estimate = estimate
-        return routed
+        return Routed(
+            info,
+            generate,
+            generation,
+            parsed.stream,
+            parsed.include_usage,
+            arrival,
+            prefill_estimate=estimate,
+        )
 
     async def _choose(self, ids: list[int], exclude: set[str]) -> tuple[ExecutorInfo, list[bytes], int]:
         """The executor for a prompt under the routing policy, the prompt's block hashes, and how many of its
