@@ -13,8 +13,17 @@ Layout (`<id>` is an executor id):
                                       whose first update has not come back yet, so not in the executor's load (a
                                       burst of arrivals would otherwise all see the same idle executor). Its own
                                       TTL, INFLIGHT_TTL_S from the last routing, bounds drift from a dead gateway.
+- `kvserve:executor:<id>:stats`       hash: the executor's cumulative counters, gauges and queue-time histogram
+                                      (shared.executor_stats), read by every gateway's /metrics.
 - `kvserve:gateway:round_robin`       counter the gateways share for the round_robin routing policy.
 All of an executor's keys carry the heartbeat TTL, so a dead executor's entries expire together.
+
+Tenancy (`<key_id>` is an API key's public id, `<tenant>` a tenant name):
+- `kvserve:apikeys`                   set of the key ids that are active (created, not revoked).
+- `kvserve:apikey:<key_id>`           hash: the key's record (shared.api_keys); the secret only as a hash.
+- `kvserve:tenant:<tenant>`           hash: cache_salt, the tenant's secret that salts its block hashes.
+- `kvserve:tenant:<tenant>:usage`     hash of counters: requests, prompt_tokens, completion_tokens, ...
+- `kvserve:limit:<key_id>:*`          the key's rate-limit state (gateway.limits).
 """
 
 from __future__ import annotations
@@ -53,6 +62,30 @@ def inflight_key(executor_id: str) -> str:
     return f"kvserve:executor:{executor_id}:inflight"
 
 
+def stats_key(executor_id: str) -> str:
+    return f"kvserve:executor:{executor_id}:stats"
+
+
 def executor_keys(executor_id: str) -> list[str]:
     """Every key one executor owns."""
-    return [executor_key(executor_id), blocks_key(executor_id), load_key(executor_id)]
+    return [executor_key(executor_id), blocks_key(executor_id), load_key(executor_id), stats_key(executor_id)]
+
+
+API_KEYS = "kvserve:apikeys"
+
+
+def api_key_key(key_id: str) -> str:
+    return f"kvserve:apikey:{key_id}"
+
+
+def tenant_key(tenant: str) -> str:
+    return f"kvserve:tenant:{tenant}"
+
+
+def tenant_usage_key(tenant: str) -> str:
+    return f"kvserve:tenant:{tenant}:usage"
+
+
+def limit_key(key_id: str, kind: str) -> str:
+    """kind: rpm, tpm or concurrency."""
+    return f"kvserve:limit:{key_id}:{kind}"
