@@ -12,6 +12,7 @@ from executor.config import add_engine_args, config_from_args
 from executor.model_files import DEFAULT_MODEL, ModelLoadError, resolve_model
 from executor.service import add_executor_command
 from gateway.cli import add_gateway_commands
+from gateway.keys_cli import add_keys_commands
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -79,6 +80,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_generate_command,
     add_executor_command,
     add_gateway_commands,
+    add_keys_commands,
     add_bench_command,
 ]
 

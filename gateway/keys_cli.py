@@ -1,0 +1,136 @@
+"""`kvserve keys create|list|revoke|usage`: tenants' API keys and what they used, straight from Redis."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import redis
+
+from shared.api_keys import KeyRecord, KeyStore, key_id_of, parse_models
+
+USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "rejected")
+
+
+def add_keys_commands(commands: argparse._SubParsersAction) -> None:
+    keys = commands.add_parser("keys", help="tenants' API keys: create, list, revoke, usage")
+    actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    create = actions.add_parser("create", help="create a key for a tenant and print it (shown only once)")
+    create.add_argument("--tenant", required=True, help="1-64 of A-Z a-z 0-9 _ . -")
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute (default: unlimited)")
+    create.add_argument("--tpm", type=int, default=None, help="prompt + completion tokens per minute")
+    create.add_argument("--max-concurrency", type=int, default=None, help="requests running at once")
+    create.add_argument("--models", default=None, help="comma-separated model names (default: every model)")
+    create.set_defaults(run=create_key)
+
+    listing = actions.add_parser("list", help="every key, revoked ones too, newest first")
+    listing.add_argument("--tenant", default=None)
+    listing.set_defaults(run=list_keys)
+
+    revoke = actions.add_parser("revoke", help="revoke a key: its requests are refused from now on")
+    revoke.add_argument("key", metavar="KEY_ID_OR_KEY")
+    revoke.set_defaults(run=revoke_key)
+
+    usage = actions.add_parser("usage", help="each tenant's counters: requests, tokens, rejections")
+    usage.add_argument("--tenant", default=None)
+    usage.set_defaults(run=show_usage)
+
+    for action in (create, listing, revoke, usage):
+        action.add_argument(
+            "--redis-url", default=os.environ.get("KVSERVE_REDIS_URL"), help="default: $KVSERVE_REDIS_URL"
+        )
+        action.set_defaults(handler=run_keys)
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    """Connect, then run the action; bad input exits 2, Redis trouble 1, each with a message."""
+    command = f"kvserve keys {args.action}"
+    if not args.redis_url:
+        print(f"{command}: error: --redis-url: not given and KVSERVE_REDIS_URL is not set", file=sys.stderr)
+        return 2
+    run: Callable[[KeyStore, argparse.Namespace], int] = args.run
+    try:
+        return run(KeyStore(redis.Redis.from_url(args.redis_url, decode_responses=True)), args)
+    except ValueError as error:
+        print(f"{command}: error: {error}", file=sys.stderr)
+        return 2
+    except redis.RedisError as error:
+        print(f"{command}: error: Redis at {args.redis_url}: {error}", file=sys.stderr)
+        return 1
+
+
+def create_key(store: KeyStore, args: argparse.Namespace) -> int:
+    key, record = store.create(
+        args.tenant, args.rpm, args.tpm, args.max_concurrency, models=parse_models(args.models)
+    )
+    print(key, flush=True)
+    print(
+        f"API key {record.key_id} for tenant {record.tenant}: shown only this once, store it now",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]]) -> None:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def _limit(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _row(record: KeyRecord) -> list[str]:
+    return [
+        record.key_id,
+        record.tenant,
+        _limit(record.rpm),
+        _limit(record.tpm),
+        _limit(record.max_concurrency),
+        ",".join(record.models) if record.models else "all",
+        time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(record.created_at)),
+        "active" if record.revoked_at is None else "revoked",
+    ]
+
+
+def list_keys(store: KeyStore, args: argparse.Namespace) -> int:
+    records = store.list(args.tenant)
+    if not records:
+        print("no API keys" + (f" for tenant {args.tenant}" if args.tenant else ""), file=sys.stderr)
+        return 0
+    header = ["KEY ID", "TENANT", "RPM", "TPM", "MAX CONCURRENCY", "MODELS", "CREATED", "STATUS"]
+    _table(header, [_row(r) for r in records])
+    return 0
+
+
+def revoke_key(store: KeyStore, args: argparse.Namespace) -> int:
+    key_id = key_id_of(args.key)
+    record = store.revoke(key_id) if key_id else None
+    if record is None:
+        problem = (
+            f"no API key with id {key_id}" if key_id else "not a key id (16 hex characters) or a kvs_ key"
+        )
+        print(f"kvserve keys revoke: error: {problem}", file=sys.stderr)  # never echo a secret back
+        return 1
+    print(f"revoked {record.key_id} (tenant {record.tenant})")
+    return 0
+
+
+def show_usage(store: KeyStore, args: argparse.Namespace) -> int:
+    usage = store.usage(args.tenant)
+    if not usage:
+        print("no usage recorded yet", file=sys.stderr)
+        return 0
+    others = sorted({name for counters in usage.values() for name in counters} - set(USAGE_COUNTERS))
+    header = ["TENANT", *(name.upper() for name in (*USAGE_COUNTERS, *others))]
+    rows = [
+        [tenant, *(str(counters.get(name, 0)) for name in (*USAGE_COUNTERS, *others))]
+        for tenant, counters in usage.items()
+    ]
+    _table(header, rows)
+    return 0

@@ -1,0 +1,192 @@
+"""Per-key rate limits shared by every gateway replica: requests per minute, tokens per minute, concurrency.
+
+Each check-and-consume is one Lua script, so it is atomic across replicas, and it reads Redis's own clock
+(TIME), since the gateways' clocks differ. A refused request consumes nothing. The minute limits are token
+buckets that refill continuously; concurrency is a sorted set of request ids scored by lease expiry, so the
+slots of a gateway that died free themselves after LEASE_S. Every state key expires once it would read the
+same as a missing one (a full bucket, an empty set): idle keys cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from shared import redis_keys
+from shared.api_keys import KeyRecord, record_usage
+
+_CLOCK = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+"""
+
+# A bucket is a hash {level, at}: its level at server time `at`. It refills at capacity per minute up to
+# capacity; a missing bucket is full. Levels may go below zero (a tpm debt).
+_BUCKETS = """
+local function level(key, capacity)
+  local state = redis.call('HMGET', key, 'level', 'at')
+  if not state[1] then return capacity end
+  return math.min(capacity, tonumber(state[1]) + (now - tonumber(state[2])) * capacity / 60)
+end
+
+local function store(key, capacity, value)
+  redis.call('HSET', key, 'level', value, 'at', now)
+  redis.call('PEXPIRE', key, math.ceil((capacity - value) * 60000 / capacity) + 1000)
+end
+"""
+
+# KEYS: rpm bucket, tpm bucket, concurrency set. ARGV: rpm, tpm, max_concurrency (0: unlimited), tokens to
+# reserve, request id, lease seconds. Returns {} when admitted, else {limit, seconds to wait} for the limit
+# that needs the longest wait.
+_ADMIT = (
+    _CLOCK
+    + _BUCKETS
+    + """
+local rpm, tpm, max_concurrency = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local reserve, request_id, lease = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local refused, wait = nil, 0
+local function refuse(limit, seconds)
+  if not refused or seconds > wait then refused, wait = limit, seconds end
+end
+
+local requests, tokens
+if rpm > 0 then
+  requests = level(KEYS[1], rpm)
+  if requests < 1 then refuse('rpm', (1 - requests) * 60 / rpm) end
+end
+if tpm > 0 then
+  tokens = level(KEYS[2], tpm)
+  -- a request bigger than a whole minute's budget runs alone on a full bucket, taking it into debt
+  if tokens < reserve and not (reserve > tpm and tokens >= tpm) then
+    refuse('tpm', (math.min(reserve, tpm) - tokens) * 60 / tpm)
+  end
+end
+if max_concurrency > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= max_concurrency then refuse('max_concurrency', 1) end
+end
+if refused then return {refused, tostring(wait)} end
+
+if rpm > 0 then store(KEYS[1], rpm, requests - 1) end
+if tpm > 0 then store(KEYS[2], tpm, tokens - reserve) end
+if max_concurrency > 0 then
+  redis.call('ZADD', KEYS[3], now + lease, request_id)
+  redis.call('PEXPIRE', KEYS[3], math.ceil(lease * 1000) + 1000)
+end
+return {}
+"""
+)
+
+# KEYS: tpm bucket, concurrency set. ARGV: tpm (0: unlimited), tokens to refund (negative: charge), request id.
+_RELEASE = (
+    _CLOCK
+    + _BUCKETS
+    + """
+local tpm, refund = tonumber(ARGV[1]), tonumber(ARGV[2])
+if tpm > 0 and refund ~= 0 then store(KEYS[1], tpm, math.min(tpm, level(KEYS[1], tpm) + refund)) end
+redis.call('ZREM', KEYS[2], ARGV[3])
+return 0
+"""
+)
+
+# KEYS: concurrency sets. ARGV: lease seconds, then the request id for each key. Only ids still present.
+_REFRESH = (
+    _CLOCK
+    + """
+local lease = tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  if redis.call('ZADD', key, 'XX', 'CH', now + lease, ARGV[i + 1]) == 1 then
+    redis.call('PEXPIRE', key, math.ceil(lease * 1000) + 1000)
+  end
+end
+return 0
+"""
+)
+
+
+@dataclass(slots=True, frozen=True)
+class Admission:
+    admitted: bool
+    limit: str | None = None  # which limit refused: "rpm" | "tpm" | "max_concurrency"
+    retry_after_s: float = 0.0  # for the Retry-After header
+    message: str = ""  # names the limit and its value
+
+
+ADMITTED = Admission(True)
+
+
+def _refusal_message(record: KeyRecord, limit: str, reserve_tokens: int) -> str:
+    if limit == "rpm":
+        return f"requests per minute limit {record.rpm} reached for this API key"
+    if limit == "tpm":
+        return (
+            f"tokens per minute limit {record.tpm} reached for this API key "
+            f"(this request reserves {reserve_tokens}: prompt plus max_tokens)"
+        )
+    return f"concurrent requests limit {record.max_concurrency} reached for this API key"
+
+
+class Limiter:
+    LEASE_S = 60.0  # a concurrency slot expires unless refreshed (a dead gateway's slots heal)
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self._admit = client.register_script(_ADMIT)
+        self._release = client.register_script(_RELEASE)
+        self._refresh = client.register_script(_REFRESH)
+
+    async def admit(self, record: KeyRecord, request_id: str, reserve_tokens: int) -> Admission:
+        """Check every limit of the key and, only if all pass, take one request, reserve_tokens and a slot."""
+        if record.rpm is None and record.tpm is None and record.max_concurrency is None:
+            return ADMITTED
+        keys = [redis_keys.limit_key(record.key_id, kind) for kind in ("rpm", "tpm", "concurrency")]
+        limits = [record.rpm or 0, record.tpm or 0, record.max_concurrency or 0]
+        reply = await self._admit(keys=keys, args=[*limits, reserve_tokens, request_id, self.LEASE_S])
+        if not reply:
+            return ADMITTED
+        limit = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
+        return Admission(False, limit, float(reply[1]), _refusal_message(record, limit, reserve_tokens))
+
+    async def release(
+        self,
+        record: KeyRecord,
+        request_id: str,
+        reserved_tokens: int,
+        used_tokens: int,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+    ) -> None:
+        """Free the request's slot, refund the tokens it reserved but did not use (or charge the excess) and
+        count it in its tenant's usage, in one round trip."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            if record.tpm is not None or record.max_concurrency is not None:
+                keys = [redis_keys.limit_key(record.key_id, kind) for kind in ("tpm", "concurrency")]
+                args = [record.tpm or 0, reserved_tokens - used_tokens, request_id]
+                await self._release(keys=keys, args=args, client=pipe)
+            record_usage(
+                pipe,
+                record.tenant,
+                requests=1,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                cached_tokens=cached_tokens,
+            )
+            await pipe.execute()
+
+    async def refresh(self, leases: list[tuple[KeyRecord, str]]) -> None:
+        """Extend the concurrency leases of requests still running; released ones stay released."""
+        limited = [
+            (record, request_id) for record, request_id in leases if record.max_concurrency is not None
+        ]
+        if not limited:
+            return
+        keys = [redis_keys.limit_key(record.key_id, "concurrency") for record, _ in limited]
+        await self._refresh(keys=keys, args=[self.LEASE_S, *(request_id for _, request_id in limited)])
+
+    async def count_rejected(self, record: KeyRecord) -> None:
+        """Count a refused (429) request in its tenant's usage."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            record_usage(pipe, record.tenant, rejected=1)
+            await pipe.execute()

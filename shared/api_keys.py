@@ -1,0 +1,236 @@
+"""Tenants' API keys in Redis: the CLI creates and revokes them (sync client), the gateway authenticates
+every request with them (asyncio client).
+
+A key reads `kvs_<key_id>_<secret>`. The key id (16 hex characters) is public: `kvserve keys list` shows it and
+`revoke` takes it. Redis keeps only the secret's SHA-256, never the key, so a copy of Redis lets nobody in.
+Each record carries its tenant's cache salt, so authenticating a request is a single HGETALL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from shared import redis_keys
+
+KEY_PREFIX = "kvs_"
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+_KEY = re.compile(r"kvs_([0-9a-f]{16})_([A-Za-z0-9_-]{16,128})")  # the secret is secrets.token_urlsafe
+_TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # it becomes part of Redis keys and Prometheus labels
+LIMITS = ("rpm", "tpm", "max_concurrency")
+
+
+@dataclass(slots=True, frozen=True)
+class KeyRecord:
+    key_id: str
+    tenant: str
+    cache_salt: str  # the tenant's secret (same for every key of a tenant)
+    rpm: int | None  # requests per minute; None = unlimited
+    tpm: int | None  # tokens (prompt + completion) per minute
+    max_concurrency: int | None
+    models: tuple[str, ...] | None  # None = every model
+    created_at: float
+    revoked_at: float | None = None
+
+
+def new_key() -> tuple[str, str, str]:
+    """(the full key, its key id, its secret)."""
+    key_id, secret = secrets.token_hex(8), secrets.token_urlsafe(32)
+    return f"{KEY_PREFIX}{key_id}_{secret}", key_id, secret
+
+
+def key_id_of(key_id_or_key: str) -> str | None:
+    """The key id in a key id or a full key; None when the text is neither."""
+    if _KEY_ID.fullmatch(key_id_or_key):
+        return key_id_or_key
+    match = _KEY.fullmatch(key_id_or_key)
+    return match.group(1) if match else None
+
+
+def check_tenant(tenant: str) -> str:
+    if not isinstance(tenant, str) or not _TENANT.fullmatch(tenant):
+        raise ValueError(f"tenant: {tenant!r} must be 1-64 of A-Z a-z 0-9 _ . -")
+    return tenant
+
+
+def _check_limit(name: str, value: int | None) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}: {value!r} must be a positive integer (or unset for no limit)")
+    return value
+
+
+def parse_models(text: str | None) -> tuple[str, ...] | None:
+    """ "a,b" -> ("a", "b"); None or "" -> None (every model)."""
+    if text is None or not text.strip():
+        return None
+    models = tuple(name.strip() for name in text.split(","))
+    if not all(models):
+        raise ValueError(f"models: {text!r} has an empty name; give comma-separated model names")
+    return models
+
+
+def _check_models(models: tuple[str, ...] | list[str] | None) -> tuple[str, ...] | None:
+    if models is None:
+        return None
+    models = tuple(models)
+    if not models or not all(isinstance(m, str) and m.strip() and "," not in m for m in models):
+        raise ValueError(
+            f"models: {models!r} must be non-empty model names without commas (or unset for all)"
+        )
+    return models
+
+
+def _secret_hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _text(value: Any) -> str:
+    """Clients with and without decode_responses both serve."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _decoded(fields: dict) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in fields.items()}
+
+
+def _optional_int(text: str) -> int | None:
+    return int(text) if text else None
+
+
+def _record(key_id: str, fields: dict[str, str]) -> KeyRecord:
+    return KeyRecord(
+        key_id=key_id,
+        tenant=fields["tenant"],
+        cache_salt=fields["cache_salt"],
+        rpm=_optional_int(fields["rpm"]),
+        tpm=_optional_int(fields["tpm"]),
+        max_concurrency=_optional_int(fields["max_concurrency"]),
+        models=tuple(fields["models"].split(",")) if fields["models"] else None,
+        created_at=float(fields["created_at"]),
+        revoked_at=float(fields["revoked_at"]) if fields["revoked_at"] else None,
+    )
+
+
+def record_usage(pipe: Any, tenant: str, **counters: int) -> None:
+    """Queue HINCRBY of each counter into the tenant's usage hash on a (sync or asyncio) pipeline."""
+    key = redis_keys.tenant_usage_key(tenant)
+    for name, amount in counters.items():
+        pipe.hincrby(key, name, amount)
+
+
+class KeyStore:
+    """Create, list and revoke keys and read tenants' usage; the CLI's side of the key records."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+
+    def create(
+        self,
+        tenant: str,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        max_concurrency: int | None = None,
+        models: tuple[str, ...] | list[str] | None = None,
+    ) -> tuple[str, KeyRecord]:
+        """(the full key, to show once, and its record)."""
+        check_tenant(tenant)
+        limits = {
+            name: _check_limit(name, value)
+            for name, value in zip(LIMITS, (rpm, tpm, max_concurrency), strict=True)
+        }
+        models = _check_models(models)
+        with self.client.pipeline() as pipe:  # MULTI: a tenant's first two keys race to the same salt
+            pipe.hsetnx(redis_keys.tenant_key(tenant), "cache_salt", secrets.token_hex(32))
+            pipe.hget(redis_keys.tenant_key(tenant), "cache_salt")
+            _, salt = pipe.execute()
+        key, key_id, secret = new_key()
+        record = KeyRecord(key_id, tenant, _text(salt), **limits, models=models, created_at=time.time())
+        fields = {
+            "secret_sha256": _secret_hash(secret),
+            "tenant": tenant,
+            "cache_salt": record.cache_salt,
+            **{name: "" if value is None else str(value) for name, value in limits.items()},
+            "models": ",".join(models) if models else "",
+            "created_at": repr(record.created_at),
+            "revoked_at": "",
+        }
+        with self.client.pipeline() as pipe:
+            pipe.hset(redis_keys.api_key_key(key_id), mapping=fields)
+            pipe.sadd(redis_keys.API_KEYS, key_id)
+            pipe.execute()
+        return key, record
+
+    def list(self, tenant: str | None = None) -> list[KeyRecord]:
+        """Every key (revoked ones too) of one tenant or of all, newest first."""
+        prefix = redis_keys.api_key_key("")
+        key_ids = sorted({_text(k).removeprefix(prefix) for k in self.client.scan_iter(match=prefix + "*")})
+        with self.client.pipeline(transaction=False) as pipe:
+            for key_id in key_ids:
+                pipe.hgetall(redis_keys.api_key_key(key_id))
+            rows = pipe.execute()
+        records = [
+            _record(key_id, _decoded(fields)) for key_id, fields in zip(key_ids, rows, strict=True) if fields
+        ]
+        if tenant is not None:
+            records = [r for r in records if r.tenant == tenant]
+        return sorted(records, key=lambda r: r.created_at, reverse=True)
+
+    def revoke(self, key_id_or_key: str) -> KeyRecord | None:
+        """Revoke by key id or full key; None when no such key. Revoking twice keeps the first time."""
+        key_id = key_id_of(key_id_or_key)
+        if key_id is None:
+            return None
+        record_key = redis_keys.api_key_key(key_id)
+        fields = _decoded(self.client.hgetall(record_key))
+        if not fields:
+            return None
+        if not fields["revoked_at"]:
+            fields["revoked_at"] = repr(time.time())
+            with self.client.pipeline() as pipe:
+                pipe.hset(record_key, "revoked_at", fields["revoked_at"])
+                pipe.srem(redis_keys.API_KEYS, key_id)
+                pipe.execute()
+        return _record(key_id, fields)
+
+    def usage(self, tenant: str | None = None) -> dict[str, dict[str, int]]:
+        """tenant -> its counters (requests, prompt_tokens, completion_tokens, cached_tokens, rejected)."""
+        if tenant is not None:
+            tenants = [check_tenant(tenant)]
+        else:
+            head, tail = redis_keys.tenant_usage_key("\0").split("\0")
+            found = {_text(k) for k in self.client.scan_iter(match=redis_keys.tenant_usage_key("*"))}
+            tenants = sorted(k.removeprefix(head).removesuffix(tail) for k in found)
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in tenants:
+                pipe.hgetall(redis_keys.tenant_usage_key(name))
+            rows = pipe.execute()
+        return {
+            name: {counter: int(value) for counter, value in _decoded(fields).items()}
+            for name, fields in zip(tenants, rows, strict=True)
+        }
+
+
+async def authenticate(client: aioredis.Redis, presented: str) -> KeyRecord | None:
+    """The record of an active key; None for malformed, unknown or revoked keys. One round trip."""
+    match = _KEY.fullmatch(presented)
+    if match is None:
+        return None
+    key_id, secret = match.groups()
+    fields = _decoded(await client.hgetall(redis_keys.api_key_key(key_id)))
+    if not fields or not hmac.compare_digest(_secret_hash(secret), fields["secret_sha256"]):
+        return None
+    record = _record(key_id, fields)
+    return None if record.revoked_at is not None else record
+
+
+async def keys_configured(client: aioredis.Redis) -> bool:
+    """Whether any active key exists (created and not revoked)."""
+    return await client.scard(redis_keys.API_KEYS) > 0
