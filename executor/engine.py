@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,7 @@ class Engine:
         self.backoff = SpecBackoff(config.speculative_disable_by_batch_size)
         self.num_draft_tokens = 0  # proposals verified, all requests
         self.num_accepted_tokens = 0  # of which accepted
+        self.first_scheduled: list[Request] = []  # requests the last step scheduled for the first time
         capacity = num_blocks * self.block_size
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens; %.1f requests of max_model_len %d fit",
@@ -170,6 +172,10 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
+        now = time.time_ns()
+        self.first_scheduled = [r for r, _ in sched.scheduled if not r.first_scheduled_ns]
+        for request in self.first_scheduled:
+            request.first_scheduled_ns = now
         if not sched.scheduled:
             if self.scheduler.num_unfinished:
                 raise RuntimeError(
@@ -181,7 +187,10 @@ class Engine:
         for request, n in sched.scheduled:
             request.num_computed_tokens += n
         outputs, finished = [], []
-        for request, token_ids, logprobs in zip(step.requests, *self._sample(step), strict=True):
+        sampled = self._sample(step)
+        now = time.time_ns()
+        for request, token_ids, logprobs in zip(step.requests, *sampled, strict=True):
+            request.first_token_ns = request.first_token_ns or now
             out = self._advance(request, token_ids, logprobs)
             outputs.append(out)
             if out.finish_reason is not None:
@@ -274,6 +283,7 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.finished_ns = time.time_ns()
         self.scheduler.remove(request)
         self.backoff.forget(request.request_id)
 
@@ -290,6 +300,16 @@ class Engine:
             "kv_usage": self.pool.num_used_blocks / self.pool.num_blocks,
         }
 
+    def counters(self) -> dict[str, int]:
+        """The cumulative counts since start, cheap enough to publish several times a second."""
+        return {
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+        }
+
     def stats(self) -> dict[str, float]:
         filled: dict[int, int] = {}
         for request in self.scheduler.running:
@@ -302,11 +322,7 @@ class Engine:
             "kv_blocks_used": self.pool.num_used_blocks,
             "block_size": self.block_size,
             "kv_tokens_stored": sum(filled.values()),
-            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
-            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "spec_draft_tokens": self.num_draft_tokens,
-            "spec_accepted_tokens": self.num_accepted_tokens,
+            **self.counters(),
             "spec_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens
             if self.num_draft_tokens
             else 0.0,

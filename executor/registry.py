@@ -1,4 +1,4 @@
-"""The executor's published copy of itself in Redis: registration, heartbeat, cached block hashes, load.
+"""The executor's published copy of itself in Redis: registration, heartbeat, cached block hashes, load, stats.
 
 Key names live in shared.redis_keys, which the gateway reads too. The block pool stays the truth; Redis is a
 copy, so a write that fails is kept and retried with the next one rather than lost.
@@ -15,6 +15,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shared import redis_keys as keys
+from shared.executor_stats import ExecutorStats
 
 log = logging.getLogger("kvserve.executor.registry")
 
@@ -40,16 +41,20 @@ class Registry:
         self.keys = keys.executor_keys(executor_id)
         self._pending_added: set[str] = set()
         self._pending_removed: set[str] = set()
+        self._pending_stats: dict[str, float] | None = None
         self._failing = False
         self._info: dict[str, str | int | float] = {}
         self._beating: threading.Thread | None = None
 
     def register(self, info: dict[str, str | int]) -> None:
-        """Clear whatever an earlier run under this id left, then announce this one."""
+        """Clear whatever an earlier run under this id left, then announce this one, with zero stats, so a
+        scrape sees this executor from the start."""
         self._info = {**info, "started_at": time.time()}
         pipe = self.client.pipeline()
         pipe.delete(*self.keys, keys.inflight_key(self.executor_id))
         self._announce(pipe)
+        pipe.hset(keys.stats_key(self.executor_id), mapping=ExecutorStats().to_hash())
+        pipe.expire(keys.stats_key(self.executor_id), self.ttl_s)
         pipe.execute()
 
     def _announce(self, pipe) -> None:
@@ -64,16 +69,24 @@ class Registry:
             pipe.expire(key, self.ttl_s)
 
     def publish(
-        self, added: list[bytes], removed: list[bytes], load: dict[str, float], heartbeat: bool = False
+        self,
+        added: list[bytes],
+        removed: list[bytes],
+        load: dict[str, float],
+        heartbeat: bool = False,
+        stats: dict[str, float] | None = None,
     ) -> None:
-        """One round trip: block hashes cached and evicted since the last call, the load, fresh TTLs, and on
-        a heartbeat the registration again. While Redis is failing, changes wait for the next heartbeat."""
+        """One round trip: block hashes cached and evicted since the last call, the load, the stats when given
+        (ExecutorStats.to_hash()), fresh TTLs, and on a heartbeat the registration again. While Redis is failing,
+        changes wait for the next heartbeat."""
         for h in added:
             self._pending_removed.discard(h.hex())
             self._pending_added.add(h.hex())
         for h in removed:
             self._pending_added.discard(h.hex())
             self._pending_removed.add(h.hex())
+        if stats is not None:
+            self._pending_stats = stats  # cumulative: the newest replaces one that has not gone out
         if self._failing and not heartbeat:
             return
         blocks = keys.blocks_key(self.executor_id)
@@ -83,6 +96,8 @@ class Registry:
         if self._pending_removed:
             pipe.srem(blocks, *self._pending_removed)
         pipe.hset(keys.load_key(self.executor_id), mapping={**load, "updated_at": time.time()})
+        if self._pending_stats is not None:
+            pipe.hset(keys.stats_key(self.executor_id), mapping=self._pending_stats)
         if heartbeat:
             self._announce(pipe)
         self._refresh_ttls(pipe)
@@ -98,6 +113,7 @@ class Registry:
         self._failing = False
         self._pending_added.clear()
         self._pending_removed.clear()
+        self._pending_stats = None
 
     def start_heartbeat(self) -> None:
         """Keep the registration alive from a thread of its own: a long engine step (a big prefill on a busy

@@ -24,7 +24,11 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    # wall-clock times (time.time_ns) of its life, for queue-time metrics and trace spans; 0 until it happens
+    arrival_ns: int = field(default_factory=time.time_ns)
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    finished_ns: int = 0
     # prompt + output; the KV of the first num_computed_tokens of them is in the cache
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

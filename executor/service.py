@@ -1,7 +1,8 @@
 """`kvserve executor`: the engine behind a ZeroMQ ROUTER socket, streaming tokens and publishing itself to Redis.
 
 One loop: take every waiting message, run one engine step, send each gateway one StepBatch with all of its
-requests' new tokens, publish cache changes and load to Redis. Bad input is answered and logged, never fatal.
+requests' new tokens, publish cache changes, load and stats to Redis. Bad input is answered and logged, never
+fatal. With tracing on, a request the gateway traced gets its spans when it ends, in the gateway's trace.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis
@@ -22,17 +24,33 @@ import zmq
 from executor.config import add_engine_args, config_from_args
 from executor.registry import Registry, connect
 from executor.sampling_params import SamplingParams
-from shared import protocol
+from shared import logs, protocol, tracing
+from shared.executor_stats import ExecutorStats
 from shared.redis_keys import HEARTBEAT_INTERVAL_S, check_executor_id
 
 if TYPE_CHECKING:  # the engine pulls in torch and transformers: `kvserve --help` should not wait for them
+    from opentelemetry.context import Context
+
     from executor.engine import Engine, StepOutput
+    from executor.request import Request
     from executor.sampler import TokenLogprobs
 
 log = logging.getLogger("kvserve.executor")
 
 IDLE_POLL_MS = 20
+STATS_INTERVAL_S = 0.25  # the stats hash goes out at most this often while the engine is busy
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclass(slots=True)
+class Owned:
+    """A request running here for a gateway."""
+
+    identity: bytes  # the gateway's ZeroMQ identity
+    request: Request
+    tenant: str | None
+    trace_id: str | None  # from the gateway's traceparent, for log lines, with tracing on or off
+    parent: Context | None  # the gateway's span, only while tracing is on: its spans go out when it ends
 
 
 class ExecutorService:
@@ -41,9 +59,12 @@ class ExecutorService:
         self.socket = socket
         self.registry = registry
         self.grace_s = grace_s
-        self.owners: dict[str, bytes] = {}  # request id -> identity of the gateway that sent it
+        self.owners: dict[str, Owned] = {}  # by request id
         self.outbox: dict[bytes, list[protocol.RequestUpdate]] = defaultdict(list)
         self.drain_deadline: float | None = None
+        self.stats = ExecutorStats()  # its queue-time histogram lives here; counters are the engine's
+        self.stats_pending = True  # changed since last published
+        self.next_stats_at = 0.0
 
     def drain(self, *_signal_args) -> None:
         """Refuse new work from now on and stop once running requests finish or the grace period ends;
@@ -64,7 +85,7 @@ class ExecutorService:
             if self.drain_deadline is not None and (not busy or time.monotonic() >= self.drain_deadline):
                 self._abort_all("executor draining: grace period over")
                 self._flush()
-                self._publish(heartbeat=False)
+                self._publish(heartbeat=False, changed=True)
                 return
             received = bool(self.socket.poll(0 if busy else IDLE_POLL_MS))
             if received:
@@ -76,7 +97,7 @@ class ExecutorService:
                 heartbeat = now >= next_heartbeat
                 if heartbeat:
                     next_heartbeat = now + HEARTBEAT_INTERVAL_S
-                self._publish(heartbeat)
+                self._publish(heartbeat, changed=stepped or received)
 
     # -- messages in --------------------------------------------------------------------------------
 
@@ -100,7 +121,12 @@ class ExecutorService:
                     self._send_error(identity, error.request_id, str(error), 400)
             except Exception:  # an internal fault on one message must not stop the others
                 request_id = getattr(msg, "request_id", None)
-                log.exception("failed to handle request %s from gateway %s", request_id, identity.hex())
+                log.exception(
+                    "failed to handle request %s from gateway %s",
+                    request_id,
+                    identity.hex(),
+                    extra=_ids(request_id, tracing.trace_id(getattr(msg, "traceparent", None))),
+                )
                 if request_id is not None:
                     self._fail(identity, request_id, "internal error in the executor")
 
@@ -109,7 +135,13 @@ class ExecutorService:
             self._generate(identity, msg)
         elif isinstance(msg, protocol.AbortRequest):
             # only the gateway that sent a request may abort it; an unknown id has most likely just finished
-            if self.owners.get(msg.request_id) == identity and self.engine.abort(msg.request_id):
+            owned = self.owners.get(msg.request_id)
+            if owned is not None and owned.identity == identity and self.engine.abort(msg.request_id):
+                log.debug(
+                    "request %s aborted by its gateway",
+                    msg.request_id,
+                    extra=_ids(msg.request_id, owned.trace_id),
+                )
                 self._finished(msg.request_id, "abort", 0)
         else:
             request_id = getattr(msg, "request_id", None)
@@ -118,25 +150,27 @@ class ExecutorService:
             )
 
     def _generate(self, identity: bytes, msg: protocol.GenerateRequest) -> None:
+        trace_id = tracing.trace_id(msg.traceparent)
         if self.drain_deadline is not None:
-            self._send_error(identity, msg.request_id, "executor draining", 503)
+            self._send_error(identity, msg.request_id, "executor draining", 503, trace_id)
             return
         try:
             unknown = sorted(set(msg.sampling) - _SAMPLING_FIELDS)
             if unknown:
                 raise ValueError(f"sampling: unknown parameter {unknown[0]!r}")
             params = SamplingParams(**msg.sampling)
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
+            request = self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
         except ValueError as error:
-            self._send_error(identity, msg.request_id, str(error), 400)
+            self._send_error(identity, msg.request_id, str(error), 400, trace_id)
             return
-        self.owners[msg.request_id] = identity
+        parent = tracing.parent_context(msg.traceparent) if tracing.enabled() else None
+        self.owners[msg.request_id] = Owned(identity, request, msg.tenant, trace_id, parent)
         log.debug(
-            "request %s from %s (tenant %s, trace %s)",
+            "request %s received from %s (tenant %s)",
             msg.request_id,
             identity.hex(),
             msg.tenant,
-            msg.traceparent,
+            extra=_ids(msg.request_id, trace_id),
         )
 
     # -- the step and messages out ------------------------------------------------------------------
@@ -150,49 +184,107 @@ class ExecutorService:
             log.exception("engine step failed; failing requests %s", ", ".join(self.owners))
             self._fail_all("internal error in the executor's engine step")
             return True
+        for request in self.engine.first_scheduled:
+            self.stats.observe_queue_time(max(0, request.first_scheduled_ns - request.arrival_ns) / 1e9)
         for out in outputs:
             self._queue(out)
         return True
 
     def _queue(self, out: StepOutput) -> None:
-        identity = self.owners.get(out.request_id)
-        if identity is None:
+        owned = self.owners.get(out.request_id)
+        if owned is None:
             log.error("engine produced output for request %s that no gateway owns", out.request_id)
             return
         logprobs = None
         if any(lp is not None for lp in out.new_logprobs):
             logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]
-        self.outbox[identity].append(
+        self.outbox[owned.identity].append(
             protocol.RequestUpdate(
                 out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.num_cached_tokens
             )
         )
         if out.finish_reason is not None:
-            del self.owners[out.request_id]
+            self._release(out.request_id, out.finish_reason)
 
     def _finished(self, request_id: str, reason: str, num_cached_tokens: int) -> None:
-        identity = self.owners.pop(request_id)
-        self.outbox[identity].append(protocol.RequestUpdate(request_id, [], None, reason, num_cached_tokens))
+        owned = self._release(request_id, reason)
+        self.outbox[owned.identity].append(
+            protocol.RequestUpdate(request_id, [], None, reason, num_cached_tokens)
+        )
+
+    def _release(self, request_id: str, reason: str) -> Owned:
+        """Forget a request that ended, for whatever reason; a traced one's spans go out now its life is known."""
+        owned = self.owners.pop(request_id)
+        if owned.parent is not None:
+            try:
+                self._record_spans(owned, reason)
+            except Exception:  # a tracing fault must not cost a request its answer
+                log.exception(
+                    "recording the spans of request %s failed",
+                    request_id,
+                    extra=_ids(request_id, owned.trace_id),
+                )
+        return owned
+
+    def _record_spans(self, owned: Owned, reason: str) -> None:
+        """executor.request in the gateway's trace, with a child per phase that began (queue, prefill, decode),
+        each ending where the next began or where the request ended."""
+        r = owned.request
+        end = r.finished_ns or time.time_ns()  # a request that failed may never have reached the engine's end
+        inputs = {
+            "gen_ai.usage.input_tokens": r.num_prompt_tokens,
+            "kvserve.cached_tokens": max(0, r.num_cached_tokens),
+        }
+        outputs = {
+            "gen_ai.usage.output_tokens": r.num_output_tokens,
+            "kvserve.preemptions": r.num_preemptions,
+        }
+        spec = {
+            "kvserve.spec_decode.draft_tokens": r.num_draft_tokens,
+            "kvserve.spec_decode.accepted_tokens": r.num_accepted_tokens,
+        }
+        if r.num_draft_tokens:
+            spec["kvserve.spec_decode.acceptance_rate"] = r.num_accepted_tokens / r.num_draft_tokens
+        attributes = {
+            "kvserve.executor.id": self.registry.executor_id,
+            "kvserve.request.id": r.request_id,
+            **({"kvserve.tenant": owned.tenant} if owned.tenant else {}),
+            **inputs,
+            **outputs,
+            **spec,
+            "gen_ai.response.finish_reasons": [reason],
+        }
+        error = "internal error in the executor" if reason == "error" else None
+        parent = tracing.record_span("executor.request", owned.parent, r.arrival_ns, end, attributes, error)
+        scheduled, first_token = r.first_scheduled_ns, r.first_token_ns
+        tracing.record_span("executor.queue", parent, r.arrival_ns, scheduled or end, {})
+        if scheduled:
+            tracing.record_span("executor.prefill", parent, scheduled, first_token or end, inputs)
+        if first_token:
+            tracing.record_span("executor.decode", parent, first_token, end, {**outputs, **spec})
 
     def _abort_all(self, why: str) -> None:
-        for request_id in list(self.owners):
-            log.info("aborting request %s: %s", request_id, why)
+        for request_id, owned in list(self.owners.items()):
+            log.info("aborting request %s: %s", request_id, why, extra=_ids(request_id, owned.trace_id))
             self.engine.abort(request_id)
             self._finished(request_id, "abort", 0)
 
     def _fail(self, identity: bytes, request_id: str, message: str) -> None:
         """An internal fault: the request ends with a 500, whatever state the engine has for it is dropped."""
-        if self.owners.get(request_id, identity) == identity:  # never another gateway's request of that id
+        owned = self.owners.get(request_id)
+        trace_id = owned.trace_id if owned is not None else None
+        if owned is None or owned.identity == identity:  # never another gateway's request of that id
             try:
                 self.engine.abort(request_id)
             except Exception:
-                log.exception("abort of request %s failed too", request_id)
-            self.owners.pop(request_id, None)
-        self._send_error(identity, request_id, message, 500)
+                log.exception("abort of request %s failed too", request_id, extra=_ids(request_id, trace_id))
+            if owned is not None:
+                self._release(request_id, "error")
+        self._send_error(identity, request_id, message, 500, trace_id)
 
     def _fail_all(self, message: str) -> None:
-        for request_id, identity in list(self.owners.items()):
-            self._fail(identity, request_id, message)
+        for request_id, owned in list(self.owners.items()):
+            self._fail(owned.identity, request_id, message)
 
     def _flush(self) -> None:
         """One StepBatch per gateway holding all of its requests' updates."""
@@ -200,14 +292,49 @@ class ExecutorService:
             self.socket.send_multipart([identity, protocol.encode(protocol.StepBatch(updates))])
         self.outbox.clear()
 
-    def _send_error(self, identity: bytes, request_id: str, message: str, code: int) -> None:
-        log.info("request %s refused (%d): %s", request_id, code, message)
+    def _send_error(
+        self, identity: bytes, request_id: str, message: str, code: int, trace_id: str | None = None
+    ) -> None:
+        level, what = (logging.ERROR, "failed") if code >= 500 else (logging.INFO, "refused")
+        log.log(
+            level, "request %s %s (%d): %s", request_id, what, code, message, extra=_ids(request_id, trace_id)
+        )
         error = protocol.RequestError(request_id, message, code)
         self.socket.send_multipart([identity, protocol.encode(error)])
 
-    def _publish(self, heartbeat: bool) -> None:
+    def _publish(self, heartbeat: bool, changed: bool) -> None:
         added, removed = self.engine.pool.drain_events()
-        self.registry.publish(added, removed, self.engine.load(), heartbeat)
+        load = self.engine.load()
+        self.stats_pending |= changed
+        self.registry.publish(added, removed, load, heartbeat, self._due_stats(load))
+
+    def _due_stats(self, load: dict[str, float]) -> dict[str, float] | None:
+        """The stats hash at most every STATS_INTERVAL_S while busy, and at once when the engine goes idle, so a
+        finished request's counts show within a second."""
+        now = time.monotonic()
+        if not self.stats_pending or (now < self.next_stats_at and self.engine.has_unfinished()):
+            return None
+        self.stats_pending, self.next_stats_at = False, now + STATS_INTERVAL_S
+        counters = self.engine.counters()
+        self.stats.counters.update(
+            prefix_cache_queried_tokens=counters["prefix_cache_queries"],
+            prefix_cache_hit_tokens=counters["prefix_cache_hits"],
+            preemptions=counters["num_preemptions"],
+            spec_draft_tokens=counters["spec_draft_tokens"],
+            spec_accepted_tokens=counters["spec_accepted_tokens"],
+        )
+        self.stats.gauges.update(
+            kv_blocks_used=self.engine.pool.num_used_blocks,
+            kv_blocks_total=self.engine.pool.num_blocks,
+            running=load["running"],
+            waiting=load["waiting"],
+        )
+        return self.stats.to_hash()
+
+
+def _ids(request_id: str | None, trace_id: str | None) -> dict[str, str | None]:
+    """`extra` for a log line about one request (shared.logs puts the ids in their own fields)."""
+    return {"request_id": request_id, "trace_id": trace_id}
 
 
 def _wire_logprobs(lp: TokenLogprobs | None) -> list | None:
@@ -239,17 +366,25 @@ def add_executor_command(commands: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds SIGTERM waits for running requests before aborting them",
     )
+    executor.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=None,
+        help="log lines as JSON objects or plain text (default: KVSERVE_LOG_FORMAT, else json)",
+    )
     add_engine_args(executor)
     executor.set_defaults(handler=serve)
 
 
 def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
     def fail(message: str, code: int = 2) -> int:
         print(f"kvserve executor: error: {message}", file=sys.stderr)
         return code
 
+    try:
+        logs.configure("kvserve-executor", args.log_format)
+    except ValueError as error:
+        return fail(f"KVSERVE_LOG_FORMAT: {error}")
     if not args.redis_url:
         return fail("--redis-url: not given and KVSERVE_REDIS_URL is not set")
     try:
@@ -288,6 +423,7 @@ def serve(args: argparse.Namespace) -> int:
         }
     )
     registry.start_heartbeat()
+    tracing.configure("kvserve-executor")
     log.info("executor %s serving %s on %s", executor_id, engine.model_path, args.bind)
     try:
         service.run()
@@ -298,5 +434,6 @@ def serve(args: argparse.Namespace) -> int:
             log.warning("deregistering from Redis failed (its keys expire with the heartbeat): %s", error)
         socket.close(linger=1000)  # let the last StepBatch messages leave
         context.term()
+        tracing.shutdown()
     log.info("executor %s stopped", executor_id)
     return 0

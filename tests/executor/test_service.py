@@ -1,5 +1,6 @@
 """`kvserve executor` as a real process: a real ZeroMQ DEALER client, a real Redis server."""
 
+import json
 import os
 import signal
 import time
@@ -11,6 +12,8 @@ import zmq
 from shared import protocol
 from shared import redis_keys as keys
 from shared.block_hash import hash_blocks
+from shared.executor_stats import ExecutorStats
+from tests.otlp_receiver import OtlpReceiver
 from tests.processes import ExecutorProcess, eventually, free_port
 
 PROMPT_A = list(range(100, 140))  # 40 tokens: two full blocks of 16
@@ -139,6 +142,29 @@ def test_redis_holds_registration_block_hashes_and_load(executor, gateway):
         assert 0 < r.ttl(key) <= keys.HEARTBEAT_TTL_S  # a dead executor's entries expire with it
 
 
+def test_stats_hash_counts_prefix_cache_hits_and_queue_times(executor, gateway):
+    def stats() -> ExecutorStats:
+        return ExecutorStats.from_hash(executor.redis.hgetall(keys.stats_key(executor.id)))
+
+    before = stats()
+    prompt = list(range(300, 340))  # 40 tokens no other test sends: two full blocks to hit the second time
+    for request_id in ("s1", "s2"):
+        gateway.generate(request_id, prompt, max_tokens=2, temperature=0.0)
+        gateway.collect({request_id})
+
+    def moved(name: str) -> float:
+        return stats().counters[name] - before.counters[name]
+
+    # published when the engine goes idle: a finished request shows in /metrics within about a second
+    assert eventually(lambda: moved("prefix_cache_hit_tokens") == 32, timeout=1.0)
+    assert moved("prefix_cache_queried_tokens") == 80 and moved("preemptions") == 0
+    after = stats()
+    assert after.queue_time_buckets[-1] - before.queue_time_buckets[-1] == 2  # one observation per request
+    assert after.queue_time_sum - before.queue_time_sum < 5
+    total = int(executor.redis.hget(keys.executor_key(executor.id), "kv_blocks_total"))
+    assert after.gauges == {"kv_blocks_used": 0, "kv_blocks_total": total, "running": 0, "waiting": 0}
+
+
 def test_abort_stops_a_request(executor, gateway):
     gateway.generate("long", PROMPT_B, max_tokens=500, temperature=0.0, ignore_eos=True)
     tokens, reasons, _, _ = gateway.collect({"long"}, until_tokens=1)
@@ -193,6 +219,94 @@ def test_sigterm_refuses_new_work_finishes_running_and_deregisters(tiny_models, 
         if client is not None:
             client.close()
         proc.stop()
+
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def traceparent(trace_id: str) -> str:
+    return f"00-{trace_id}-00f067aa0ba902b7-01"
+
+
+def test_traced_requests_leave_spans_in_the_gateways_trace(tiny_models, redis_url, tmp_path, monkeypatch):
+    traced = {"t1": TRACE, "t2": TRACE.replace("4", "5"), "t3": TRACE.replace("4", "6")}
+    with OtlpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        monkeypatch.delenv("KVSERVE_LOG_FORMAT", raising=False)
+        ngram = ("--speculative-model", "ngram", "--num-speculative-tokens", "3")
+        proc = ExecutorProcess(tiny_models["llama"], redis_url, tmp_path / "log", *ngram)
+        client = None
+        try:
+            proc.wait_registered()
+            client = Gateway(proc.address)
+
+            def send(request_id: str, prompt: list[int], tenant: str | None = None, **sampling) -> None:
+                sampling = {"temperature": 0.0, "ignore_eos": True, **sampling}
+                tp = traceparent(traced[request_id])
+                client.send(protocol.GenerateRequest(request_id, prompt, [], sampling, tenant, None, tp))
+
+            send("t1", PROMPT_A, tenant="acme", max_tokens=16)
+            client.collect({"t1"})
+            spans = receiver.wait_for(lambda spans: len(spans) == 4)
+            stats = ExecutorStats.from_hash(proc.redis.hgetall(keys.stats_key(proc.id)))
+            send("t2", PROMPT_B, max_tokens=500)
+            client.collect({"t2"}, until_tokens=1)
+            client.send(protocol.AbortRequest("t2"))
+            client.collect({"t2"})
+            send("t3", [1, 2, 10**7], max_tokens=2)  # refused: no spans, a log line with its ids
+            client.collect({"t3"})
+            spans = receiver.wait_for(lambda spans: len(spans) == 8)
+        finally:
+            if client is not None:
+                client.close()
+            proc.stop()
+
+    by_trace = {
+        request_id: {s["name"]: s for s in spans if s["trace_id"] == t} for request_id, t in traced.items()
+    }
+    phases = ("executor.queue", "executor.prefill", "executor.decode")
+    for request_id in ("t1", "t2"):
+        request, *children = (by_trace[request_id][name] for name in ("executor.request", *phases))
+        assert request["parent_span_id"] == "00f067aa0ba902b7" and request["service"] == "kvserve-executor"
+        assert all(c["parent_span_id"] == request["span_id"] for c in children)
+        # the phases tile the request: arrival, first scheduled, first token, end
+        bounds = [request["start_ns"], *(c["end_ns"] for c in children)]
+        assert [c["start_ns"] for c in children] == bounds[:-1] and bounds[-1] == request["end_ns"]
+        assert bounds == sorted(bounds) and bounds[0] < bounds[-1]
+    assert not by_trace["t3"]
+
+    spec = {
+        "kvserve.spec_decode.draft_tokens": stats.counters["spec_draft_tokens"],
+        "kvserve.spec_decode.accepted_tokens": stats.counters["spec_accepted_tokens"],
+    }
+    assert spec["kvserve.spec_decode.draft_tokens"] > 0  # n-gram lookup finds repeats in this model's output
+    spec["kvserve.spec_decode.acceptance_rate"] = (
+        stats.counters["spec_accepted_tokens"] / stats.counters["spec_draft_tokens"]
+    )
+    inputs = {"gen_ai.usage.input_tokens": len(PROMPT_A), "kvserve.cached_tokens": 0}
+    outputs = {"gen_ai.usage.output_tokens": 16, "kvserve.preemptions": 0}
+    t1 = by_trace["t1"]
+    assert t1["executor.request"]["attributes"] == {
+        "kvserve.executor.id": proc.id,
+        "kvserve.request.id": "t1",
+        "kvserve.tenant": "acme",
+        **inputs,
+        **outputs,
+        **spec,
+        "gen_ai.response.finish_reasons": ["length"],
+    }
+    assert t1["executor.queue"]["attributes"] == {}
+    assert t1["executor.prefill"]["attributes"] == inputs
+    assert t1["executor.decode"]["attributes"] == {**outputs, **spec}
+    t2 = by_trace["t2"]["executor.request"]["attributes"]
+    assert t2["gen_ai.response.finish_reasons"] == ["abort"] and "kvserve.tenant" not in t2
+    assert 1 <= t2["gen_ai.usage.output_tokens"] < 500
+
+    log_lines = [json.loads(line) for line in proc.log_path.read_text().splitlines() if line.startswith("{")]
+    refused = [line for line in log_lines if line.get("request_id") == "t3"]
+    assert refused and refused[0]["trace_id"] == traced["t3"] and "refused (400)" in refused[0]["message"]
+    assert {line["service"] for line in log_lines} == {"kvserve-executor"}
 
 
 class _NoRedis:
