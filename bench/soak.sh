@@ -2,20 +2,31 @@
 # 64 concurrent streaming clients (started evenly over the first 30 s) for two minutes against `kvserve up`:
 # errors, and the gateway's own share of
 # time to first token (its TTFT minus the executor's, from the gateway's histogram). Results: bench/results/soak.*
-# usage: bench/soak.sh [clients] [seconds]
+# usage: [TENANT=1] bench/soak.sh [clients] [seconds]
+#   TENANT=1: the clients send an API key with rate limits (generous, never reached), so every request also pays
+#   for authentication, admission and settling its limits in Redis; results then go to bench/results/soak-tenant.*
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLIENTS=${1:-64}
 SECONDS_=${2:-120}
 PORT=${PORT:-8330}
+OUT=bench/results/soak${TENANT:+-tenant}
 mkdir -p bench/results
-.venv/bin/kvserve up --port "$PORT" --max-model-len 2048 --kv-cache-memory 2GiB > bench/results/soak.log 2>&1 &
+.venv/bin/kvserve up --port "$PORT" --max-model-len 2048 --kv-cache-memory 2GiB --log-format text > "$OUT.log" 2>&1 &
 up=$!
 trap 'kill -INT $up 2>/dev/null; wait $up || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" | grep -q executor-0; do sleep 1; done
+KEY_ARGS=()
+if [[ -n "${TENANT:-}" ]]; then
+  redis_url=$(grep -o 'embedded Redis at redis://[0-9.:/]*' "$OUT.log" | head -1 | awk '{print $4}')
+  key=$(.venv/bin/kvserve keys create --redis-url "$redis_url" --tenant soak --rpm 1000000 --tpm 1000000000 \
+    --max-concurrency 1000 2>/dev/null | head -1)
+  KEY_ARGS=(--api-key "$key")
+fi
 # the load client runs below the stack's priority: on a small machine it would otherwise take the cores the
 # gateway waits for, and this run measures the gateway, not the client
-nice -n "${CLIENT_NICENESS:-10}" .venv/bin/kvserve bench --url "http://127.0.0.1:$PORT" --concurrency "$CLIENTS" --duration "$SECONDS_" \
+nice -n "${CLIENT_NICENESS:-10}" .venv/bin/kvserve bench --url "http://127.0.0.1:$PORT" "${KEY_ARGS[@]}" \
+  --concurrency "$CLIENTS" --duration "$SECONDS_" \
   --ramp-up "${RAMP_UP:-30}" \
   --prefix-groups 8 --prefix-tokens 128 --question-tokens 32 --tokenizer "$(.venv/bin/kvserve model pull)" \
-  --max-tokens 64 --temperature 0.7 --no-progress --output bench/results/soak.json | tee bench/results/soak.txt
+  --max-tokens 64 --temperature 0.7 --no-progress --output "$OUT.json" | tee "$OUT.txt"

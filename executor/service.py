@@ -23,6 +23,7 @@ import zmq
 
 from executor.config import add_engine_args, config_from_args
 from executor.registry import Registry, connect
+from executor.request_spans import record_request_spans
 from executor.sampling_params import SamplingParams
 from shared import logs, protocol, tracing
 from shared.executor_stats import ExecutorStats
@@ -215,9 +216,20 @@ class ExecutorService:
     def _release(self, request_id: str, reason: str) -> Owned:
         """Forget a request that ended, for whatever reason; a traced one's spans go out now its life is known."""
         owned = self.owners.pop(request_id)
+        r = owned.request
+        log.info(
+            "request %s ended (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
+            request_id,
+            reason,
+            r.num_prompt_tokens,
+            max(0, r.num_cached_tokens),
+            r.num_output_tokens,
+            r.num_preemptions,
+            extra=_ids(request_id, owned.trace_id),
+        )
         if owned.parent is not None:
             try:
-                self._record_spans(owned, reason)
+                record_request_spans(r, owned.parent, self.registry.executor_id, owned.tenant, reason)
             except Exception:  # a tracing fault must not cost a request its answer
                 log.exception(
                     "recording the spans of request %s failed",
@@ -225,43 +237,6 @@ class ExecutorService:
                     extra=_ids(request_id, owned.trace_id),
                 )
         return owned
-
-    def _record_spans(self, owned: Owned, reason: str) -> None:
-        """executor.request in the gateway's trace, with a child per phase that began (queue, prefill, decode),
-        each ending where the next began or where the request ended."""
-        r = owned.request
-        end = r.finished_ns or time.time_ns()  # a request that failed may never have reached the engine's end
-        inputs = {
-            "gen_ai.usage.input_tokens": r.num_prompt_tokens,
-            "kvserve.cached_tokens": max(0, r.num_cached_tokens),
-        }
-        outputs = {
-            "gen_ai.usage.output_tokens": r.num_output_tokens,
-            "kvserve.preemptions": r.num_preemptions,
-        }
-        spec = {
-            "kvserve.spec_decode.draft_tokens": r.num_draft_tokens,
-            "kvserve.spec_decode.accepted_tokens": r.num_accepted_tokens,
-        }
-        if r.num_draft_tokens:
-            spec["kvserve.spec_decode.acceptance_rate"] = r.num_accepted_tokens / r.num_draft_tokens
-        attributes = {
-            "kvserve.executor.id": self.registry.executor_id,
-            "kvserve.request.id": r.request_id,
-            **({"kvserve.tenant": owned.tenant} if owned.tenant else {}),
-            **inputs,
-            **outputs,
-            **spec,
-            "gen_ai.response.finish_reasons": [reason],
-        }
-        error = "internal error in the executor" if reason == "error" else None
-        parent = tracing.record_span("executor.request", owned.parent, r.arrival_ns, end, attributes, error)
-        scheduled, first_token = r.first_scheduled_ns, r.first_token_ns
-        tracing.record_span("executor.queue", parent, r.arrival_ns, scheduled or end, {})
-        if scheduled:
-            tracing.record_span("executor.prefill", parent, scheduled, first_token or end, inputs)
-        if first_token:
-            tracing.record_span("executor.decode", parent, first_token, end, {**outputs, **spec})
 
     def _abort_all(self, why: str) -> None:
         for request_id, owned in list(self.owners.items()):

@@ -15,8 +15,10 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers or {}  # e.g. retry-after on a 429
         self.status = status
         self.message = message
         self.type = type

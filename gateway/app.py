@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -33,20 +32,20 @@ from gateway.openai_protocol import (
     parse_completion_request,
 )
 from gateway.prompt import prompt_token_ids
+from gateway.request_span import RequestSpan
 from gateway.responses import EventStream, Generation, response_body
-from gateway.routing import Candidate, prefill_tokens, route_request
-from shared import protocol
-from shared.block_hash import hash_blocks
-from shared.defaults import DEFAULT_BLOCK_SIZE
+from gateway.router import ROUTING_POLICIES, Choice, Router
+from gateway.tenancy import Caller, Tenancy
+from shared import logs, protocol
 
 log = logging.getLogger("kvserve.gateway")
 
 EXECUTOR_HEADER = "x-kvserve-executor"
+REQUEST_ID_HEADER = "x-request-id"  # the id the gateway's and executor's log lines carry
 NO_EXECUTOR = "none"  # the header's value when a request was answered before reaching one
 DISCONNECT_POLL_S = 0.25
 
-
-ROUTING_POLICIES = ("cache_aware", "round_robin", "random")
+__all__ = ["ROUTING_POLICIES", "GatewayConfig", "build_app"]
 
 
 @dataclass
@@ -55,6 +54,7 @@ class GatewayConfig:
     model_name: str
     tokenizer: object
     routing_policy: str = "cache_aware"
+    require_api_key: bool = False
 
 
 @dataclass(slots=True)
@@ -65,15 +65,24 @@ class Routed:
     stream: bool
     include_usage: bool
     arrival: float  # time.monotonic() when the HTTP request came in
+    caller: Caller
+    span: RequestSpan
+    reserved_tokens: int  # prompt + max_tokens, taken from the caller's tokens-per-minute budget
+    endpoint: str
     tried: set[str] = dataclasses.field(default_factory=set)
     timing: ExecutorTiming = dataclasses.field(default_factory=ExecutorTiming)
     prefill_estimate: int = 0  # prompt tokens the chosen executor has to prefill, by its cached blocks
     counted_on: str | None = None  # the executor whose in-flight count in Redis includes this request
-    first_token_seen: bool = False
+    last_token_at: float | None = None  # time.monotonic() of the last update with tokens
+    status: int = 200  # what the request's metrics and span report at its end
+    error: str | None = None
 
 
-def _error(error: APIError, executor_id: str = NO_EXECUTOR) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers={EXECUTOR_HEADER: executor_id})
+def _error(error: APIError, request_id: str, executor_id: str = NO_EXECUTOR) -> JSONResponse:
+    headers = {**error.headers, EXECUTOR_HEADER: executor_id}
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class ReleasingStreamingResponse(StreamingResponse):
@@ -100,14 +109,18 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.directory = ExecutorDirectory(config.redis_url)
+        self.router = Router(self.directory, config.routing_policy)
+        self.tenancy = Tenancy(self.directory.redis, config.require_api_key)
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics()
         self.background: set[asyncio.Task] = set()
 
     async def startup(self) -> None:
+        await self.tenancy.startup()
         self.client = ExecutorClient()
 
     async def shutdown(self) -> None:
+        await self.tenancy.shutdown()
         if self.client is not None:
             await self.client.close()
         await self.directory.close()
@@ -121,8 +134,15 @@ class Gateway:
         return await self._serve(request, "completion")
 
     async def models(self, request: Request) -> Response:
-        model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "kvserve"}
-        return JSONResponse({"object": "list", "data": [model]}, headers={EXECUTOR_HEADER: NO_EXECUTOR})
+        try:
+            caller = await self.tenancy.identify(request.headers)
+        except APIError as error:
+            return _error(error, "")
+        models = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvserve"}
+            for name in caller.models([self.config.model_name])
+        ]
+        return JSONResponse({"object": "list", "data": models}, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
     async def health(self, request: Request) -> Response:
         try:
@@ -141,9 +161,8 @@ class Gateway:
         return JSONResponse(body, status, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
     async def metrics_page(self, request: Request) -> Response:
-        loads = [load for _, load in await self.directory.routing_view()]
         return Response(
-            self.metrics.render(loads),
+            self.metrics.render(await self.directory.executor_stats()),
             media_type="text/plain; version=0.0.4; charset=utf-8",
             headers={EXECUTOR_HEADER: NO_EXECUTOR},
         )
@@ -152,21 +171,37 @@ class Gateway:
 
     async def _serve(self, request: Request, endpoint: str) -> Response:
         arrival = time.monotonic()
+        request_id = uuid.uuid4().hex
+        span = RequestSpan.start(request.headers, endpoint, time.time_ns())
+        # this request's task (and tasks it starts) log with its ids; the binding ends with the task
+        logs.bind(request_id, span.trace_id(request.headers))
+        caller = None
         try:
-            routed = await self._route(request, endpoint, arrival)
+            caller = await self.tenancy.identify(request.headers)
+            routed = await self._route(request, endpoint, arrival, request_id, caller, span)
+            await self.tenancy.admit(caller, request_id, routed.reserved_tokens)
         except APIError as error:
-            self.metrics.requests.labels(endpoint, str(error.status)).inc()
-            return _error(error)
-        self.metrics.requests.labels(endpoint, "200").inc()
-        self.metrics.tokens.labels("prompt").inc(len(routed.request.prompt_token_ids))
-        # sent before the response starts, so the executor works while the HTTP machinery sets up
-        await self._submit(routed)
+            tenant = caller.tenant if caller else "unauthenticated"
+            log.info("request refused (%d, tenant %s): %s", error.status, tenant, error.message)
+            self.metrics.requests.labels(tenant, endpoint, str(error.status)).inc()
+            span.finish(error.status, error.message)
+            return _error(error, request_id)
+        try:
+            # sent before the response starts, so the executor works while the HTTP machinery sets up
+            await self._submit(routed)
+        except BaseException:
+            await self._end(routed)
+            raise
         if routed.stream:
             return ReleasingStreamingResponse(
                 self._events(routed),
                 release=lambda: self._end(routed),
                 media_type="text/event-stream",
-                headers={EXECUTOR_HEADER: routed.executor.executor_id, "cache-control": "no-cache"},
+                headers={
+                    EXECUTOR_HEADER: routed.executor.executor_id,
+                    REQUEST_ID_HEADER: request_id,
+                    "cache-control": "no-cache",
+                },
             )
         try:
             return await self._whole(request, routed)
@@ -195,10 +230,39 @@ class Gateway:
             log.warning("in-flight count of %s not updated: %s", executor_id, error)
 
     async def _end(self, routed: Routed) -> None:
+        """However the request ended: free it on the executor, settle the caller's budget, record it."""
         self._uncount(routed)
         await self.client.release(routed.executor.address, routed.request.request_id)
+        generation = routed.generation
+        usage = (generation.num_prompt_tokens, generation.output.num_tokens, generation.cached_tokens)
+        tenant = routed.caller.tenant
+        self.metrics.requests.labels(tenant, routed.endpoint, str(routed.status)).inc()
+        self.metrics.prompt_tokens.labels(tenant).inc(usage[0])
+        self.metrics.e2e.observe(time.monotonic() - routed.arrival)
+        routed.span.finish(
+            routed.status,
+            routed.error,
+            usage,
+            generation.finish_reason,
+            generation.id,
+            routed.executor.executor_id,
+        )
+        try:
+            await self.tenancy.release(
+                routed.caller, routed.request.request_id, routed.reserved_tokens, *usage
+            )
+        except Exception as error:  # the slot's lease and the bucket's refill heal what this misses
+            log.error("settling tenant %s's limits failed: %s", tenant, error)
 
-    async def _route(self, request: Request, endpoint: str, arrival: float) -> Routed:
+    async def _route(
+        self,
+        request: Request,
+        endpoint: str,
+        arrival: float,
+        request_id: str,
+        caller: Caller,
+        span: RequestSpan,
+    ) -> Routed:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise APIError(
@@ -206,62 +270,51 @@ class Gateway:
             )
         raw = await request.body()
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
-        parsed = parse(raw, [self.config.model_name])
+        parsed = parse(raw, caller.models([self.config.model_name]))
+        started = time.time_ns()
         ids = prompt_token_ids(parsed, self.config.tokenizer)
+        span.child("tokenize", started, {"gen_ai.usage.input_tokens": len(ids)})
         if not ids:
             raise APIError(400, "the prompt is empty", param="messages" if endpoint == "chat" else "prompt")
-        info, hashes, estimate = await self._choose(ids, exclude=set())
-        params = fit_to_context(parsed, len(ids), info.max_model_len)
+        started = time.time_ns()
+        choice = await self.router.choose(ids, caller.cache_salt)
+        self._record_route(span, started, choice)
+        params = fit_to_context(parsed, len(ids), choice.executor.max_model_len)
+        span.describe(caller.tenant, parsed.model, params.max_tokens, params.temperature, params.top_p)
         generate = protocol.GenerateRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=request_id,
             prompt_token_ids=ids,
-            block_hashes=hashes,
+            block_hashes=choice.block_hashes,
             sampling=dataclasses.asdict(params),
+            tenant=caller.record.tenant if caller.record else None,
+            cache_salt=caller.cache_salt,
+            traceparent=span.traceparent(),
         )
         generation = Generation.start(parsed, ids, params.stop, self.config.tokenizer)
         return Routed(
-            info,
+            choice.executor,
             generate,
             generation,
             parsed.stream,
             parsed.include_usage,
             arrival,
-            prefill_estimate=estimate,
+            caller,
+            span,
+            reserved_tokens=len(ids) + params.max_tokens,
+            endpoint=endpoint,
+            prefill_estimate=choice.prefill_estimate,
         )
 
-    async def _choose(self, ids: list[int], exclude: set[str]) -> tuple[ExecutorInfo, list[bytes], int]:
-        """The executor for a prompt under the routing policy, the prompt's block hashes, and how many of its
-        tokens that executor would prefill."""
-        block_size = DEFAULT_BLOCK_SIZE  # a guess, checked against what the executors report
-        hashes = hash_blocks(ids, block_size)
-        view = await self._routing_view(hashes, exclude)
-        if view[0][0].block_size != block_size:  # executors with other blocks: hash again, read again
-            block_size = view[0][0].block_size
-            hashes = hash_blocks(ids, block_size)
-            view = await self._routing_view(hashes, exclude)
-        view = [(info, load) for info, load in view if info.block_size == block_size]
-        policy = self.config.routing_policy
-        if policy == "round_robin":
-            info, load = view[await self.directory.next_round_robin() % len(view)]
-        elif policy == "random":
-            info, load = random.choice(view)
-        else:
-            load = route_request([load for _, load in view], len(ids), block_size)
-            info = next(info for info, _ in view if info.executor_id == load.executor_id)
-        return info, hashes, prefill_tokens(load, len(ids), block_size)
-
-    async def _routing_view(
-        self, hashes: list[bytes], exclude: set[str]
-    ) -> list[tuple[ExecutorInfo, Candidate]]:
-        try:
-            view = await self.directory.routing_view(hashes)
-        except Exception as error:
-            log.error("redis unreachable: %s", error)
-            raise APIError(503, "the executor directory (Redis) is unreachable", "server_error") from None
-        view = [(info, load) for info, load in view if info.executor_id not in exclude]
-        if not view:
-            raise APIError(503, "no executor is available; try again shortly", "server_error")
-        return view
+    def _record_route(self, span: RequestSpan, started_ns: int, choice: Choice) -> None:
+        self.metrics.route_decisions.labels(self.config.routing_policy, choice.reason).inc()
+        attributes = {
+            "kvserve.route.policy": self.config.routing_policy,
+            "kvserve.route.reason": choice.reason,
+            "kvserve.route.executor": choice.executor.executor_id,
+            "kvserve.route.cached_blocks": choice.cached_blocks,
+            "kvserve.route.cost": choice.cost,
+        }
+        span.child("route", started_ns, attributes)
 
     async def _updates(self, routed: Routed):
         """The submitted request's updates; an executor that dies before its first update is replaced."""
@@ -279,7 +332,7 @@ class Gateway:
                     if not streamed:
                         streamed = True
                         self._uncount(routed)  # from now on the executor's published load counts it
-                    self.metrics.tokens.labels("completion").inc(len(update.token_ids))
+                    self._observe_tokens(routed, update)
                     yield update
                 return
             except ExecutorGone:
@@ -294,8 +347,12 @@ class Gateway:
                     ) from None
                 routed.tried.add(executor.executor_id)
                 self._uncount(routed)
-                ids = routed.request.prompt_token_ids
-                routed.executor, _, routed.prefill_estimate = await self._choose(ids, routed.tried)
+                started = time.time_ns()
+                choice = await self.router.choose(
+                    routed.request.prompt_token_ids, routed.caller.cache_salt, routed.tried
+                )
+                self._record_route(routed.span, started, choice)
+                routed.executor, routed.prefill_estimate = choice.executor, choice.prefill_estimate
                 await self._submit(routed)
 
     async def _events(self, routed: Routed):
@@ -305,20 +362,32 @@ class Gateway:
                 text = stream.update(
                     update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
                 )
-                self._observe_first_token(routed, update)
                 if text:
                     yield text
                 if routed.generation.finished:
                     return  # a stop string matched: leaving the loop aborts the executor request
         except ExecutorRequestError as error:
+            self._failed(routed, _executor_error(error))
             yield _executor_error(error).sse_event()
         except APIError as error:
+            self._failed(routed, error)
             yield error.sse_event()
 
-    def _observe_first_token(self, routed: Routed, update: protocol.RequestUpdate) -> None:
-        if update.token_ids and not routed.first_token_seen:
-            routed.first_token_seen = True
-            self.metrics.first_token(time.monotonic() - routed.arrival, routed.timing.executor_ttft)
+    def _failed(self, routed: Routed, error: APIError) -> None:
+        routed.status, routed.error = error.status, error.message
+        log.warning("request failed (%d): %s", error.status, error.message)
+
+    def _observe_tokens(self, routed: Routed, update: protocol.RequestUpdate) -> None:
+        if not update.token_ids:
+            return
+        now = time.monotonic()
+        if routed.last_token_at is None:
+            self.metrics.first_token(now - routed.arrival, routed.timing.executor_ttft)
+            gap = None
+        else:
+            gap = now - routed.last_token_at
+        routed.last_token_at = now
+        self.metrics.tokens_arrived(routed.caller.tenant, len(update.token_ids), gap)
 
     async def _whole(self, request: Request, routed: Routed) -> Response:
         generation = routed.generation
@@ -328,7 +397,6 @@ class Gateway:
                 generation.feed(
                     update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
                 )
-                self._observe_first_token(routed, update)
                 if generation.finished:
                     return
 
@@ -338,14 +406,22 @@ class Gateway:
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
                     task.cancel()  # the client left: cancelling aborts the request on the executor
+                    routed.status = 499
                     return Response(status_code=499)
             task.result()
-        except ExecutorRequestError as error:
-            return _error(_executor_error(error), routed.executor.executor_id)
-        except APIError as error:
-            return _error(error, routed.executor.executor_id)
-        headers = {EXECUTOR_HEADER: routed.executor.executor_id}
-        return JSONResponse(response_body(generation), headers=headers)
+        except ExecutorRequestError as caught:
+            error = _executor_error(caught)
+        except APIError as caught:
+            error = caught
+        else:
+            # the executor that answered: a retry may have replaced the first choice
+            headers = {
+                EXECUTOR_HEADER: routed.executor.executor_id,
+                REQUEST_ID_HEADER: routed.request.request_id,
+            }
+            return JSONResponse(response_body(generation), headers=headers)
+        self._failed(routed, error)
+        return _error(error, routed.request.request_id, routed.executor.executor_id)
 
 
 def build_app(config: GatewayConfig) -> Starlette:
@@ -368,7 +444,8 @@ def build_app(config: GatewayConfig) -> Starlette:
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind))
+        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+        return _error(error, "")
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.gateway = gateway

@@ -37,6 +37,17 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
         choices=["cache_aware", "round_robin", "random"],
         help="cache_aware: least prefill still to compute plus load (gateway/routing.py); others for comparison",
     )
+    parser.add_argument(
+        "--require-api-key",
+        action="store_true",
+        help="refuse to start without API keys in Redis (`kvserve keys create`), never serve without one",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default=os.environ.get("KVSERVE_LOG_FORMAT", "json"),
+        help="json: one object per line with request and trace ids (default; or $KVSERVE_LOG_FORMAT)",
+    )
 
 
 def add_gateway_commands(commands: argparse._SubParsersAction) -> None:
@@ -74,11 +85,19 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     from executor.model_files import ModelLoadError, resolve_model
     from gateway.app import GatewayConfig, build_app
+    from shared import logs, tracing
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure("kvserve-gateway", args.log_format)
     if not args.redis_url:
         print(
             "kvserve gateway: error: --redis-url: not given and KVSERVE_REDIS_URL is not set", file=sys.stderr
+        )
+        return 2
+    if args.require_api_key and not _keys_exist(args.redis_url):
+        print(
+            "kvserve gateway: error: --require-api-key: no API key exists in Redis; "
+            "create one with `kvserve keys create --tenant NAME`",
+            file=sys.stderr,
         )
         return 2
     try:
@@ -86,9 +105,25 @@ def run_gateway(args: argparse.Namespace) -> int:
     except (ModelLoadError, OSError) as error:
         print(f"kvserve gateway: error: --model: {error}", file=sys.stderr)
         return 2
-    app = build_app(GatewayConfig(args.redis_url, _served_name(args), tokenizer, args.routing_policy))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    config = GatewayConfig(
+        args.redis_url, _served_name(args), tokenizer, args.routing_policy, args.require_api_key
+    )
+    if tracing.configure("kvserve-gateway"):
+        logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")
+    try:
+        # log_config=None: uvicorn's own lines go through the same (JSON) handler as ours
+        uvicorn.run(build_app(config), host=args.host, port=args.port, access_log=False, log_config=None)
+    finally:
+        tracing.shutdown()
     return 0
+
+
+def _keys_exist(redis_url: str) -> bool:
+    import redis
+
+    from shared import redis_keys
+
+    return bool(redis.Redis.from_url(redis_url).scard(redis_keys.API_KEYS))
 
 
 def _wait_for_executors(redis_url: str, ids: list[str], children: list[subprocess.Popen]) -> None:
@@ -111,8 +146,10 @@ def _wait_for_executors(redis_url: str, ids: list[str], children: list[subproces
 def run_up(args: argparse.Namespace) -> int:
     """Start what is missing (Redis unless --redis-url), N executors as child processes, then the gateway here;
     on exit stop exactly the processes it started."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from executor.model_files import resolve_model
+    from shared import logs
+
+    logs.configure("kvserve-up", args.log_format)
 
     if args.executors < 1:
         print("kvserve up: error: --executors must be at least 1", file=sys.stderr)
@@ -142,7 +179,8 @@ def run_up(args: argparse.Namespace) -> int:
         for executor_id in ids:
             bind = f"tcp://127.0.0.1:{free_port()}"
             argv = [sys.executable, "-m", "executor.cli", "executor", "--executor-id", executor_id]
-            argv += ["--bind", bind, "--redis-url", args.redis_url, *engine_argv(config)]
+            argv += ["--bind", bind, "--redis-url", args.redis_url, "--log-format", args.log_format]
+            argv += engine_argv(config)
             children.append(start_executor(argv, args.executors, config.device, args.executor_niceness))
         _wait_for_executors(args.redis_url, ids, children)
         args.model = model_dir

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from gateway.routing import Candidate, leading_run
 from shared import redis_keys
+from shared.executor_stats import ExecutorStats
 
 
 @dataclass(slots=True)
@@ -43,10 +44,22 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return out
 """
+# KEYS[1]: the set of executor ids. ARGV[1]: key prefix, ARGV[2]: stats suffix. Per live executor: {id, stats}.
+_STATS = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local key = ARGV[1] .. id
+  if redis.call('EXISTS', key) == 1 then
+    out[#out + 1] = {id, redis.call('HGETALL', key .. ARGV[2])}
+  end
+end
+return out
+"""
 _PREFIX = redis_keys.executor_key("")
 _BLOCKS_SUFFIX = redis_keys.blocks_key("").removeprefix(_PREFIX)
 _LOAD_SUFFIX = redis_keys.load_key("").removeprefix(_PREFIX)
 _INFLIGHT_SUFFIX = redis_keys.inflight_key("").removeprefix(_PREFIX)
+_STATS_SUFFIX = redis_keys.stats_key("").removeprefix(_PREFIX)
 
 
 def _as_dict(flat: list[bytes]) -> dict[str, str]:
@@ -57,6 +70,7 @@ class ExecutorDirectory:
     def __init__(self, redis_url: str) -> None:
         self.redis = aioredis.from_url(redis_url)
         self._routing_view = self.redis.register_script(_ROUTING_VIEW)
+        self._stats = self.redis.register_script(_STATS)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -91,6 +105,11 @@ class ExecutorDirectory:
                 )
             )
         return sorted(view, key=lambda pair: pair[0].executor_id)
+
+    async def executor_stats(self) -> dict[str, ExecutorStats]:
+        """Every live executor's published stats, in one round trip."""
+        rows = await self._stats(keys=[redis_keys.EXECUTORS], args=[_PREFIX, _STATS_SUFFIX])
+        return {raw_id.decode(): ExecutorStats.from_hash(_as_dict(flat)) for raw_id, flat in rows}
 
     async def live_executors(self) -> list[ExecutorInfo]:
         return [info for info, _ in await self.routing_view()]

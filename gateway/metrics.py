@@ -1,14 +1,19 @@
-"""The gateway's Prometheus metrics: what it answered, and how long it took, with its own share split out.
+"""The stack's Prometheus metrics, as one scrape of any gateway shows them.
 
-Each Gateway owns a registry (several apps may live in one test process); /metrics renders it together with
-every live executor's load, read from Redis at scrape time.
+The gateway's own series (requests by tenant and status, tokens, latencies as its clients see them, routing
+decisions) live in a registry per Gateway (several apps may share a test process). The executors' series
+(prefix cache, preemptions, speculative decoding, KV blocks, queue time) are read from the stats each one
+publishes to Redis (shared.executor_stats), fresh at every scrape, labelled by executor.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-# seconds; fine at the low end, where the gateway's own overhead lives
+from shared.executor_stats import QUEUE_TIME_BUCKETS, ExecutorStats
+
+# seconds; fine at the low end, where the gateway's own overhead and inter-token gaps live
 _LATENCY_BUCKETS = (
     0.0005,
     0.001,
@@ -30,30 +35,96 @@ _LATENCY_BUCKETS = (
     30.0,
     60.0,
 )
+_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-EXECUTOR_GAUGES = {
-    "running": "Requests running on each executor.",
-    "waiting": "Requests waiting on each executor.",
-    "kv_usage": "Share of each executor's KV blocks in use.",
+# executor stats field -> (metric name, help)
+_EXECUTOR_COUNTERS = {
+    "prefix_cache_queried_tokens": (
+        "kvserve_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in each executor's prefix cache.",
+    ),
+    "prefix_cache_hit_tokens": (
+        "kvserve_prefix_cache_hit_tokens",
+        "Prompt tokens found in each executor's prefix cache.",
+    ),
+    "preemptions": ("kvserve_preemptions", "Requests each executor preempted for lack of KV blocks."),
+    "spec_draft_tokens": (
+        "kvserve_spec_decode_draft_tokens",
+        "Speculative tokens proposed on each executor.",
+    ),
+    "spec_accepted_tokens": (
+        "kvserve_spec_decode_accepted_tokens",
+        "Speculative tokens each executor's verification accepted.",
+    ),
 }
+_EXECUTOR_GAUGES = {
+    "kv_blocks_used": ("kvserve_kv_blocks_used", "KV cache blocks in use on each executor."),
+    "kv_blocks_total": ("kvserve_kv_blocks_total", "KV cache blocks each executor has."),
+    "running": ("kvserve_running_requests", "Requests running on each executor."),
+    "waiting": ("kvserve_waiting_requests", "Requests waiting on each executor."),
+}
+
+
+class ExecutorStatsCollector:
+    """Yields the executors' series from the snapshot read from Redis just before rendering."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, ExecutorStats] = {}
+
+    def collect(self):
+        for field, (name, text) in _EXECUTOR_COUNTERS.items():
+            family = CounterMetricFamily(name, text, labels=["executor"])
+            for executor_id, stats in self.snapshot.items():
+                family.add_metric([executor_id], stats.counters[field])
+            yield family
+        for field, (name, text) in _EXECUTOR_GAUGES.items():
+            family = GaugeMetricFamily(name, text, labels=["executor"])
+            for executor_id, stats in self.snapshot.items():
+                family.add_metric([executor_id], stats.gauges[field])
+            yield family
+        queue = HistogramMetricFamily(
+            "kvserve_queue_time_seconds",
+            "Time requests waited on an executor between arriving and their first scheduled step.",
+            labels=["executor"],
+        )
+        bounds = [str(b) for b in QUEUE_TIME_BUCKETS] + ["+Inf"]
+        for executor_id, stats in self.snapshot.items():
+            buckets = list(zip(bounds, stats.queue_time_buckets, strict=True))
+            queue.add_metric([executor_id], buckets, stats.queue_time_sum)
+        yield queue
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "kvserve_gateway_requests",
-            "HTTP requests answered by this gateway.",
-            ["endpoint", "status"],
+            "kvserve_requests",
+            "HTTP completion requests answered, by tenant, endpoint and status code.",
+            ["tenant", "endpoint", "status"],
             registry=self.registry,
         )
-        self.tokens = Counter(
-            "kvserve_gateway_tokens", "Tokens through this gateway.", ["kind"], registry=self.registry
+        self.prompt_tokens = Counter(
+            "kvserve_prompt_tokens", "Prompt tokens of requests served.", ["tenant"], registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "kvserve_generation_tokens", "Tokens generated.", ["tenant"], registry=self.registry
         )
         self.ttft = Histogram(
-            "kvserve_gateway_time_to_first_token_seconds",
+            "kvserve_time_to_first_token_seconds",
             "Request arrival at the gateway to its first token leaving it.",
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "kvserve_inter_token_latency_seconds",
+            "Time between a request's consecutive output tokens, as the gateway received them.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kvserve_e2e_request_latency_seconds",
+            "Request arrival at the gateway to its end.",
+            buckets=_REQUEST_BUCKETS,
             registry=self.registry,
         )
         self.added_latency = Histogram(
@@ -63,20 +134,29 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.executor_gauges = {
-            name: Gauge(f"kvserve_executor_{name}", text, ["executor"], registry=self.registry)
-            for name, text in EXECUTOR_GAUGES.items()
-        }
+        self.route_decisions = Counter(
+            "kvserve_route_decisions",
+            "Routing decisions by policy and reason (prefix_hit: the chosen executor held part of the prompt; "
+            "least_loaded: none did, load decided; retry: the first choice died before answering).",
+            ["policy", "reason"],
+            registry=self.registry,
+        )
+        self.executors = ExecutorStatsCollector()
+        self.registry.register(self.executors)
 
     def first_token(self, gateway_ttft_s: float, executor_ttft_s: float | None) -> None:
         self.ttft.observe(gateway_ttft_s)
         if executor_ttft_s is not None:
             self.added_latency.observe(max(0.0, gateway_ttft_s - executor_ttft_s))
 
-    def render(self, executor_loads: list) -> bytes:
-        """Prometheus text; executor_loads are candidates with executor_id and the EXECUTOR_GAUGES fields."""
-        for name, gauge in self.executor_gauges.items():
-            gauge.clear()  # an executor gone since the last scrape must not linger
-            for load in executor_loads:
-                gauge.labels(executor=load.executor_id).set(getattr(load, name))
+    def tokens_arrived(self, tenant: str, count: int, gap_s: float | None) -> None:
+        """count new tokens in one update, gap_s after the previous update (None for the first)."""
+        self.generation_tokens.labels(tenant).inc(count)
+        if gap_s is not None and count:
+            per_token = gap_s / count  # speculative decoding delivers several tokens at once
+            for _ in range(count):
+                self.inter_token.observe(per_token)
+
+    def render(self, executor_stats: dict[str, ExecutorStats]) -> bytes:
+        self.executors.snapshot = executor_stats
         return generate_latest(self.registry)

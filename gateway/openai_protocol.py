@@ -70,15 +70,17 @@ def _typed(body: dict, name: str, kind: type, what: str, default=None):
 
 
 def _model(body: dict, served_models: Collection[str]) -> str:
+    """served_models: those the caller may use (an API key may be limited to some)."""
     model = body.get("model")
-    if model is None:  # as vLLM: a single-model server need not be told which
+    if model is None and served_models:  # as vLLM: a single-model server need not be told which
         return next(iter(served_models))
-    if not isinstance(model, str):
+    if model is not None and not isinstance(model, str):
         raise invalid_request(f"model must be a string, got {model!r}", "model")
     if model not in served_models:
+        served = ", ".join(served_models) or "none that this API key may use"
         raise APIError(
             404,
-            f"The model `{model}` does not exist; this server serves {', '.join(served_models)}",
+            f"The model `{model}` does not exist or you do not have access to it; this server serves {served}",
             "invalid_request_error",
             "model",
             "model_not_found",

@@ -98,3 +98,5 @@ def configure(service: str, fmt: str | None = None, level: int = logging.INFO) -
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+        logger.disabled = False  # a dictConfig before (uvicorn's own, in a test process) may have disabled it
+        logger.setLevel(logging.NOTSET)

@@ -1,5 +1,6 @@
-"""Real processes for tests: free ports, waiting for a condition, an executor subprocess registered in Redis."""
+"""Real processes for tests: free ports, waiting for a condition, executor and gateway subprocesses."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import redis
 
 from shared import redis_keys as keys
@@ -29,20 +31,44 @@ def eventually(check, timeout: float = 2.0) -> bool:
     return True
 
 
-class ExecutorProcess:
-    def __init__(self, model: str, redis_url: str, log_path: Path, *extra: str) -> None:
+class ServiceProcess:
+    """A `kvserve` command as a child process logging to a file; stop() ends exactly that process."""
+
+    def start(self, args: list[str], log_path: Path, env: dict | None) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "executor.cli", *args],
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+class ExecutorProcess(ServiceProcess):
+    def __init__(
+        self, model: str, redis_url: str, log_path: Path, *extra: str, env: dict | None = None
+    ) -> None:
         self.id = f"test-{uuid.uuid4().hex[:8]}"
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
         # what a crashed earlier run under this id would have left
         self.redis.sadd(keys.blocks_key(self.id), "stale")
         self.redis.hset(keys.load_key(self.id), "running", 99)
-        args = [sys.executable, "-m", "executor.cli", "executor", "--executor-id", self.id]
-        args += ["--bind", self.address, "--redis-url", redis_url, "--model", model]
-        args += ["--kv-cache-memory", "8MiB", "--device", "cpu", *extra]
-        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        self.log_path = log_path
+        args = ["executor", "--executor-id", self.id, "--bind", self.address, "--redis-url", redis_url]
+        args += ["--model", model, "--kv-cache-memory", "8MiB", "--device", "cpu", *extra]
+        self.start(args, log_path, env)
 
     def wait_registered(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -56,12 +82,24 @@ class ExecutorProcess:
             time.sleep(0.1)
         raise AssertionError(f"executor did not register in {timeout} s:\n{self.log_path.read_text()}")
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
+
+class GatewayProcess(ServiceProcess):
+    """`kvserve gateway` serving `model` as "tiny"; env adds to this process's environment."""
+
+    def __init__(
+        self, model: str, redis_url: str, log_path: Path, *extra: str, env: dict | None = None
+    ) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        args = ["gateway", "--model", model, "--served-model-name", "tiny", "--redis-url", redis_url]
+        self.start([*args, "--port", str(self.port), *extra], log_path, env)
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.base}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        if not eventually(self.healthy, timeout=timeout):
+            raise AssertionError(f"gateway not healthy in {timeout} s:\n{self.log_path.read_text()}")

@@ -43,9 +43,11 @@ def test_topology_gateways_behind_one_port_executors_on_gpus_health_checks(compo
     services = compose["services"]
     assert services["redis"]["image"].startswith(("valkey/", "redis"))
     assert services["gateway"]["deploy"]["replicas"] == 2
-    published = [p for svc in services.values() for p in svc.get("ports", [])]
-    assert published == ["8000:8000"], "exactly one published port, the proxy's"
-    assert "gateway:8000" in (REPO / "deploy" / "nginx.conf").read_text()
+    published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
+    # one port for clients, the proxy's; the trace viewer's UI on this machine only
+    assert published == {"proxy": ["8000:8000"], "jaeger": ["127.0.0.1:16686:16686"]}
+    nginx = (REPO / "deploy" / "nginx.conf").read_text()
+    assert "gateway:8000" in nginx and "location = /metrics" in nginx
     executors = [name for name in services if name.startswith("executor")]
     for name in executors:
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
@@ -63,3 +65,13 @@ def test_dockerfile_installs_the_project_and_copies_every_package():
         assert f"COPY {package} {package}" in dockerfile
         assert (REPO / package / "__init__.py").exists()
     assert "pip install --no-cache-dir ." in dockerfile and "KVSERVE_CACHE_DIR=/models" in dockerfile
+
+
+def test_keys_required_and_traces_exported_to_the_viewer(compose):
+    services = kvserve_services(compose)
+    assert "--require-api-key" in services["gateway"]["command"]
+    for name, service in services.items():
+        environment = service["environment"]
+        assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
+        assert environment["OTEL_TRACES_EXPORTER"] == "otlp"
+    assert compose["services"]["jaeger"]["image"].startswith("jaegertracing/")

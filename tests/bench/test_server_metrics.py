@@ -48,8 +48,8 @@ def test_the_gateway_records_its_share_of_time_to_first_token():
     metrics = GatewayMetrics()
     metrics.first_token(0.2505, 0.248)  # 2.5 ms of it were the gateway's
     metrics.first_token(0.100, None)  # no executor span known: only the TTFT is recorded
-    text = metrics.render([]).decode()
+    text = metrics.render({}).decode()
     buckets = histogram_buckets(text, ADDED_LATENCY)
     assert buckets[0.002] == 0 and buckets[0.003] == 1 and buckets[float("inf")] == 1
-    ttft = histogram_buckets(text, "kvserve_gateway_time_to_first_token_seconds")
+    ttft = histogram_buckets(text, "kvserve_time_to_first_token_seconds")
     assert ttft[float("inf")] == 2

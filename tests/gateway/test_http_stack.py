@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -14,41 +12,10 @@ import pytest
 from executor import LLM, SamplingParams
 from shared import redis_keys as keys
 from shared.redis_server import start_redis_server
-from tests.processes import REPO, ExecutorProcess, eventually, free_port
+from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 # the default 5 s is too short for a first request on a busy 2-core machine
 post = functools.partial(httpx.post, timeout=60)
-
-
-class GatewayProcess:
-    def __init__(self, model: str, redis_url: str, log_path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        args = [
-            sys.executable,
-            "-m",
-            "executor.cli",
-            "gateway",
-            "--model",
-            model,
-            "--served-model-name",
-            "tiny",
-        ]
-        args += ["--redis-url", redis_url, "--port", str(self.port)]
-        self.log_path = log_path
-        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.base}/health").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(15)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -208,21 +175,52 @@ def test_health_models_and_metrics(stack):
     assert sorted(httpx.get(f"{base}/health").json()["executors"]) == sorted(e.id for e in executors)
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
     before = _samples(httpx.get(f"{base}/metrics").text)
-    body = {"model": "tiny", "prompt": "count", "max_tokens": 3, "stream": True}
+    body = {"model": "tiny", "prompt": "count", "max_tokens": 3, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body) as response:
-        assert response.status_code == 200 and "data: [DONE]" in list(response.iter_lines())
-    after = _samples(httpx.get(f"{base}/metrics").text)
+        lines = list(response.iter_lines())
+        assert response.status_code == 200 and "data: [DONE]" in lines
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    usage = events[-1]["usage"]
     # counted in flight from routing to its first update, then no longer
     assert eventually(lambda: all(int(e.redis.get(keys.inflight_key(e.id)) or 0) == 0 for e in executors))
-    served = ("kvserve_gateway_requests_total", (("endpoint", "completion"), ("status", "200")))
-    assert after[served] == before.get(served, 0) + 1
-    assert after[("kvserve_executor_kv_usage", (("executor", executors[0].id),))] >= 0
+
+    def moved(name: str, labels: tuple = ()) -> float:
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    def moved_on_executors(name: str) -> float:
+        return sum(moved(name, (("executor", e.id),)) for e in executors)
+
+    def executor_stats_published() -> bool:
+        nonlocal after
+        after = _samples(httpx.get(f"{base}/metrics").text)
+        return moved_on_executors("kvserve_queue_time_seconds_count") == 1
+
+    after = {}
+    assert eventually(
+        executor_stats_published, timeout=5
+    )  # executors publish their stats about once a second
+    tenant = ("tenant", "anonymous")
+    assert moved("kvserve_requests_total", (("endpoint", "completion"), ("status", "200"), tenant)) == 1
+    assert moved("kvserve_prompt_tokens_total", (tenant,)) == usage["prompt_tokens"]
+    assert moved("kvserve_generation_tokens_total", (tenant,)) == 3
+    assert moved("kvserve_inter_token_latency_seconds_count") == 2  # the gaps between 3 tokens
+    assert moved("kvserve_e2e_request_latency_seconds_count") == 1
+    assert moved("kvserve_time_to_first_token_seconds_count") == 1
+    routed = sum(
+        moved("kvserve_route_decisions_total", (("policy", "cache_aware"), ("reason", reason)))
+        for reason in ("prefix_hit", "least_loaded")
+    )
+    assert routed == 1
+    assert moved_on_executors("kvserve_prefix_cache_queried_tokens_total") == usage["prompt_tokens"]
+    for e in executors:
+        assert after[("kvserve_kv_blocks_total", (("executor", e.id),))] > 0
+        assert after[("kvserve_kv_blocks_used", (("executor", e.id),))] == 0
+        assert after[("kvserve_running_requests", (("executor", e.id),))] == 0
     # the gateway's own share of time to first token is counted, and never exceeds the whole
     added = "kvserve_gateway_added_latency_seconds"
-    ttft = "kvserve_gateway_time_to_first_token_seconds"
-    assert after[(f"{added}_count", ())] == before[(f"{added}_count", ())] + 1
-    added_now = after[(f"{added}_sum", ())] - before[(f"{added}_sum", ())]
-    assert 0 <= added_now <= after[(f"{ttft}_sum", ())] - before[(f"{ttft}_sum", ())]
+    assert moved(f"{added}_count") == 1
+    assert 0 <= moved(f"{added}_sum") <= moved("kvserve_time_to_first_token_seconds_sum")
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:

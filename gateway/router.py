@@ -1,0 +1,85 @@
+"""The routing decision for one prompt: read the live executors from Redis, apply the policy, say why.
+
+gateway.routing holds the cost model as pure functions; this module feeds it what Redis says and reports the
+choice with what the trace and the metrics want to know (cached blocks, cost, reason).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.api_error import APIError
+from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
+from gateway.routing import Candidate, prefill_tokens, route_cost, route_request
+from shared.block_hash import hash_blocks
+from shared.defaults import DEFAULT_BLOCK_SIZE
+
+log = logging.getLogger("kvserve.gateway.router")
+
+ROUTING_POLICIES = ("cache_aware", "round_robin", "random")
+
+
+@dataclass(slots=True, frozen=True)
+class Choice:
+    executor: ExecutorInfo
+    block_hashes: list[bytes]
+    prefill_estimate: int  # prompt tokens the executor has to prefill, by its cached blocks
+    cached_blocks: int
+    cost: float  # the cache_aware cost of this executor, whatever the policy
+    reason: str  # prefix_hit | least_loaded | round_robin | random | retry
+
+
+class Router:
+    def __init__(self, directory: ExecutorDirectory, policy: str) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy: {policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
+        self.directory = directory
+        self.policy = policy
+
+    async def choose(
+        self, ids: Sequence[int], cache_salt: str | None, exclude: set[str] = frozenset()
+    ) -> Choice:
+        """The executor for a prompt under the policy; executors in exclude (tried and lost) are skipped."""
+        block_size = DEFAULT_BLOCK_SIZE  # a guess, checked against what the executors report
+        hashes = hash_blocks(ids, block_size, cache_salt)
+        view = await self._view(hashes, exclude)
+        if view[0][0].block_size != block_size:  # executors with other blocks: hash again, read again
+            block_size = view[0][0].block_size
+            hashes = hash_blocks(ids, block_size, cache_salt)
+            view = await self._view(hashes, exclude)
+        view = [(info, load) for info, load in view if info.block_size == block_size]
+        if self.policy == "round_robin":
+            info, load = view[await self.directory.next_round_robin() % len(view)]
+        elif self.policy == "random":
+            info, load = random.choice(view)
+        else:
+            load = route_request([load for _, load in view], len(ids), block_size)
+            info = next(info for info, _ in view if info.executor_id == load.executor_id)
+        if exclude:
+            reason = "retry"
+        elif self.policy != "cache_aware":
+            reason = self.policy
+        else:
+            reason = "prefix_hit" if load.cached_blocks else "least_loaded"
+        return Choice(
+            info,
+            hashes,
+            prefill_tokens(load, len(ids), block_size),
+            load.cached_blocks,
+            route_cost(load, len(ids), block_size),
+            reason,
+        )
+
+    async def _view(self, hashes: list[bytes], exclude: set[str]) -> list[tuple[ExecutorInfo, Candidate]]:
+        try:
+            view = await self.directory.routing_view(hashes)
+        except Exception as error:
+            log.error("redis unreachable: %s", error)
+            raise APIError(503, "the executor directory (Redis) is unreachable", "server_error") from None
+        view = [(info, load) for info, load in view if info.executor_id not in exclude]
+        if not view:
+            raise APIError(503, "no executor is available; try again shortly", "server_error")
+        return view

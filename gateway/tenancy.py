@@ -1,0 +1,176 @@
+"""Who is calling, what they may use and whether their budget allows it: the gateway's side of tenancy.
+
+A request's `Authorization: Bearer <key>` names a key record in Redis (shared.api_keys), which names the
+tenant, its cache salt, its models and its limits. Limits are kept in Redis (gateway.limits), so every gateway
+replica enforces one budget. With no key configured at all the gateway runs open, as one anonymous tenant,
+unless it was started with --require-api-key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio as aioredis
+
+from gateway.api_error import APIError
+from gateway.limits import Limiter
+from shared.api_keys import KeyRecord, authenticate, keys_configured
+
+log = logging.getLogger("kvserve.gateway.tenancy")
+
+ANONYMOUS = "anonymous"  # the tenant of requests to an open gateway
+
+
+class NoKeysConfigured(RuntimeError):
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    record: KeyRecord | None  # None: the gateway runs open
+
+    @property
+    def tenant(self) -> str:
+        return self.record.tenant if self.record else ANONYMOUS
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.record.cache_salt if self.record else None
+
+    def models(self, served: Collection[str]) -> list[str]:
+        """The served models this caller may use."""
+        if self.record is None or self.record.models is None:
+            return list(served)
+        return [m for m in served if m in self.record.models]
+
+
+def _redis_unreachable(error: Exception) -> APIError:
+    log.error("redis unreachable: %s", error)
+    return APIError(503, "the key store (Redis) is unreachable; try again shortly", "server_error")
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, "invalid_request_error", code="invalid_api_key")
+
+
+class Tenancy:
+    def __init__(self, client: aioredis.Redis, require_api_key: bool) -> None:
+        self.client = client
+        self.require_api_key = require_api_key
+        self.limiter = Limiter(client)
+        self.leases: dict[str, KeyRecord] = {}  # request id -> key, for requests holding a concurrency slot
+        self._refreshing: asyncio.Task | None = None
+
+    async def startup(self) -> None:
+        try:
+            configured = await keys_configured(self.client)
+        except redis.RedisError as error:  # each request checks again; /health reports Redis meanwhile
+            log.error("cannot tell whether API keys exist, Redis is unreachable: %s", error)
+            configured = True
+        self._refreshing = asyncio.create_task(self._refresh_leases())
+        if not configured and self.require_api_key:
+            raise NoKeysConfigured(
+                "--require-api-key: no API key exists in Redis; create one with `kvserve keys create --tenant NAME`"
+            )
+        if not configured:
+            banner = "!" * 100
+            log.warning(banner)
+            log.warning(
+                "NO API KEYS CONFIGURED: this gateway serves ANYONE who can reach it, without limits or cache "
+                "isolation. Create keys with `kvserve keys create --tenant NAME` (requests then need one), "
+                "or start with --require-api-key."
+            )
+            log.warning(banner)
+
+    async def shutdown(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+
+    async def identify(self, headers) -> Caller:
+        """The caller a request's headers name; 401 for a missing, unknown or revoked key when keys exist.
+        An open gateway ignores whatever key comes (OpenAI's SDKs insist on sending one)."""
+        try:
+            return await self._identify(headers)
+        except redis.RedisError as error:
+            raise _redis_unreachable(error) from None
+
+    async def _identify(self, headers) -> Caller:
+        header = headers.get("authorization")
+        if header is None:
+            if await self._open():
+                return Caller(None)
+            raise _unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
+        scheme, _, presented = header.partition(" ")
+        record = None
+        if scheme.lower() == "bearer" and presented.strip():
+            record = await authenticate(self.client, presented.strip())
+        if record is not None:
+            return Caller(record)
+        if await self._open():
+            return Caller(None)
+        if scheme.lower() != "bearer":
+            raise _unauthorized("The Authorization header must be `Bearer <key>`.")
+        raise _unauthorized("Incorrect API key provided, or it has been revoked.")
+
+    async def _open(self) -> bool:
+        return not self.require_api_key and not await keys_configured(self.client)
+
+    async def admit(self, caller: Caller, request_id: str, reserve_tokens: int) -> None:
+        """Take the request's share of the caller's limits, or raise a 429 saying which limit and when."""
+        if caller.record is None:
+            return
+        try:
+            admission = await self.limiter.admit(caller.record, request_id, reserve_tokens)
+        except redis.RedisError as error:
+            raise _redis_unreachable(error) from None
+        if not admission.admitted:
+            await self.limiter.count_rejected(caller.record)
+            retry_after = max(1, math.ceil(admission.retry_after_s))
+            raise APIError(
+                429,
+                admission.message,
+                "rate_limit_exceeded",
+                code=f"{admission.limit}_exceeded",
+                headers={"retry-after": str(retry_after)},
+            )
+        if caller.record.max_concurrency is not None:
+            self.leases[request_id] = caller.record
+
+    async def release(
+        self,
+        caller: Caller,
+        request_id: str,
+        reserved_tokens: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+    ) -> None:
+        """Give back the slot and the unused reservation, and count the tenant's usage."""
+        if caller.record is None:
+            return
+        self.leases.pop(request_id, None)
+        await self.limiter.release(
+            caller.record,
+            request_id,
+            reserved_tokens,
+            prompt_tokens + completion_tokens,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+        )
+
+    async def _refresh_leases(self) -> None:
+        """Keep running requests' concurrency slots alive; a dead gateway's slots lapse on their own."""
+        while True:
+            await asyncio.sleep(self.limiter.LEASE_S / 3)
+            if not self.leases:
+                continue
+            try:
+                await self.limiter.refresh([(record, rid) for rid, record in self.leases.items()])
+            except Exception as error:  # the next round tries again; the lease outlives two misses
+                log.warning("refreshing concurrency leases failed: %s", error)

@@ -1,0 +1,71 @@
+"""The gateway's reading of who calls: open until a key exists, keys checked after, Redis trouble as a 503."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from starlette.testclient import TestClient
+
+from gateway.api_error import APIError
+from gateway.app import GatewayConfig, build_app
+from gateway.tenancy import ANONYMOUS, Tenancy
+from shared.api_keys import KeyStore
+
+DB = 11  # a database of its own: whether any key exists is the question here
+
+
+@pytest.fixture
+def db_url(redis_url):
+    url = redis_url.rsplit("/", 1)[0] + f"/{DB}"
+    redis.Redis.from_url(url).flushdb()
+    yield url
+    redis.Redis.from_url(url).flushdb()
+
+
+def identify(url: str, headers: dict, require: bool = False):
+    async def run():
+        client = aioredis.from_url(url)
+        try:
+            return await Tenancy(client, require).identify(headers)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+def test_open_until_a_key_exists_then_keys_are_checked(db_url):
+    # open: no key needed, and whatever key an SDK insists on sending is ignored
+    assert identify(db_url, {}).tenant == ANONYMOUS
+    assert identify(db_url, {"authorization": "Bearer sk-anything"}).tenant == ANONYMOUS
+    with pytest.raises(APIError) as refused:
+        identify(db_url, {}, require=True)
+    assert refused.value.status == 401
+    key, _ = KeyStore(redis.Redis.from_url(db_url)).create(f"t-{uuid.uuid4().hex[:6]}")
+    caller = identify(db_url, {"authorization": f"Bearer {key}"})
+    assert caller.tenant.startswith("t-") and caller.cache_salt
+    for headers in ({}, {"authorization": "Bearer sk-anything"}, {"authorization": f"Basic {key}"}):
+        with pytest.raises(APIError) as refused:
+            identify(db_url, headers)
+        assert refused.value.status == 401 and refused.value.code == "invalid_api_key"
+
+
+def test_models_a_caller_may_use(db_url):
+    store = KeyStore(redis.Redis.from_url(db_url))
+    key, _ = store.create("m-tenant", models=["a", "c"])
+    caller = identify(db_url, {"authorization": f"Bearer {key}"})
+    assert caller.models(["a", "b", "c"]) == ["a", "c"]
+    anonymous = identify(db_url.rsplit("/", 1)[0] + "/12", {})
+    assert anonymous.models(["a", "b"]) == ["a", "b"]
+
+
+def test_unreachable_redis_is_a_503_in_openai_shape(tokenizer):
+    config = GatewayConfig("redis://127.0.0.1:1/0", "tiny", tokenizer)
+    with TestClient(build_app(config)) as client:  # starts even so: /health says what is wrong
+        assert client.get("/health").status_code == 503
+        response = client.post("/v1/completions", json={"prompt": "hi"}, headers={"authorization": "Bearer x"})
+        assert response.status_code == 503
+        assert "Redis" in response.json()["error"]["message"]
