@@ -66,6 +66,8 @@ def test_unreachable_redis_is_a_503_in_openai_shape(tokenizer):
     config = GatewayConfig("redis://127.0.0.1:1/0", "tiny", tokenizer)
     with TestClient(build_app(config)) as client:  # starts even so: /health says what is wrong
         assert client.get("/health").status_code == 503
-        response = client.post("/v1/completions", json={"prompt": "hi"}, headers={"authorization": "Bearer x"})
+        response = client.post(
+            "/v1/completions", json={"prompt": "hi"}, headers={"authorization": "Bearer x"}
+        )
         assert response.status_code == 503
         assert "Redis" in response.json()["error"]["message"]
