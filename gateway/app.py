@@ -27,7 +27,9 @@ from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import (
     MAX_BODY_BYTES,
+    OpenAIRequest,
     fit_to_context,
+    model_not_found,
     parse_chat_request,
     parse_completion_request,
 )
@@ -175,10 +177,19 @@ class Gateway:
         span = RequestSpan.start(request.headers, endpoint, time.time_ns())
         # this request's task (and tasks it starts) log with its ids; the binding ends with the task
         logs.bind(request_id, span.trace_id(request.headers))
+        # the key's Redis read is answered while this task parses and tokenizes
+        identifying = asyncio.ensure_future(self.tenancy.identify(request.headers))
+        await asyncio.sleep(0)  # let it send
         caller = None
         try:
-            caller = await self.tenancy.identify(request.headers)
-            routed = await self._route(request, endpoint, arrival, request_id, caller, span)
+            try:
+                parsed, ids = await self._read(request, endpoint, span)
+            finally:
+                caller = await identifying  # a 401 comes before whatever the body did wrong
+            allowed = caller.models([self.config.model_name])
+            if parsed.model not in allowed:
+                raise model_not_found(parsed.model, allowed)
+            routed = await self._route(parsed, ids, arrival, request_id, caller, span)
             await self.tenancy.admit(caller, request_id, routed.reserved_tokens)
         except APIError as error:
             tenant = caller.tenant if caller else "unauthenticated"
@@ -254,15 +265,10 @@ class Gateway:
         except Exception as error:  # the slot's lease and the bucket's refill heal what this misses
             log.error("settling tenant %s's limits failed: %s", tenant, error)
 
-    async def _route(
-        self,
-        request: Request,
-        endpoint: str,
-        arrival: float,
-        request_id: str,
-        caller: Caller,
-        span: RequestSpan,
-    ) -> Routed:
+    async def _read(
+        self, request: Request, endpoint: str, span: RequestSpan
+    ) -> tuple[OpenAIRequest, list[int]]:
+        """The request body, parsed and validated, and its prompt's token ids."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise APIError(
@@ -270,12 +276,23 @@ class Gateway:
             )
         raw = await request.body()
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
-        parsed = parse(raw, caller.models([self.config.model_name]))
+        parsed = parse(raw, [self.config.model_name])
         started = time.time_ns()
         ids = prompt_token_ids(parsed, self.config.tokenizer)
         span.child("tokenize", started, {"gen_ai.usage.input_tokens": len(ids)})
         if not ids:
             raise APIError(400, "the prompt is empty", param="messages" if endpoint == "chat" else "prompt")
+        return parsed, ids
+
+    async def _route(
+        self,
+        parsed: OpenAIRequest,
+        ids: list[int],
+        arrival: float,
+        request_id: str,
+        caller: Caller,
+        span: RequestSpan,
+    ) -> Routed:
         started = time.time_ns()
         choice = await self.router.choose(ids, caller.cache_salt)
         self._record_route(span, started, choice)
@@ -301,7 +318,7 @@ class Gateway:
             caller,
             span,
             reserved_tokens=len(ids) + params.max_tokens,
-            endpoint=endpoint,
+            endpoint=parsed.endpoint,
             prefill_estimate=choice.prefill_estimate,
         )
 

@@ -70,22 +70,26 @@ def _typed(body: dict, name: str, kind: type, what: str, default=None):
 
 
 def _model(body: dict, served_models: Collection[str]) -> str:
-    """served_models: those the caller may use (an API key may be limited to some)."""
     model = body.get("model")
     if model is None and served_models:  # as vLLM: a single-model server need not be told which
         return next(iter(served_models))
     if model is not None and not isinstance(model, str):
         raise invalid_request(f"model must be a string, got {model!r}", "model")
     if model not in served_models:
-        served = ", ".join(served_models) or "none that this API key may use"
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist or you do not have access to it; this server serves {served}",
-            "invalid_request_error",
-            "model",
-            "model_not_found",
-        )
+        raise model_not_found(model, served_models)
     return model
+
+
+def model_not_found(model: str | None, served_models: Collection[str]) -> APIError:
+    """served_models: those the caller may use (an API key may be limited to some)."""
+    served = ", ".join(served_models) or "none that this API key may use"
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it; this server serves {served}",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
 
 
 def _refuse_unsupported(body: dict) -> None:

@@ -26,6 +26,10 @@ log = logging.getLogger("kvserve.gateway.tenancy")
 ANONYMOUS = "anonymous"  # the tenant of requests to an open gateway
 
 
+# the error's `type` per limit, as OpenAI names the first two (its `code` is rate_limit_exceeded for all)
+_LIMIT_TYPES = {"rpm": "requests", "tpm": "tokens", "max_concurrency": "concurrent_requests"}
+
+
 class NoKeysConfigured(RuntimeError):
     pass
 
@@ -134,8 +138,8 @@ class Tenancy:
             raise APIError(
                 429,
                 admission.message,
-                "rate_limit_exceeded",
-                code=f"{admission.limit}_exceeded",
+                _LIMIT_TYPES[admission.limit],
+                code="rate_limit_exceeded",
                 headers={"retry-after": str(retry_after)},
             )
         if caller.record.max_concurrency is not None:

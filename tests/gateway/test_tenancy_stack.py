@@ -68,6 +68,8 @@ def _assert_openai_error(response: httpx.Response, status: int) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if status == 429:
+        assert error["code"] == "rate_limit_exceeded"
     return error
 
 
@@ -76,6 +78,8 @@ def test_keys_are_required_and_checked(tenancy_stack):
     key, record = store.create("acme")
     assert _complete(base, key).status_code == 200
     assert _assert_openai_error(_complete(base, None), 401)["code"] == "invalid_api_key"
+    _assert_openai_error(_complete(base, None, max_tokens=0), 401)  # who calls is checked before what they ask
+    _assert_openai_error(_complete(base, key, max_tokens=0), 400)
     assert "API key" in _assert_openai_error(_complete(base, key[:-2] + "xx"), 401)["message"]
     _assert_openai_error(_complete(base, "kvs_0123456789abcdef_nope"), 401)
     _assert_openai_error(httpx.get(f"{base}/v1/models"), 401)
@@ -102,7 +106,7 @@ def test_requests_per_minute_over_two_gateways(tenancy_stack):
     assert _complete(first, key).status_code == 200
     assert _complete(second, key).status_code == 200
     refused = _complete(first, key)
-    assert _assert_openai_error(refused, 429)["code"] == "rpm_exceeded"
+    assert _assert_openai_error(refused, 429)["type"] == "requests"
     assert int(refused.headers["retry-after"]) >= 1
     _assert_openai_error(_complete(second, key), 429)
     assert store.usage("rpm-tenant")["rpm-tenant"]["rejected"] == 2
@@ -119,7 +123,7 @@ def test_tokens_per_minute_budget_shared_by_two_gateways(tenancy_stack):
         response = _complete(base, key)
         assert response.status_code == 200 and response.json()["usage"]["total_tokens"] == per_request
     refused = _complete(second, key)
-    assert _assert_openai_error(refused, 429)["code"] == "tpm_exceeded"
+    assert _assert_openai_error(refused, 429)["type"] == "tokens"
     assert int(refused.headers["retry-after"]) >= 1
     usage = store.usage("tpm-tenant")["tpm-tenant"]
     assert usage["requests"] == 3 and usage["prompt_tokens"] == 3 * prompt_tokens
@@ -146,7 +150,7 @@ def test_concurrent_requests_limit(tenancy_stack):
     try:
         assert started.wait(60)
         refused = _complete(second, key)
-        assert _assert_openai_error(refused, 429)["code"] == "max_concurrency_exceeded"
+        assert _assert_openai_error(refused, 429)["type"] == "concurrent_requests"
     finally:
         thread.join(60)
     assert finished["status"] == 200
