@@ -76,7 +76,6 @@ class Tenancy:
         except redis.RedisError as error:  # each request checks again; /health reports Redis meanwhile
             log.error("cannot tell whether API keys exist, Redis is unreachable: %s", error)
             configured = True
-        self._refreshing = asyncio.create_task(self._refresh_leases())
         if not configured and self.require_api_key:
             raise NoKeysConfigured(
                 "--require-api-key: no API key exists in Redis; create one with `kvserve keys create --tenant NAME`"
@@ -90,6 +89,7 @@ class Tenancy:
                 "or start with --require-api-key."
             )
             log.warning(banner)
+        self._refreshing = asyncio.create_task(self._refresh_leases())
 
     async def shutdown(self) -> None:
         if self._refreshing is not None:

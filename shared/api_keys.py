@@ -119,13 +119,6 @@ def _record(key_id: str, fields: dict[str, str]) -> KeyRecord:
     )
 
 
-def record_usage(pipe: Any, tenant: str, **counters: int) -> None:
-    """Queue HINCRBY of each counter into the tenant's usage hash on a (sync or asyncio) pipeline."""
-    key = redis_keys.tenant_usage_key(tenant)
-    for name, amount in counters.items():
-        pipe.hincrby(key, name, amount)
-
-
 class KeyStore:
     """Create, list and revoke keys and read tenants' usage; the CLI's side of the key records."""
 

@@ -7,7 +7,8 @@ import redis
 import redis.asyncio as aioredis
 
 from executor.cli import main
-from shared.api_keys import authenticate, record_usage
+from shared import redis_keys
+from shared.api_keys import authenticate
 
 
 @pytest.fixture
@@ -97,10 +98,9 @@ def test_bad_input_and_missing_redis_url(db_url, capsys):
 
 def test_usage(db_url, capsys):
     client = redis.Redis.from_url(db_url)
-    with client.pipeline() as pipe:
-        record_usage(pipe, "acme", requests=3, prompt_tokens=40, completion_tokens=12, cached_tokens=16)
-        record_usage(pipe, "globex", requests=1, rejected=2)
-        pipe.execute()
+    usage = {"requests": 3, "prompt_tokens": 40, "completion_tokens": 12, "cached_tokens": 16}
+    client.hset(redis_keys.tenant_usage_key("acme"), mapping=usage)
+    client.hset(redis_keys.tenant_usage_key("globex"), mapping={"requests": 1, "rejected": 2})
     status, out, _ = _kvserve(capsys, "keys", "usage", "--redis-url", db_url)
     assert status == 0
     assert [line.split() for line in out] == [

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 
 from gateway.api_error import APIError
 from gateway.app import GatewayConfig, build_app
-from gateway.tenancy import ANONYMOUS, Tenancy
+from gateway.tenancy import ANONYMOUS, NoKeysConfigured, Tenancy
 from shared.api_keys import KeyStore
 
 DB = 11  # a database of its own: whether any key exists is the question here
@@ -71,3 +71,24 @@ def test_unreachable_redis_is_a_503_in_openai_shape(tokenizer):
         )
         assert response.status_code == 503
         assert "Redis" in response.json()["error"]["message"]
+
+
+def test_an_open_gateway_says_so_loudly_and_a_required_one_refuses(db_url, caplog):
+    async def start(require: bool) -> None:
+        client = aioredis.from_url(db_url)
+        tenancy = Tenancy(client, require)
+        try:
+            await tenancy.startup()
+        finally:
+            await tenancy.shutdown()
+            await client.aclose()
+
+    with caplog.at_level("WARNING", logger="kvserve.gateway.tenancy"):
+        asyncio.run(start(require=False))
+    assert any("NO API KEYS CONFIGURED" in r.getMessage() for r in caplog.records)
+    with pytest.raises(NoKeysConfigured):
+        asyncio.run(start(require=True))
+    KeyStore(redis.Redis.from_url(db_url)).create("someone")
+    caplog.clear()
+    asyncio.run(start(require=True))
+    assert not any("NO API KEYS" in r.getMessage() for r in caplog.records)

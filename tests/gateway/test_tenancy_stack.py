@@ -78,7 +78,9 @@ def test_keys_are_required_and_checked(tenancy_stack):
     key, record = store.create("acme")
     assert _complete(base, key).status_code == 200
     assert _assert_openai_error(_complete(base, None), 401)["code"] == "invalid_api_key"
-    _assert_openai_error(_complete(base, None, max_tokens=0), 401)  # who calls is checked before what they ask
+    _assert_openai_error(
+        _complete(base, None, max_tokens=0), 401
+    )  # who calls is checked before what they ask
     _assert_openai_error(_complete(base, key, max_tokens=0), 400)
     assert "API key" in _assert_openai_error(_complete(base, key[:-2] + "xx"), 401)["message"]
     _assert_openai_error(_complete(base, "kvs_0123456789abcdef_nope"), 401)

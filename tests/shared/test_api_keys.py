@@ -5,7 +5,7 @@ import redis
 import redis.asyncio as aioredis
 
 from shared import redis_keys as keys
-from shared.api_keys import KeyStore, authenticate, keys_configured, parse_models, record_usage
+from shared.api_keys import KeyStore, authenticate, keys_configured, parse_models
 
 
 @pytest.fixture
@@ -100,11 +100,13 @@ def test_inputs_are_checked_with_the_field_named(db_url):
 def test_usage_counters_per_tenant(db_url):
     client = redis.Redis.from_url(db_url)
     store = KeyStore(client)
-    with client.pipeline() as pipe:
-        record_usage(pipe, "acme", requests=1, prompt_tokens=10)
-        record_usage(pipe, "acme", requests=1, prompt_tokens=5, completion_tokens=7)
-        record_usage(pipe, "globex", rejected=1)
-        pipe.execute()
+    # as the gateway's release script counts them
+    client.hincrby(keys.tenant_usage_key("acme"), "requests", 1)
+    client.hincrby(keys.tenant_usage_key("acme"), "prompt_tokens", 10)
+    client.hincrby(keys.tenant_usage_key("acme"), "requests", 1)
+    client.hincrby(keys.tenant_usage_key("acme"), "prompt_tokens", 5)
+    client.hincrby(keys.tenant_usage_key("acme"), "completion_tokens", 7)
+    client.hincrby(keys.tenant_usage_key("globex"), "rejected", 1)
     expected = {
         "acme": {"requests": 2, "prompt_tokens": 15, "completion_tokens": 7},
         "globex": {"rejected": 1},
