@@ -70,7 +70,7 @@ class Engine:
         block_bytes = sum(
             ModelRunner.bytes_per_block(m, self.block_size, self.dtype) for m in (model, draft_model) if m
         )
-        num_blocks = kv_cache_bytes(config, model, self.device, self.dtype) // block_bytes
+        num_blocks = kv_cache_bytes(config, model, self.device, self.dtype, self.attention) // block_bytes
         if num_blocks < 1:
             raise ValueError("kv_cache_memory: too small for even one KV block")
         max_batched = config.max_num_batched_tokens

@@ -9,6 +9,7 @@ import torch
 
 from executor.config import EngineConfig
 from executor.models import AttentionBatch, DecoderLM
+from kernels.backend import AttentionBackend
 
 log = logging.getLogger("kvserve.engine")
 
@@ -26,17 +27,30 @@ def pick_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.
     return dev, getattr(torch, dtype)
 
 
-def kv_cache_bytes(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype) -> int:
+def kv_cache_bytes(
+    config: EngineConfig,
+    model: DecoderLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionBackend,
+) -> int:
     if config.kv_cache_memory is not None:
         return int(config.kv_cache_memory)
     if device.type != "cuda":
         return CPU_DEFAULT_KV_BYTES
-    return _profile_cuda(config, model, device, dtype)
+    return _profile_cuda(config, model, device, dtype, attention)
 
 
 @torch.inference_mode()
-def _profile_cuda(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype) -> int:
-    """gpu_memory_utilization x device memory, minus what others hold, weights and the peak of a full step."""
+def _profile_cuda(
+    config: EngineConfig,
+    model: DecoderLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionBackend,
+) -> int:
+    """gpu_memory_utilization x device memory, minus what others hold, weights and the peak of a full step,
+    run with the kernels that will serve (their scratch memory differs)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     free, total = torch.cuda.mem_get_info(device)
@@ -55,6 +69,7 @@ def _profile_cuda(config: EngineConfig, model: DecoderLM, device: torch.device, 
         block_table=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
         seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        attention=attention,
     )
     input_ids = torch.zeros(n, dtype=torch.int64, device=device)
     hidden = model(input_ids, positions, caches, batch)

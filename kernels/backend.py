@@ -1,6 +1,7 @@
-"""The --attention-backend choice: which pair of paged-attention / cache-write functions the model calls.
+"""The --attention-backend choice: which kernels the model calls for paged attention, cache writes, rotary
+embedding and the fused residual add + RMSNorm.
 
-auto picks Triton on CUDA and torch elsewhere; the engine code path is the same either way, only these two
+auto picks Triton on CUDA and torch elsewhere; the engine code path is the same either way, only these
 functions differ.
 """
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference, torch_paged
 from kernels.triton_mode import interpreting, triton_available
@@ -21,11 +23,25 @@ class AttentionBackend:
     paged_attention: Callable[..., torch.Tensor]
     reshape_and_cache: Callable[..., None]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (rms_norm(x + residual), x + residual): the residual stream's add fused with the norm that follows it
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def torch_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The add, then torch's own fused rms_norm: bit for bit what an unfused layer computes."""
+    summed = x + residual
+    return F.rms_norm(summed, (summed.shape[-1],), weight, eps), summed
 
 
 # the rotary twin is batched torch already (fp32 math, one rounding: in fp32 the ops HF does)
 TORCH = AttentionBackend(
-    "torch", torch_paged.paged_attention, torch_paged.reshape_and_cache, reference.rotary_embedding
+    "torch",
+    torch_paged.paged_attention,
+    torch_paged.reshape_and_cache,
+    reference.rotary_embedding,
+    torch_add_rms_norm,
 )
 
 
@@ -37,6 +53,7 @@ def _triton() -> AttentionBackend:
         triton_attention.paged_attention,
         triton_cache.reshape_and_cache,
         triton_norm_rope.rotary_embedding,
+        triton_norm_rope.add_rms_norm,
     )
 
 

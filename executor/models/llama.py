@@ -136,9 +136,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, kv_cache, batch: AttentionBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, kv_cache, batch: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: what the layer before added to the residual stream (the first layer: the embeddings, with no
+        residual yet). Returns this layer's addition and the stream before it, so that each add is fused with
+        the norm that follows it: residual + attn(norm(residual)), then + mlp(norm(...)), as HF computes."""
+        kernels = batch.attention
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = kernels.add_rms_norm(
+                x, residual, self.input_layernorm.weight, self.input_layernorm.eps
+            )
+        h = self.self_attn(h, cos, sin, kv_cache, batch)
+        norm = self.post_attention_layernorm
+        h, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -173,9 +187,11 @@ class DecoderLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(input_ids)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, batch)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, batch)
+        norm = self.model.norm
+        return batch.attention.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

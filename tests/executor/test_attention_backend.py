@@ -83,3 +83,17 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_models, fami
         outputs[name] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert all(len(tokens) == 5 for tokens in outputs["triton"])
     assert outputs["triton"] == outputs["torch"]
+
+
+def test_the_torch_backends_fused_add_norm_is_the_unfused_layer_and_matches_the_twin():
+    from kernels import reference
+
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(7, 64), torch.randn(7, 64), torch.rand(64) + 0.5
+    normed, summed = backend.TORCH.add_rms_norm(x, residual, weight, 1e-6)
+    # bit for bit what the layer computed before the add was fused (HF equivalence rests on it)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(normed, torch.nn.functional.rms_norm(x + residual, (64,), weight, 1e-6))
+    twin_normed, twin_summed = reference.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, twin_summed)
+    torch.testing.assert_close(normed, twin_normed)
