@@ -1,51 +1,27 @@
 """The HTTP face of kvserve: OpenAI-compatible routes over executors found in Redis.
 
-Stateless between requests: each one reads the live executors, their cached prefixes and loads from Redis,
-routes, streams tokens back from the chosen executor over ZeroMQ, and forgets.
+The gateway's parts (executor directory, router, tenancy, ZeroMQ client, metrics) live here for the app's
+lifetime; each completion request is served by gateway.completion, which keeps nothing between requests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
-import logging
-import time
-import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api_error import APIError
-from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError, ExecutorTiming
-from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
+from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, Completions, error_response
+from gateway.executor_client import ExecutorClient
+from gateway.executor_directory import ExecutorDirectory
 from gateway.metrics import GatewayMetrics
-from gateway.openai_protocol import (
-    MAX_BODY_BYTES,
-    OpenAIRequest,
-    fit_to_context,
-    model_not_found,
-    parse_chat_request,
-    parse_completion_request,
-)
-from gateway.prompt import prompt_token_ids
-from gateway.request_span import RequestSpan
-from gateway.responses import EventStream, Generation, response_body
-from gateway.router import ROUTING_POLICIES, Choice, Router
-from gateway.tenancy import Caller, Tenancy
-from shared import logs, protocol
-
-log = logging.getLogger("kvserve.gateway")
-
-EXECUTOR_HEADER = "x-kvserve-executor"
-REQUEST_ID_HEADER = "x-request-id"  # the id the gateway's and executor's log lines carry
-NO_EXECUTOR = "none"  # the header's value when a request was answered before reaching one
-DISCONNECT_POLL_S = 0.25
+from gateway.router import ROUTING_POLICIES, Router
+from gateway.tenancy import Tenancy
 
 __all__ = ["ROUTING_POLICIES", "GatewayConfig", "build_app"]
 
@@ -59,54 +35,6 @@ class GatewayConfig:
     require_api_key: bool = False
 
 
-@dataclass(slots=True)
-class Routed:
-    executor: ExecutorInfo  # changes if the first choice dies before answering
-    request: protocol.GenerateRequest
-    generation: Generation
-    stream: bool
-    include_usage: bool
-    arrival: float  # time.monotonic() when the HTTP request came in
-    caller: Caller
-    span: RequestSpan
-    reserved_tokens: int  # prompt + max_tokens, taken from the caller's tokens-per-minute budget
-    endpoint: str
-    tried: set[str] = dataclasses.field(default_factory=set)
-    timing: ExecutorTiming = dataclasses.field(default_factory=ExecutorTiming)
-    prefill_estimate: int = 0  # prompt tokens the chosen executor has to prefill, by its cached blocks
-    counted_on: str | None = None  # the executor whose in-flight count in Redis includes this request
-    last_token_at: float | None = None  # time.monotonic() of the last update with tokens
-    status: int = 200  # what the request's metrics and span report at its end
-    error: str | None = None
-
-
-def _error(error: APIError, request_id: str, executor_id: str = NO_EXECUTOR) -> JSONResponse:
-    headers = {**error.headers, EXECUTOR_HEADER: executor_id}
-    if request_id:
-        headers[REQUEST_ID_HEADER] = request_id
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-class ReleasingStreamingResponse(StreamingResponse):
-    """Runs `release` however the response ends, even when the client left before the first event (then the
-    body generator never started, and its own cleanup never runs)."""
-
-    def __init__(self, content, release: Callable[[], Awaitable[None]], **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self.release = release
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.release()
-
-
-def _executor_error(error: ExecutorRequestError) -> APIError:
-    kind = "invalid_request_error" if error.code < 500 else "server_error"
-    return APIError(error.code, str(error), kind)
-
-
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -115,11 +43,20 @@ class Gateway:
         self.tenancy = Tenancy(self.directory.redis, config.require_api_key)
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics()
-        self.background: set[asyncio.Task] = set()
+        self.completions: Completions | None = None
 
     async def startup(self) -> None:
         await self.tenancy.startup()
-        self.client = ExecutorClient()
+        self.client = ExecutorClient()  # needs the running event loop
+        self.completions = Completions(
+            self.config.model_name,
+            self.config.tokenizer,
+            self.directory,
+            self.router,
+            self.tenancy,
+            self.client,
+            self.metrics,
+        )
 
     async def shutdown(self) -> None:
         await self.tenancy.shutdown()
@@ -129,17 +66,17 @@ class Gateway:
 
     # -- routes -------------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, "chat")
+    async def chat(self, request: Request) -> Response:
+        return await self.completions.serve(request, "chat")
 
-    async def completions(self, request: Request) -> Response:
-        return await self._serve(request, "completion")
+    async def completion(self, request: Request) -> Response:
+        return await self.completions.serve(request, "completion")
 
     async def models(self, request: Request) -> Response:
         try:
             caller = await self.tenancy.identify(request.headers)
         except APIError as error:
-            return _error(error, "")
+            return error_response(error, "")
         models = [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvserve"}
             for name in caller.models([self.config.model_name])
@@ -169,283 +106,12 @@ class Gateway:
             headers={EXECUTOR_HEADER: NO_EXECUTOR},
         )
 
-    # -- one completion request ------------------------------------------------------------------------
-
-    async def _serve(self, request: Request, endpoint: str) -> Response:
-        arrival = time.monotonic()
-        request_id = uuid.uuid4().hex
-        span = RequestSpan.start(request.headers, endpoint, time.time_ns())
-        # this request's task (and tasks it starts) log with its ids; the binding ends with the task
-        logs.bind(request_id, span.trace_id(request.headers))
-        # the key's Redis read is answered while this task parses and tokenizes
-        identifying = asyncio.ensure_future(self.tenancy.identify(request.headers))
-        await asyncio.sleep(0)  # let it send
-        caller = None
-        try:
-            try:
-                parsed, ids = await self._read(request, endpoint, span)
-            finally:
-                caller = await identifying  # a 401 comes before whatever the body did wrong
-            allowed = caller.models([self.config.model_name])
-            if parsed.model not in allowed:
-                raise model_not_found(parsed.model, allowed)
-            routed = await self._route(parsed, ids, arrival, request_id, caller, span)
-            await self.tenancy.admit(caller, request_id, routed.reserved_tokens)
-        except APIError as error:
-            tenant = caller.tenant if caller else "unauthenticated"
-            log.info("request refused (%d, tenant %s): %s", error.status, tenant, error.message)
-            self.metrics.requests.labels(tenant, endpoint, str(error.status)).inc()
-            span.finish(error.status, error.message)
-            return _error(error, request_id)
-        try:
-            # sent before the response starts, so the executor works while the HTTP machinery sets up
-            await self._submit(routed)
-        except BaseException:
-            await self._end(routed)
-            raise
-        if routed.stream:
-            return ReleasingStreamingResponse(
-                self._events(routed),
-                release=lambda: self._end(routed),
-                media_type="text/event-stream",
-                headers={
-                    EXECUTOR_HEADER: routed.executor.executor_id,
-                    REQUEST_ID_HEADER: request_id,
-                    "cache-control": "no-cache",
-                },
-            )
-        try:
-            return await self._whole(request, routed)
-        finally:
-            await self._end(routed)
-
-    async def _submit(self, routed: Routed) -> None:
-        """Send to the chosen executor, then count the request in its in-flight count until its first update,
-        so concurrent routing decisions (any gateway's) see it before the executor's own load does."""
-        await self.client.submit(routed.executor.address, routed.request, routed.timing)
-        routed.counted_on = routed.executor.executor_id
-        await self._add_inflight(routed.counted_on, routed.prefill_estimate)
-
-    def _uncount(self, routed: Routed) -> None:
-        if routed.counted_on is not None:
-            # off the token's path
-            task = asyncio.create_task(self._add_inflight(routed.counted_on, -routed.prefill_estimate))
-            self.background.add(task)
-            task.add_done_callback(self.background.discard)
-            routed.counted_on = None
-
-    async def _add_inflight(self, executor_id: str, delta: int) -> None:
-        try:
-            await self.directory.add_inflight(executor_id, delta)
-        except Exception as error:  # a routing hint only: the request goes on, the count's TTL heals it
-            log.warning("in-flight count of %s not updated: %s", executor_id, error)
-
-    async def _end(self, routed: Routed) -> None:
-        """However the request ended: free it on the executor, settle the caller's budget, record it."""
-        self._uncount(routed)
-        await self.client.release(routed.executor.address, routed.request.request_id)
-        generation = routed.generation
-        usage = (generation.num_prompt_tokens, generation.output.num_tokens, generation.cached_tokens)
-        tenant = routed.caller.tenant
-        self.metrics.requests.labels(tenant, routed.endpoint, str(routed.status)).inc()
-        self.metrics.prompt_tokens.labels(tenant).inc(usage[0])
-        self.metrics.e2e.observe(time.monotonic() - routed.arrival)
-        routed.span.finish(
-            routed.status,
-            routed.error,
-            usage,
-            generation.finish_reason,
-            generation.id,
-            routed.executor.executor_id,
-        )
-        try:
-            await self.tenancy.release(
-                routed.caller, routed.request.request_id, routed.reserved_tokens, *usage
-            )
-        except Exception as error:  # the slot's lease and the bucket's refill heal what this misses
-            log.error("settling tenant %s's limits failed: %s", tenant, error)
-
-    async def _read(
-        self, request: Request, endpoint: str, span: RequestSpan
-    ) -> tuple[OpenAIRequest, list[int]]:
-        """The request body, parsed and validated, and its prompt's token ids."""
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise APIError(
-                413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}", code="request_too_large"
-            )
-        raw = await request.body()
-        parse = parse_chat_request if endpoint == "chat" else parse_completion_request
-        parsed = parse(raw, [self.config.model_name])
-        started = time.time_ns()
-        ids = prompt_token_ids(parsed, self.config.tokenizer)
-        span.child("tokenize", started, {"gen_ai.usage.input_tokens": len(ids)})
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="messages" if endpoint == "chat" else "prompt")
-        return parsed, ids
-
-    async def _route(
-        self,
-        parsed: OpenAIRequest,
-        ids: list[int],
-        arrival: float,
-        request_id: str,
-        caller: Caller,
-        span: RequestSpan,
-    ) -> Routed:
-        started = time.time_ns()
-        choice = await self.router.choose(ids, caller.cache_salt)
-        self._record_route(span, started, choice)
-        params = fit_to_context(parsed, len(ids), choice.executor.max_model_len)
-        span.describe(caller.tenant, parsed.model, params.max_tokens, params.temperature, params.top_p)
-        generate = protocol.GenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            block_hashes=choice.block_hashes,
-            sampling=dataclasses.asdict(params),
-            tenant=caller.record.tenant if caller.record else None,
-            cache_salt=caller.cache_salt,
-            traceparent=span.traceparent(),
-        )
-        generation = Generation.start(parsed, ids, params.stop, self.config.tokenizer)
-        return Routed(
-            choice.executor,
-            generate,
-            generation,
-            parsed.stream,
-            parsed.include_usage,
-            arrival,
-            caller,
-            span,
-            reserved_tokens=len(ids) + params.max_tokens,
-            endpoint=parsed.endpoint,
-            prefill_estimate=choice.prefill_estimate,
-        )
-
-    def _record_route(self, span: RequestSpan, started_ns: int, choice: Choice) -> None:
-        self.metrics.route_decisions.labels(self.config.routing_policy, choice.reason).inc()
-        attributes = {
-            "kvserve.route.policy": self.config.routing_policy,
-            "kvserve.route.reason": choice.reason,
-            "kvserve.route.executor": choice.executor.executor_id,
-            "kvserve.route.cached_blocks": choice.cached_blocks,
-            "kvserve.route.cost": choice.cost,
-        }
-        span.child("route", started_ns, attributes)
-
-    async def _updates(self, routed: Routed):
-        """The submitted request's updates; an executor that dies before its first update is replaced."""
-        while True:
-            executor = routed.executor
-
-            async def alive(executor_id: str = executor.executor_id) -> bool:
-                return await self.directory.is_alive(executor_id)
-
-            streamed = False
-            try:
-                async for update in self.client.updates(
-                    executor.address, routed.request.request_id, alive, routed.timing
-                ):
-                    if not streamed:
-                        streamed = True
-                        self._uncount(routed)  # from now on the executor's published load counts it
-                    self._observe_tokens(routed, update)
-                    yield update
-                return
-            except ExecutorGone:
-                log.warning(
-                    "executor %s stopped answering (request %s)",
-                    executor.executor_id,
-                    routed.request.request_id,
-                )
-                if streamed:
-                    raise APIError(
-                        502, f"executor {executor.executor_id} stopped answering mid-stream", "server_error"
-                    ) from None
-                routed.tried.add(executor.executor_id)
-                self._uncount(routed)
-                started = time.time_ns()
-                choice = await self.router.choose(
-                    routed.request.prompt_token_ids, routed.caller.cache_salt, routed.tried
-                )
-                self._record_route(routed.span, started, choice)
-                routed.executor, routed.prefill_estimate = choice.executor, choice.prefill_estimate
-                await self._submit(routed)
-
-    async def _events(self, routed: Routed):
-        stream = EventStream(routed.generation, routed.include_usage)
-        try:
-            async for update in self._updates(routed):
-                text = stream.update(
-                    update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
-                )
-                if text:
-                    yield text
-                if routed.generation.finished:
-                    return  # a stop string matched: leaving the loop aborts the executor request
-        except ExecutorRequestError as error:
-            self._failed(routed, _executor_error(error))
-            yield _executor_error(error).sse_event()
-        except APIError as error:
-            self._failed(routed, error)
-            yield error.sse_event()
-
-    def _failed(self, routed: Routed, error: APIError) -> None:
-        routed.status, routed.error = error.status, error.message
-        log.warning("request failed (%d): %s", error.status, error.message)
-
-    def _observe_tokens(self, routed: Routed, update: protocol.RequestUpdate) -> None:
-        if not update.token_ids:
-            return
-        now = time.monotonic()
-        if routed.last_token_at is None:
-            self.metrics.first_token(now - routed.arrival, routed.timing.executor_ttft)
-            gap = None
-        else:
-            gap = now - routed.last_token_at
-        routed.last_token_at = now
-        self.metrics.tokens_arrived(routed.caller.tenant, len(update.token_ids), gap)
-
-    async def _whole(self, request: Request, routed: Routed) -> Response:
-        generation = routed.generation
-
-        async def collect() -> None:
-            async for update in self._updates(routed):
-                generation.feed(
-                    update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
-                )
-                if generation.finished:
-                    return
-
-        task = asyncio.ensure_future(collect())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()  # the client left: cancelling aborts the request on the executor
-                    routed.status = 499
-                    return Response(status_code=499)
-            task.result()
-        except ExecutorRequestError as caught:
-            error = _executor_error(caught)
-        except APIError as caught:
-            error = caught
-        else:
-            # the executor that answered: a retry may have replaced the first choice
-            headers = {
-                EXECUTOR_HEADER: routed.executor.executor_id,
-                REQUEST_ID_HEADER: routed.request.request_id,
-            }
-            return JSONResponse(response_body(generation), headers=headers)
-        self._failed(routed, error)
-        return _error(error, routed.request.request_id, routed.executor.executor_id)
-
 
 def build_app(config: GatewayConfig) -> Starlette:
     gateway = Gateway(config)
     routes = [
-        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
-        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
+        Route("/v1/completions", gateway.completion, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics_page, methods=["GET"]),
@@ -462,7 +128,7 @@ def build_app(config: GatewayConfig) -> Starlette:
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
-        return _error(error, "")
+        return error_response(error, "")
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.gateway = gateway
