@@ -2,19 +2,28 @@
 # 64 concurrent streaming clients (started evenly over the first 30 s) for two minutes against `kvserve up`:
 # errors, and the gateway's own share of
 # time to first token (its TTFT minus the executor's, from the gateway's histogram). Results: bench/results/soak.*
-# usage: [TENANT=1] bench/soak.sh [clients] [seconds]
+# usage: [TENANT=1] [TRACE=1] bench/soak.sh [clients] [seconds]
 #   TENANT=1: the clients send an API key with rate limits (generous, never reached), so every request also pays
 #   for authentication, admission and settling its limits in Redis; results then go to bench/results/soak-tenant.*
+#   TRACE=1: gateway and executor export every request's spans over OTLP to a local sink that discards them
+#   (bench/otlp_sink.py); results go to bench/results/soak[-tenant]-trace.*
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLIENTS=${1:-64}
 SECONDS_=${2:-120}
 PORT=${PORT:-8330}
-OUT=bench/results/soak${TENANT:+-tenant}
+OUT=bench/results/soak${TENANT:+-tenant}${TRACE:+-trace}
 mkdir -p bench/results
+sink=
+if [[ -n "${TRACE:-}" ]]; then
+  SINK_PORT=${SINK_PORT:-4319}
+  nice -n 10 .venv/bin/python -m bench.otlp_sink --port "$SINK_PORT" 2> "$OUT.sink.log" &
+  sink=$!
+  export OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$SINK_PORT"
+fi
 .venv/bin/kvserve up --port "$PORT" --max-model-len 2048 --kv-cache-memory 2GiB --log-format text > "$OUT.log" 2>&1 &
 up=$!
-trap 'kill -INT $up 2>/dev/null; wait $up || true' EXIT
+trap 'kill -INT $up 2>/dev/null; wait $up || true; if [[ -n "$sink" ]]; then kill $sink; wait $sink || true; cat "$OUT.sink.log"; fi' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" | grep -q executor-0; do sleep 1; done
 KEY_ARGS=()
 if [[ -n "${TENANT:-}" ]]; then
