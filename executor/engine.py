@@ -80,6 +80,7 @@ class Engine:
         self.kv = KVCacheManager(self.pool, self.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, config.enable_chunked_prefill)
         self.runner = ModelRunner(model, num_blocks, self.block_size, self.device, self.dtype, self.attention)
+        self.attention.prepare(self.device, self.dtype)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.ngram = self.draft = None

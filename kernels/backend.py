@@ -25,6 +25,8 @@ class AttentionBackend:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (rms_norm(x + residual), x + residual): the residual stream's add fused with the norm that follows it
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (device, dtype): build what the kernels build on first use now, before the executor serves
+    prepare: Callable[[torch.device, torch.dtype], None]
 
 
 def torch_add_rms_norm(
@@ -42,6 +44,7 @@ TORCH = AttentionBackend(
     torch_paged.reshape_and_cache,
     reference.rotary_embedding,
     torch_add_rms_norm,
+    torch_paged.prepare,
 )
 
 
@@ -54,6 +57,9 @@ def _triton() -> AttentionBackend:
         triton_cache.reshape_and_cache,
         triton_norm_rope.rotary_embedding,
         triton_norm_rope.add_rms_norm,
+        # Triton compiles each kernel at its first launch: the memory-profiling step does it, unless
+        # --kv-cache-memory skips that step (then the first requests wait seconds for it)
+        lambda device, dtype: None,
     )
 
 

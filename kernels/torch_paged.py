@@ -17,6 +17,17 @@ from kernels.cpu_extension import decode_extension
 _MAX_PADDING = 1.25
 
 
+def _uses_decode_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32
+
+
+def prepare(device: torch.device, dtype: torch.dtype) -> None:
+    """Build the C++ decode kernel now if this device and dtype will call it: its first build takes about a
+    minute, which belongs to the executor's start, not to the first request that decodes."""
+    if _uses_decode_kernel(device, dtype):
+        decode_extension()
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -66,7 +77,7 @@ def paged_attention(
     lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     decode_rows = [s for s, n in enumerate(q_lens) if n == 1]
-    extension = decode_extension() if query.device.type == "cpu" and query.dtype == torch.float32 else None
+    extension = decode_extension() if _uses_decode_kernel(query.device, query.dtype) else None
     if decode_rows and extension is not None:
         rows = torch.tensor(decode_rows)
         token_rows = query_start_loc[rows].long()

@@ -67,3 +67,29 @@ def test_decode_groups_cover_every_row_once_with_little_padding():
     for group in groups:
         padded = len(group) * max(lengths[s] for s in group)
         assert padded <= 1.25 * sum(lengths[s] for s in group) or len(group) == 1
+
+
+def test_each_checkout_and_version_of_the_cpu_kernel_builds_under_its_own_name(tmp_path):
+    """One shared name made two checkouts on a machine rebuild the kernel (a minute) each after the other ran."""
+    from kernels.cpu_extension import build_name
+
+    here, there = tmp_path / "a" / "kernel.cpp", tmp_path / "b" / "kernel.cpp"
+    for path in (here, there):
+        path.parent.mkdir()
+        path.write_text("int f() { return 1; }")
+    flags = (("-O3",), ("-fopenmp",))
+    assert build_name(here, *flags) == build_name(here, *flags)
+    assert build_name(here, *flags).isidentifier()  # it is also the Python module's name
+    assert build_name(here, *flags) != build_name(there, *flags)
+    assert build_name(here, ("-O2",), ("-fopenmp",)) != build_name(here, *flags)
+    here.write_text("int f() { return 2; }")
+    assert build_name(here, *flags) != build_name(there, *flags)
+
+
+def test_the_torch_backend_builds_the_cpu_kernel_before_serving(monkeypatch):
+    built = []
+    monkeypatch.setattr(torch_paged, "decode_extension", lambda: built.append(True))
+    torch_paged.prepare(torch.device("cpu"), torch.bfloat16)  # not a dtype the kernel serves
+    assert built == []
+    torch_paged.prepare(torch.device("cpu"), torch.float32)
+    assert built == [True]
