@@ -56,7 +56,6 @@ class Routed:
     caller: Caller
     span: RequestSpan
     reserved_tokens: int  # prompt + max_tokens, taken from the caller's tokens-per-minute budget
-    endpoint: str
     tried: set[str] = dataclasses.field(default_factory=set)
     timing: ExecutorTiming = dataclasses.field(default_factory=ExecutorTiming)
     prefill_estimate: int = 0  # prompt tokens the chosen executor has to prefill, by its cached blocks
@@ -191,7 +190,7 @@ class Completions:
         generation = routed.generation
         usage = (generation.num_prompt_tokens, generation.output.num_tokens, generation.cached_tokens)
         tenant = routed.caller.tenant
-        self.metrics.requests.labels(tenant, routed.endpoint, str(routed.status)).inc()
+        self.metrics.requests.labels(tenant, routed.generation.endpoint, str(routed.status)).inc()
         self.metrics.prompt_tokens.labels(tenant).inc(usage[0])
         self.metrics.e2e.observe(time.monotonic() - routed.arrival)
         routed.span.finish(
@@ -262,7 +261,6 @@ class Completions:
             caller,
             span,
             reserved_tokens=len(ids) + params.max_tokens,
-            endpoint=parsed.endpoint,
             prefill_estimate=choice.prefill_estimate,
         )
 
@@ -327,9 +325,10 @@ class Completions:
                     yield text
                 if routed.generation.finished:
                     return  # a stop string matched: leaving the loop aborts the executor request
-        except ExecutorRequestError as error:
-            self._failed(routed, _executor_error(error))
-            yield _executor_error(error).sse_event()
+        except ExecutorRequestError as caught:
+            error = _executor_error(caught)
+            self._failed(routed, error)
+            yield error.sse_event()
         except APIError as error:
             self._failed(routed, error)
             yield error.sse_event()
