@@ -66,7 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,16,64,256", help="end-to-end concurrent requests")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--e2e-backends", default="triton,torch", help="attention backends to serve with")
+    parser.add_argument(
+        "--e2e-backends",
+        default="triton,triton-eager,torch",
+        help="attention backends to serve with; -eager: no CUDA graphs",
+    )
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--budget-s", type=float, default=420, help="skip what would start after this")
     parser.add_argument("--kv-cache-memory", default="16GiB", help="end-to-end KV pool")
@@ -80,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     args.e2e_backends = args.e2e_backends.split(",")
+    for backend in args.e2e_backends:
+        name, _, mode = backend.partition("-")
+        if name not in ("auto", "torch", "triton") or mode not in ("", "eager"):
+            parser.error(f"--e2e-backends: {backend!r} is not auto, torch or triton, optionally with -eager")
     return args
 
 
@@ -278,46 +286,75 @@ def _decode_shape(
 
 
 def end_to_end(args: argparse.Namespace, deadline: float) -> list[dict]:
-    """Offline serving of the default model on CUDA: N requests at once, output tokens/s until all finish."""
-    from executor import LLM, SamplingParams
-
-    results = []
+    """Offline serving of the default model on CUDA: N requests at once, output tokens/s until all finish, for
+    each backend in --e2e-backends ("triton" captures decode graphs, "triton-eager" does not). A backend that
+    fails is reported with its error and the next one still runs. Each row also says how many of its greedy
+    tokens match the first backend's on the same prompts."""
+    results: list[dict] = []
+    first_tokens: dict[int, list[list[int]]] = {}  # concurrency -> the first backend's tokens
     for backend in args.e2e_backends:
-        llm = LLM(
-            args.model, device=args.device, attention_backend=backend, kv_cache_memory=args.kv_cache_memory
-        )
-        rng = random.Random(0)
-        vocab = llm.engine.vocab_size
-        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-        for n in args.concurrency:
-            if time.perf_counter() > deadline:
-                results.append({"backend": backend, "concurrency": n, "skipped": "time budget spent"})
-                continue
-            # warm-up (Triton compiles the shapes of this batch) on other prompts: the prefix cache must not
-            # hold the measured ones
-            prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(2 * n)]
-            llm.generate(prompts[n:], SamplingParams(max_tokens=2, ignore_eos=True))
-            prompts = prompts[:n]
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params)  # the tokens reach the host: no sync needed
-            seconds = time.perf_counter() - start
-            tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-            results.append(
-                {
-                    "backend": llm.engine.attention.name,
-                    "concurrency": n,
-                    "prompt_len": args.prompt_len,
-                    "output_len": args.output_len,
-                    "output_tokens": tokens,
-                    "seconds": round(seconds, 2),
-                    "output_tok_s": round(tokens / seconds, 1),
-                }
-            )
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-        del llm
+        try:
+            results += _serve(args, backend, deadline, first_tokens)
+        except Exception as error:
+            traceback.print_exc()
+            results.append({"backend": backend, "error": repr(error), "traceback": traceback.format_exc()})
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    return results
+
+
+def _serve(args: argparse.Namespace, backend: str, deadline: float, first_tokens: dict) -> list[dict]:
+    from executor import LLM, SamplingParams
+
+    name, _, eager = backend.partition("-")
+    started = time.perf_counter()
+    llm = LLM(
+        args.model,
+        device=args.device,
+        attention_backend=name,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=eager == "eager",
+    )
+    start_s = round(time.perf_counter() - started, 1)
+    graphs = llm.engine.runner.decode_graphs
+    rng = random.Random(0)  # every backend gets the same prompts
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    results = []
+    for n in args.concurrency:
+        if time.perf_counter() > deadline:
+            results.append({"backend": backend, "concurrency": n, "skipped": "time budget spent"})
+            continue
+        # warm-up (Triton compiles the shapes of this batch) on other prompts: the prefix cache must not hold
+        # the measured ones
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(2 * n)]
+        llm.generate(prompts[n:], SamplingParams(max_tokens=2, ignore_eos=True))
+        prompts = prompts[:n]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)  # the tokens reach the host: no sync needed
+        seconds = time.perf_counter() - start
+        tokens = [list(out.outputs[0].token_ids) for out in outputs]
+        expected = first_tokens.setdefault(n, tokens)
+        same = sum(
+            a == b for got, want in zip(tokens, expected, strict=True) for a, b in zip(got, want, strict=True)
+        )
+        total = sum(len(t) for t in tokens)
+        results.append(
+            {
+                "backend": backend,
+                "cuda_graphs": graphs is not None,
+                "engine_start_s": start_s,
+                "concurrency": n,
+                "prompt_len": args.prompt_len,
+                "output_len": args.output_len,
+                "output_tokens": total,
+                "seconds": round(seconds, 2),
+                "output_tok_s": round(total / seconds, 1),
+                "tokens_matching_first_backend": round(same / total, 3),
+            }
+        )
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     return results
 
 

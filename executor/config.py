@@ -58,6 +58,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     attention_backend: str = "auto"  # triton on CUDA, torch elsewhere (kernels/backend.py)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (executor/cuda_graphs.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -135,6 +136,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.attention_backend,
         choices=ATTENTION_BACKENDS,
         help="paged-attention kernels: auto (Triton on CUDA, torch elsewhere), torch or triton",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=d.enforce_eager,
+        help="run every step eagerly: no CUDA graphs for decode steps (graphs need the triton backend)",
     )
     g.add_argument("--seed", type=int, default=d.seed)
 

@@ -81,6 +81,11 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, config.enable_chunked_prefill)
         self.runner = ModelRunner(model, num_blocks, self.block_size, self.device, self.dtype, self.attention)
         self.attention.prepare(self.device, self.dtype)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if self.attention.graph_safe:
+                self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len)
+            else:
+                log.info("no CUDA graphs: the %s attention backend cannot be captured", self.attention.name)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.ngram = self.draft = None

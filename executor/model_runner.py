@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.cuda_graphs import DecodeGraphs, DecodeRow, capture_sizes
 from executor.kv_cache_manager import KVCacheManager
 from executor.models import AttentionBatch, DecoderLM
 from executor.request import Request
@@ -52,6 +53,27 @@ class ModelRunner:
         alloc = torch.zeros if device.type == "cuda" else torch.empty
         self.kv_cache = alloc(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        """Decode-only steps from now on run padded to a captured batch size (executor/cuda_graphs.py);
+        capture=False runs that padded forward eagerly instead."""
+        if capture and not self.attention.graph_safe:
+            raise ValueError(
+                f"CUDA graphs: the {self.attention.name} attention backend reads lengths back to the host "
+                "and cannot be captured; use --attention-backend triton or --enforce-eager"
+            )
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.attention,
+            self.block_size,
+            -(-max_model_len // self.block_size),
+            capture_sizes(max_num_seqs),
+            self.device,
+            capture,
+        )
+        self.decode_graphs.capture()
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
@@ -83,11 +105,27 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
         """One forward pass over every chunk; logits [sum(num_logits), V] in chunk order."""
+        rows = self._decode_rows(chunks)
+        if rows is not None:
+            return self.model.compute_logits(self.decode_graphs.run(rows))
         batch, input_ids, positions, logit_rows = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, batch)
         if logit_rows.numel() == 0:
             return hidden.new_empty((0, 0))
         return self.model.compute_logits(hidden[logit_rows])
+
+    def _decode_rows(self, chunks: list[Chunk]) -> list[DecodeRow] | None:
+        """The step as decode rows when a decode graph can run it: one new token and its logits per chunk."""
+        graphs = self.decode_graphs
+        if (
+            graphs is None
+            or not chunks
+            or not graphs.fits(len(chunks), max(len(c.block_ids) for c in chunks))
+        ):
+            return None
+        if any(len(c.token_ids) != 1 or c.num_logits != 1 for c in chunks):
+            return None
+        return [DecodeRow(c.token_ids[0], c.start, c.block_ids) for c in chunks]
 
     def _prepare(self, chunks: list[Chunk]):
         bs = self.block_size

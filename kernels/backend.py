@@ -27,6 +27,8 @@ class AttentionBackend:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (device, dtype): build what the kernels build on first use now, before the executor serves
     prepare: Callable[[torch.device, torch.dtype], None]
+    # every kernel sizes its launch from shapes alone, with no read back to the host: CUDA graphs can hold it
+    graph_safe: bool = False
 
 
 def torch_add_rms_norm(
@@ -60,6 +62,7 @@ def _triton() -> AttentionBackend:
         # Triton compiles each kernel at its first launch: the memory-profiling step does it, unless
         # --kv-cache-memory skips that step (then the first requests wait seconds for it)
         lambda device, dtype: None,
+        graph_safe=True,
     )
 
 

@@ -12,9 +12,12 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write token t's K/V into slot slot_mapping[t] (block = slot // B, offset = slot % B)."""
+    """Write token t's K/V into slot slot_mapping[t] (block = slot // B, offset = slot % B); a negative slot
+    marks a padding token, which writes nothing."""
     block_size = key_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
         key_cache[slot // block_size, slot % block_size] = key[t]
         value_cache[slot // block_size, slot % block_size] = value[t]
 

@@ -35,6 +35,9 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
+    if slot_mapping.numel() and slot_mapping.min() < 0:  # padding tokens (slot -1) write nothing
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 

@@ -38,7 +38,9 @@ def _reshape_and_cache_kernel(
     within = slot % BLOCK_SIZE
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    # a negative slot marks a padding token (a CUDA graph's batch padded to its size): no head of it is written
+    heads = tl.where(slot >= 0, NUM_HEADS, 0)
+    mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HEAD_DIM)
     key = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     value = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     key_dst = key_cache_ptr + block * stride_kcn + within * stride_kcb

@@ -27,6 +27,7 @@ def test_defaults_are_the_issues_workload():
     assert (args.decode_batch, args.decode_context) == (64, 2048)
     assert args.concurrency == [1, 16, 64, 256]
     assert (args.prompt_len, args.output_len) == (512, 128)
+    assert args.e2e_backends == ["triton", "triton-eager", "torch"]
     assert gpu_check.parse_args(["--concurrency", "2,8", "--e2e-backends", "torch"]).e2e_backends == ["torch"]
 
 
@@ -94,4 +95,28 @@ def test_whole_script_at_toy_sizes(tiny_models, monkeypatch, tmp_path):
     }
     assert all(row["max_error_vs_sdpa"] < 3e-2 for row in report["decode_attention"])
     runs = [(row["backend"], row["concurrency"], row["output_tokens"]) for row in report["end_to_end"]]
-    assert runs == [("triton", 1, 3), ("triton", 2, 6), ("torch", 1, 3), ("torch", 2, 6)]
+    backends = ("triton", "triton-eager", "torch")
+    assert runs == [(backend, n, 3 * n) for backend in backends for n in (1, 2)]
+    assert all(row["tokens_matching_first_backend"] == 1.0 for row in report["end_to_end"])
+    assert [row["cuda_graphs"] for row in report["end_to_end"]] == [device == "cuda"] * 2 + [False] * 4
+
+
+def test_a_failing_backend_is_reported_and_the_next_still_runs(tiny_models, monkeypatch):
+    args = gpu_check.parse_args(["--device", "cpu", "--model", tiny_models["llama"], "--concurrency", "1"])
+    args.prompt_len, args.output_len, args.kv_cache_memory = 8, 2, "16MiB"
+    args.e2e_backends = ["torch", "triton"]
+    serve = gpu_check._serve
+    monkeypatch.setattr(
+        gpu_check,
+        "_serve",
+        lambda args, backend, *rest: serve(args, backend, *rest) if backend == "torch" else 1 / 0,
+    )
+    rows = gpu_check.end_to_end(args, deadline=float("inf"))
+    assert rows[0]["backend"] == "torch" and rows[0]["output_tokens"] == 2
+    assert rows[1]["backend"] == "triton" and "ZeroDivisionError" in rows[1]["error"]
+
+
+def test_unknown_e2e_backend_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--e2e-backends", "triton-fast"])
+    assert "'triton-fast' is not auto, torch or triton" in capsys.readouterr().err

@@ -60,6 +60,20 @@ def test_reshape_and_cache_matches_reference():
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+def test_reshape_and_cache_skips_padding_slots():
+    """Slot -1 marks a padding token (a CUDA graph's padded batch): it writes nothing, the others land."""
+    key, value = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    slots = torch.tensor([5, -1, 12, -1])
+    for write in (reference.reshape_and_cache, kernels.reshape_and_cache):
+        caches = [torch.zeros(2, 8, 2, 8) for _ in range(2)]
+        write(key, value, *caches, slots)
+        flat = caches[0].view(16, 2, 8)
+        assert torch.equal(flat[5], key[0]) and torch.equal(flat[12], key[2])
+        others = [i for i in range(16) if i not in (5, 12)]
+        assert flat[others].abs().sum() == 0
+        assert torch.equal(caches[1].view(16, 2, 8)[12], value[2])
+
+
 def test_decode_groups_cover_every_row_once_with_little_padding():
     lengths = [10, 500, 30, 480, 35, 11, 250]
     groups = torch_paged.decode_groups(lengths, list(range(len(lengths))))

@@ -132,6 +132,18 @@ def test_reshape_and_cache_writes_into_a_layer_view_of_the_whole_cache(device):
     assert whole[0].abs().sum() == 0  # the other layer is untouched
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_reshape_and_cache_skips_padding_slots(device):
+    key, value = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    slots = torch.tensor([5, -1, 31, -1])
+    expected = [torch.zeros(2, 16, 3, 64) for _ in range(2)]
+    reference.reshape_and_cache(key, value, *expected, slots)
+    caches = [torch.zeros(2, 16, 3, 64, device=device) for _ in range(2)]
+    triton_cache.reshape_and_cache(key.to(device), value.to(device), *caches, slots.to(device))
+    assert torch.equal(caches[0].cpu(), expected[0]) and torch.equal(caches[1].cpu(), expected[1])
+    assert expected[0].view(32, 3, 64)[[5, 31]].abs().sum() > 0
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("triton.backends.nvidia") is None, reason="this triton has no CUDA backend"
 )

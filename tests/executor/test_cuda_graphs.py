@@ -1,0 +1,170 @@
+"""Decode steps through CUDA graphs: the padded static-buffer forward gives the eager logits and writes only the
+real tokens' KV, the engine's greedy tokens do not change, and which steps take the graph path.
+
+Without CUDA the padded forward runs eagerly over the same buffers (capture=False), with the torch kernels and
+with the Triton kernels in Triton's interpreter; with CUDA, real graphs are captured and replayed too."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.triton_mode import interpret_on_cpu_only_machines
+
+INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
+
+from executor import LLM, SamplingParams  # noqa: E402
+from executor.config import add_engine_args, config_from_args, engine_argv  # noqa: E402
+from executor.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from executor.model_files import load_weights, read_config  # noqa: E402
+from executor.model_runner import Chunk, ModelRunner  # noqa: E402
+from executor.models import build_model, decoder_spec  # noqa: E402
+from kernels.backend import TORCH, choose_attention_backend  # noqa: E402
+
+CUDA = torch.cuda.is_available() and not INTERPRETING
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+BLOCK = 16
+
+
+def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
+    assert capture_sizes(2000)[-1] == 512  # larger batches run eagerly
+
+
+def test_enforce_eager_flag_parses_and_round_trips():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = config_from_args(parser.parse_args(["--enforce-eager"]))
+    assert config.enforce_eager is True
+    assert engine_argv(config) == ["--enforce-eager"]
+    assert config_from_args(parser.parse_args([])).enforce_eager is False
+
+
+def _runner(model_dir: str, attention, device: str) -> ModelRunner:
+    model_dir = Path(model_dir)
+    spec = decoder_spec(read_config(model_dir))
+    model = build_model(spec, load_weights(model_dir), torch.float32, torch.device(device))
+    runner = ModelRunner(model, 24, BLOCK, torch.device(device), torch.float32, attention)
+    runner.kv_cache.zero_()
+    return runner
+
+
+def _prefill(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]]) -> None:
+    runner.run([Chunk(table, 0, prompt, 1) for prompt, table in zip(prompts, tables, strict=True)])
+
+
+# three sequences: 5 tokens (a partial first block), 16 (the decode opens a second block), 33
+PROMPTS = [list(range(7, 12)), list(range(40, 56)), list(range(100, 133))]
+TABLES = [[3], [9, 4], [1, 7, 12]]
+
+
+def _decode_chunks(step: int) -> list[Chunk]:
+    return [
+        Chunk(table, len(prompt) + step, [prompt[-1] + 1 + step], 1)
+        for prompt, table in zip(PROMPTS, TABLES, strict=True)
+    ]
+
+
+def _backend(name: str, device: str):
+    if name == "triton":
+        pytest.importorskip("triton")
+    return choose_attention_backend(name, torch.device(device))
+
+
+@pytest.mark.parametrize(
+    "backend,device",
+    [
+        ("torch", "cpu"),
+        pytest.param("triton", "cpu", marks=pytest.mark.skipif(not INTERPRETING, reason="interpreter off")),
+        pytest.param("triton", "cuda", marks=needs_cuda),
+    ],
+)
+def test_padded_decode_gives_eager_logits_and_writes_only_real_slots(tiny_models, backend, device):
+    attention = _backend(backend, device)
+    eager, padded = (_runner(tiny_models["llama"], attention, device) for _ in range(2))
+    padded.enable_decode_graphs(max_num_seqs=8, max_model_len=256, capture=device == "cuda")
+    for runner in (eager, padded):
+        _prefill(runner, PROMPTS, TABLES)
+    for step in range(2):  # the second step refills the buffers the first left behind
+        chunks = _decode_chunks(step)
+        assert padded._decode_rows(chunks) is not None  # 3 rows, padded to 4
+        got, expected = padded.run(chunks), eager.run(chunks)
+        assert got.shape == expected.shape == (3, eager.model.spec.vocab_size)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        # padding wrote no KV: block 0, which padding tokens read, and every other block match the eager run
+        torch.testing.assert_close(padded.kv_cache, eager.kv_cache, atol=1e-5, rtol=0)
+    assert padded.kv_cache[:, :, 0].abs().sum() == 0
+
+
+def test_only_decode_steps_that_fit_take_the_padded_path(tiny_models):
+    runner = _runner(tiny_models["llama"], TORCH, "cpu")
+    assert runner._decode_rows(_decode_chunks(0)) is None  # graphs not enabled
+    runner.enable_decode_graphs(max_num_seqs=2, max_model_len=64, capture=False)
+    assert [len(r.block_ids) for r in runner._decode_rows(_decode_chunks(0)[:2])] == [1, 2]
+    assert runner._decode_rows(_decode_chunks(0)) is None  # 3 sequences: more than the largest size
+    prefill = Chunk([5], 0, [1, 2, 3], 1)
+    assert runner._decode_rows([_decode_chunks(0)[0], prefill]) is None  # a mixed step
+    verify = Chunk([3], 5, [12, 13], 2)
+    assert runner._decode_rows([verify]) is None  # a proposal being verified: two logits rows
+    too_long = Chunk(list(range(5)), 70, [1], 1)
+    assert runner._decode_rows([too_long]) is None  # past max_model_len's block table width
+
+
+def test_capture_refuses_a_backend_that_reads_lengths_back(tiny_models):
+    runner = _runner(tiny_models["llama"], TORCH, "cpu")
+    with pytest.raises(ValueError, match="torch attention backend .* --enforce-eager"):
+        runner.enable_decode_graphs(max_num_seqs=4, max_model_len=64, capture=True)
+
+
+def _greedy_tokens(llm: LLM) -> list[list[int]]:
+    """Five requests decoding together once their prompts (some longer than a step's budget) are in."""
+    prompts = [list(range(5, 5 + n)) for n in (3, 21, 40, 9, 16)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+def test_engine_greedy_tokens_do_not_change_on_the_padded_path(tiny_models, monkeypatch):
+    calls = []
+    run = DecodeGraphs.run
+
+    def counting_run(self, rows):
+        calls.append(len(rows))
+        return run(self, rows)
+
+    monkeypatch.setattr(DecodeGraphs, "run", counting_run)
+    outputs = []
+    for padded in (False, True):
+        llm = LLM(tiny_models["qwen3"], device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=32)
+        if padded:
+            llm.engine.runner.enable_decode_graphs(8, llm.engine.max_model_len, capture=False)
+        outputs.append(_greedy_tokens(llm))
+    assert outputs[0] == outputs[1]
+    assert calls and 5 in calls  # all five decoding together, padded to 8
+
+
+@needs_cuda
+def test_engine_on_cuda_captures_graphs_and_gives_the_eager_tokens(tiny_models):
+    outputs = []
+    for enforce_eager in (True, False):
+        llm = LLM(
+            tiny_models["llama"],
+            device="cuda",
+            dtype="float32",
+            attention_backend="triton",
+            kv_cache_memory="64MiB",
+            max_num_seqs=16,
+            enforce_eager=enforce_eager,
+        )
+        graphs = llm.engine.runner.decode_graphs
+        assert (graphs is None) == enforce_eager
+        if graphs is not None:
+            assert sorted(graphs.graphs) == capture_sizes(16)
+        outputs.append(_greedy_tokens(llm))
+    assert outputs[0] == outputs[1]
