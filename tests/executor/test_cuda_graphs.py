@@ -99,7 +99,7 @@ def test_padded_decode_gives_eager_logits_and_writes_only_real_slots(tiny_models
         assert got.shape == expected.shape == (3, eager.model.spec.vocab_size)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         # padding wrote no KV: block 0, which padding tokens read, and every other block match the eager run
-        torch.testing.assert_close(padded.kv_cache, eager.kv_cache, atol=1e-5, rtol=0)
+        torch.testing.assert_close(padded.kv_cache, eager.kv_cache, atol=1e-4, rtol=1e-4)
     assert padded.kv_cache[:, :, 0].abs().sum() == 0
 
 

@@ -1,0 +1,52 @@
+"""bench/gpu_model: the default model's small files packed, a random-weight model built from them that the engine
+serves; and bench/gpu_session.sh, which runs on the GPU machine only, at least parses and names real files."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from bench import gpu_model
+from executor import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pack_copies_everything_but_the_weights(default_model, tmp_path):
+    names = gpu_model.pack(tmp_path / "packed")
+    assert "config.json" in names and "tokenizer.json" in names
+    assert not list((tmp_path / "packed").glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in (tmp_path / "packed").iterdir()) < 8 * 2**20  # travels easily
+
+
+def test_built_model_has_the_packed_shapes_and_serves(tiny_models, tmp_path):
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (packed / name).write_bytes((Path(tiny_models["llama"]) / name).read_bytes())
+    built = gpu_model.build(packed, tmp_path / "built")
+    config = json.loads((built / "config.json").read_text())
+    assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 2
+    assert config["initializer_range"] == gpu_model.INIT_STD
+    llm = LLM(str(built), device="cpu", kv_cache_memory="8MiB")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    tokens = llm.generate(["Hello there", "Another prompt"], params)
+    assert all(len(out.outputs[0].token_ids) == 6 for out in tokens)
+    mtime = (built / "model.safetensors").stat().st_mtime_ns
+    assert gpu_model.build(packed, built) == built  # a second build keeps the first
+    assert (built / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_build_without_a_packed_config_says_how_to_pack(tmp_path, capsys):
+    assert gpu_model.main(["build", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    assert "python -m bench.gpu_model pack" in capsys.readouterr().err
+
+
+def test_gpu_session_script_parses_and_its_test_files_exist():
+    script = ROOT / "bench" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    paths = re.findall(r"tests/\S+\.py", script.read_text())
+    assert len(paths) >= 5 and all((ROOT / p).is_file() for p in paths)
+    assert ".gpu/" in (ROOT / ".gitignore").read_text().split()  # carried, never committed
