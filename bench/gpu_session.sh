@@ -8,7 +8,8 @@
 #   python -m bench.gpu_model pack .gpu/model          # here; .gpu/ is git-ignored, so it must be carried
 #   run(command="bash bench/gpu_session.sh", carry=[".gpu"], timeout_s=600)
 #
-# What it measured lands in $OUT: gpu.txt (device and versions), gpu_check.json, gpu_check.log, pytest.log.
+# What it measured lands in $OUT: gpu.txt (device and versions), gpu_check.json and .log, gpu_report.md (the
+# README's tables: bench/gpu_report.py), pytest.log.
 set -u
 out=${OUT:-/tmp/gpu-session}
 python=${PYTHON:-python3}
@@ -30,6 +31,7 @@ echo "model ready at $((SECONDS - started)) s"
 timeout "${CHECK_TIMEOUT_S:-400}" $python -m bench.gpu_check --budget-s "${CHECK_BUDGET_S:-300}" \
     --out "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log"
 echo "gpu_check ended at $((SECONDS - started)) s"
+$python -m bench.gpu_report "$out/gpu_check.json" >"$out/gpu_report.md" && cat "$out/gpu_report.md"
 
 timeout "${TEST_TIMEOUT_S:-120}" $python -m pytest -q -p no:cacheprovider \
     tests/kernels/test_triton_attention.py tests/kernels/test_triton_norm_rope.py \

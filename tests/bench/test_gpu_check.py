@@ -14,7 +14,7 @@ from kernels.triton_mode import interpret_on_cpu_only_machines
 
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 
-from bench import gpu_check  # noqa: E402
+from bench import gpu_check, gpu_report  # noqa: E402
 
 
 def test_help_runs_without_a_gpu():
@@ -99,6 +99,29 @@ def test_whole_script_at_toy_sizes(tiny_models, monkeypatch, tmp_path):
     assert runs == [(backend, n, 3 * n) for backend in backends for n in (1, 2)]
     assert all(row["tokens_matching_first_backend"] == 1.0 for row in report["end_to_end"])
     assert [row["cuda_graphs"] for row in report["end_to_end"]] == [device == "cuda"] * 2 + [False] * 4
+    markdown = gpu_report.render(report)
+    assert "10 of 10 cases within tolerance" in markdown
+    assert markdown.count("| toy |") == 5 and markdown.count("| triton-eager | no |") == 2
+
+
+def test_report_names_failures_errors_and_skips():
+    report = {
+        "device": "NVIDIA H200",
+        "peak_gbps": 4800,
+        "correctness": [
+            {"kernel": "rms_norm", "dtype": "float16", "max_error": 1e-3, "ok": True},
+            {"kernel": "paged_attention/x", "dtype": "float16", "max_error": 0.5, "ok": False},
+        ],
+        "decode_attention": {"error": "RuntimeError('out of memory')"},
+        "end_to_end": [
+            {"backend": "triton", "error": "ValueError('capture')"},
+            {"backend": "torch", "concurrency": 256, "skipped": "time budget spent"},
+        ],
+    }
+    markdown = gpu_report.render(report)
+    assert "1 of 2 cases within tolerance" in markdown and "failed: paged_attention/x float16" in markdown
+    assert "**decode_attention failed**: `RuntimeError('out of memory')`" in markdown
+    assert "triton failed: `ValueError('capture')`" in markdown and "torch at 256: skipped" in markdown
 
 
 def test_a_failing_backend_is_reported_and_the_next_still_runs(tiny_models, monkeypatch):
