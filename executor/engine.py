@@ -137,6 +137,9 @@ class Engine:
                 f"prompt: {len(token_ids)} prompt tokens + max_tokens {params.max_tokens} need more KV blocks "
                 f"than the whole pool holds ({self.pool.num_blocks} x {self.block_size} tokens)"
             )
+        bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)

@@ -44,8 +44,23 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     return counts[:, :vocab_size]
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits, in one scatter; logits itself is left as it was."""
+    entries = [
+        (i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias.items()
+    ]
+    if not entries:
+        return logits
+    rows_index, tokens, biases = zip(*entries, strict=True)
+    device = logits.device
+    index = (torch.tensor(rows_index, device=device), torch.tensor(tokens, device=device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Repetition (prompt + output), then frequency and presence (output only, as OpenAI defines them)."""
+    """logit_bias, then repetition (prompt + output), then frequency and presence (output only, as OpenAI
+    defines them): the logits every sampling rule starts from."""
+    logits = apply_logit_bias(logits, rows)
     params = [row.params for row in rows]
     uses_repetition = any(p.repetition_penalty != 1.0 for p in params)
     uses_counts = any(p.frequency_penalty or p.presence_penalty for p in params)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 
 
 def _integer(name: str, value: object) -> int:
@@ -31,6 +32,26 @@ def _list(name: str, value: object) -> list:
     return list(value)
 
 
+def _logit_bias(value: object) -> dict[int, float]:
+    """{token id: bias}; JSON objects have string keys, so "50256" is token 50256."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a map of token ids to biases, got {value!r}")
+    bias = {}
+    for key, amount in value.items():
+        token = key
+        if isinstance(key, str) and key.strip().isdecimal():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        amount = _number(f"logit_bias[{key}]", amount)
+        if not -MAX_LOGIT_BIAS <= amount <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{key}] must be in [-100, 100], got {amount}")
+        bias[token] = amount
+    return bias
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -46,6 +67,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # added to the logits before penalties; normalised to a dict
 
     def __post_init__(self) -> None:
         if _integer("max_tokens", self.max_tokens) < 1:
@@ -83,6 +105,7 @@ class SamplingParams:
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        self.logit_bias = _logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,7 @@ _SAMPLING_FIELDS = (
     "min_p",
     "ignore_eos",
     "repetition_penalty",
+    "logit_bias",
 )
 
 
@@ -102,6 +103,24 @@ def _refuse_unsupported(body: dict) -> None:
         raise invalid_request("best_of other than 1 is not supported", "best_of")
     if _typed(body, "echo", bool, "a boolean", False):
         raise invalid_request("echo is not supported", "echo")
+    if _typed(body, "suffix", str, "a string", ""):
+        raise invalid_request("suffix is not supported", "suffix")
+    response_format = _typed(body, "response_format", dict, "an object", {"type": "text"})
+    if response_format.get("type") != "text":
+        raise invalid_request(
+            f"response_format {response_format.get('type')!r} is not supported: outputs are unconstrained text "
+            "(response_format {'type': 'text'})",
+            "response_format",
+        )
+    # tools the model may call need a tool-call parser, which this server does not have; tools it must not
+    # call (tool_choice "none") are fine: the template leaves them out
+    for name in ("tools", "functions"):
+        if _typed(body, name, list, "a list", []) and body.get("tool_choice", "auto") != "none":
+            raise invalid_request(
+                f'{name} are not supported: this server does not parse tool calls (send tool_choice "none" '
+                "or no tools)",
+                name,
+            )
 
 
 def _sampling(

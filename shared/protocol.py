@@ -92,7 +92,7 @@ def encode(msg: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     try:
-        body = msgpack.unpackb(data, raw=False)
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False)  # logit_bias maps token ids
     except Exception as error:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(f"not a msgpack message ({type(error).__name__}: {error})") from None
     if not isinstance(body, dict):

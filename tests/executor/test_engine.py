@@ -26,6 +26,7 @@ def assert_no_blocks_held(llm: LLM) -> None:
         ([1, 2, 10**7], SamplingParams(), "prompt_token_ids"),
         ([1, -1], SamplingParams(), "prompt_token_ids"),
         (list(range(1, 500)), SamplingParams(max_tokens=100), "prompt"),  # over max_model_len
+        ([1, 2], SamplingParams(logit_bias={10**7: 5}), "logit_bias"),
     ],
 )
 def test_bad_requests_are_refused_naming_the_field_and_others_go_on(llm, prompt, params, field):
@@ -135,6 +136,17 @@ def test_logprobs_are_the_models_own(llm, tiny_models):
     assert entry.token_id == out.token_ids[0] == top.indices[0].item() and entry.rank == 1
     assert [t for t, _ in entry.top] == top.indices.tolist()
     assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    prompt = [5, 6, 7, 8]
+    greedy = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = llm.generate([prompt], SamplingParams(**greedy))[0].outputs[0].token_ids
+    forced = llm.generate([prompt], SamplingParams(**greedy, logit_bias={"42": 100}))[0].outputs[0].token_ids
+    assert forced == [42] * 6
+    banned = SamplingParams(**greedy, logit_bias={t: -100 for t in plain})
+    assert not set(llm.generate([prompt], banned)[0].outputs[0].token_ids) & set(plain)
+    assert_no_blocks_held(llm)
 
 
 def test_shared_prefix_is_served_from_cache(llm):

@@ -205,6 +205,27 @@ def test_penalties_steer_greedy_while_logprobs_stay_raw() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_forces_and_bans_tokens_while_logprobs_stay_raw(device: str) -> None:
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0]] * 3, device=device)
+    before = logits.clone()
+    rows = [
+        make_row(SamplingParams(temperature=0.0, logit_bias={"3": 100}, logprobs=0)),
+        make_row(SamplingParams(temperature=0.0, logit_bias={0: -100})),  # the argmax banned: next best
+        make_row(
+            SamplingParams(temperature=1.0, seed=3, logit_bias={0: -100, 1: -100, 3: -100}), device=device
+        ),
+    ]
+    result = Sampler()(logits, rows)
+    assert result.token_ids == [3, 1, 2]
+    assert result.logprobs[0].rank == 4  # the raw distribution's worst token
+    assert torch.equal(logits, before)
+    bias_then_penalty = apply_penalties(
+        logits[:1], [make_row(SamplingParams(logit_bias={1: 2}, repetition_penalty=2), output=[1])]
+    )
+    assert bias_then_penalty[0, 1].item() == pytest.approx((1.0 + 2) / 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_are_raw_log_softmax_with_rank_and_top(device: str) -> None:
     torch.manual_seed(5)
     logits = torch.randn(4, 50, device=device) * 3

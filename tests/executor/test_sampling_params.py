@@ -59,11 +59,28 @@ def test_defaults_match_vllm() -> None:
         ({"frequency_penalty": "x"}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {True: 1}}, "logit_bias"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {5: "high"}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
     ],
 )
 def test_invalid_value_is_refused_naming_its_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         SamplingParams(**kwargs)
+
+
+def test_logit_bias_is_normalised_to_token_ids() -> None:
+    assert SamplingParams().logit_bias == {}
+    assert SamplingParams(logit_bias={"50256": -100, 7: 2.5, " 12 ": 100}).logit_bias == {
+        50256: -100.0,
+        7: 2.5,
+        12: 100.0,
+    }
 
 
 def test_boundary_values_are_accepted() -> None:

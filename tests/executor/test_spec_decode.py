@@ -265,7 +265,12 @@ def test_every_sampling_option_with_speculation(tiny):
     assert first.token_ids == second.token_ids and len(first.token_ids) == 24
     assert len(first.logprobs) == 24 and [lp.token_id for lp in first.logprobs] == first.token_ids
     greedy = SamplingParams(
-        max_tokens=24, temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, ignore_eos=True
+        max_tokens=24,
+        temperature=0,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        logit_bias={7: 4.0, 8: -4.0},
+        ignore_eos=True,
     )
     plain = LLM(tiny, kv_cache_memory="8MiB")
     assert generate(llm, [prompt], greedy) == generate(plain, [prompt], greedy)

@@ -122,6 +122,22 @@ def test_streaming_chat_is_framed_as_openai_and_matches_the_whole_answer(stack):
             400,
             "context_length_exceeded",
         ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "logit_bias": {str(10**7): 5}},  # refused by the executor
+            400,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            None,
+        ),
         ("/v1/nowhere", {}, 404, None),
     ],
 )
@@ -138,6 +154,25 @@ def test_bad_requests_get_openai_errors(stack, path, body, status, code):
 
 def _running(executors) -> int:
     return sum(int(e.redis.hget(keys.load_key(e.id), "running") or 0) for e in executors)
+
+
+def test_logit_bias_reaches_the_sampler(stack):
+    base, _, _ = stack
+    body = {
+        "model": "tiny",
+        "prompt": "x",
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
+    tokens = []
+    for forced in ("42", "43"):
+        response = post(f"{base}/v1/completions", json={**body, "logit_bias": {forced: 100}})
+        assert response.status_code == 200
+        tokens.append(response.json()["choices"][0]["logprobs"]["tokens"])
+    assert all(len(run) == 5 and len(set(run)) == 1 for run in tokens)
+    assert tokens[0][0] != tokens[1][0]
 
 
 def test_stop_string_and_client_disconnect_free_the_executor(stack, offline):

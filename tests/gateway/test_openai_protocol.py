@@ -101,6 +101,12 @@ def test_body_too_large_is_413():
         ({"logprobs": True, "top_logprobs": "5"}, "top_logprobs", "top_logprobs must be an integer"),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs requires logprobs"),
         ({"n": 2}, "n", "n > 1 is not supported"),
+        ({"logit_bias": {"a": 1}}, "logit_bias", "logit_bias keys must be token ids"),
+        ({"logit_bias": {"5": 200}}, "logit_bias", "logit_bias[5] must be in [-100, 100]"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+        ({"response_format": "json"}, "response_format", "response_format must be an object"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "does not parse tool calls"),
+        ({"functions": [{"name": "f"}], "tool_choice": "auto"}, "functions", "does not parse tool calls"),
         ({"n": 0}, "n", "n must be at least 1"),
         ({"messages": "hi"}, "messages", "messages must be a list"),
         ({"messages": []}, "messages", "messages must not be empty"),
@@ -148,6 +154,7 @@ def test_missing_messages_is_400():
         ({"logprobs": True}, "logprobs", "logprobs must be an integer"),
         ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
         ({"echo": True}, "echo", "echo is not supported"),
+        ({"suffix": "end"}, "suffix", "suffix is not supported"),
         ({"best_of": 3}, "best_of", "best_of"),
         ({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1"),
     ],
@@ -186,6 +193,10 @@ def test_chat_request_fields():
             min_p=0.1,
             ignore_eos=True,
             repetition_penalty=1.1,
+            logit_bias={"50": -100, "7": 3},
+            response_format={"type": "text"},
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice="none",  # tools the model must not call: left out of the prompt
             user="someone",  # unknown fields are ignored, as vLLM does
         ),
         MODELS,
@@ -198,6 +209,7 @@ def test_chat_request_fields():
     assert (s.temperature, s.top_p, s.stop, s.seed, s.logprobs) == (0.0, 0.5, ["\n"], 3, 2)
     assert (s.presence_penalty, s.frequency_penalty, s.top_k, s.min_p) == (0.5, -0.5, 4, 0.1)
     assert s.ignore_eos and s.repetition_penalty == 1.1
+    assert s.logit_bias == {50: -100.0, 7: 3.0}
 
 
 def test_chat_defaults_and_nulls():
