@@ -10,9 +10,12 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 
 
 def _integer(name: str, value: object) -> int:
-    """Rejects bools and strings too, so a JSON `true` or `"16"` never passes as a count."""
+    """Rejects bools and strings too, so a JSON `true` or `"16"` never passes as a count; and integers past 64
+    bits, which neither the wire (msgpack) nor torch's generators take."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer, got {value}")
     return value
 
 
@@ -43,7 +46,7 @@ def _logit_bias(value: object) -> dict[int, float]:
         token = key
         if isinstance(key, str) and key.strip().isdecimal():
             token = int(key)
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**63:
             raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
         amount = _number(f"logit_bias[{key}]", amount)
         if not -MAX_LOGIT_BIAS <= amount <= MAX_LOGIT_BIAS:

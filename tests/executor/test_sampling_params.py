@@ -59,6 +59,11 @@ def test_defaults_match_vllm() -> None:
         ({"frequency_penalty": "x"}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"seed": 2**63}, "seed"),  # past 64 bits: msgpack and torch's generators refuse it
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**70}, "top_k"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"logit_bias": {"1" * 30: 1}}, "logit_bias"),
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {-1: 1}}, "logit_bias"),

@@ -155,6 +155,8 @@ def test_missing_messages_is_400():
         ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
         ({"echo": True}, "echo", "echo is not supported"),
         ({"suffix": "end"}, "suffix", "suffix is not supported"),
+        ({"seed": 2**70}, "seed", "seed must fit in a signed 64-bit integer"),
+        ({"logit_bias": {str(10**25): 1}}, "logit_bias", "logit_bias keys must be token ids"),
         ({"best_of": 3}, "best_of", "best_of"),
         ({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1"),
     ],
