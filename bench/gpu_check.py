@@ -85,10 +85,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     args.e2e_backends = args.e2e_backends.split(",")
     for backend in args.e2e_backends:
-        name, _, mode = backend.partition("-")
-        if name not in ("auto", "torch", "triton") or mode not in ("", "eager"):
-            parser.error(f"--e2e-backends: {backend!r} is not auto, torch or triton, optionally with -eager")
+        try:
+            split_backend(backend)
+        except ValueError as error:
+            parser.error(f"--e2e-backends: {error}")
     return args
+
+
+def split_backend(backend: str) -> tuple[str, bool]:
+    """'triton-eager' -> ('triton', True): the attention backend, and whether CUDA graphs are off."""
+    from executor.config import ATTENTION_BACKENDS
+
+    name, _, mode = backend.partition("-")
+    if name not in ATTENTION_BACKENDS or mode not in ("", "eager"):
+        raise ValueError(f"{backend!r} is not auto, torch or triton, optionally with -eager")
+    return name, mode == "eager"
 
 
 def peak_gbps(device_name: str, override: float | None = None) -> float | None:
@@ -307,14 +318,14 @@ def end_to_end(args: argparse.Namespace, deadline: float) -> list[dict]:
 def _serve(args: argparse.Namespace, backend: str, deadline: float, first_tokens: dict) -> list[dict]:
     from executor import LLM, SamplingParams
 
-    name, _, eager = backend.partition("-")
+    name, enforce_eager = split_backend(backend)
     started = time.perf_counter()
     llm = LLM(
         args.model,
         device=args.device,
         attention_backend=name,
         kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=eager == "eager",
+        enforce_eager=enforce_eager,
     )
     start_s = round(time.perf_counter() - started, 1)
     graphs = llm.engine.runner.decode_graphs
