@@ -19,7 +19,7 @@ from executor.model_files import load_weights, read_config, resolve_model
 from executor.model_runner import Chunk, ModelRunner
 from executor.models import DecoderLM, build_model, decoder_spec
 from executor.request import Request
-from executor.sampler import exponential_race, sampling_probs
+from executor.sampler import draw, sampling_probs
 from kernels.backend import AttentionBackend
 
 
@@ -94,7 +94,7 @@ class DraftProposer:
         if random:
             index = torch.tensor(random, device=logits.device)
             q = sampling_probs(logits[index], [requests[i].params for i in random])
-            drawn = exponential_race(q.clone(), [requests[i].generator for i in random]).tolist()
+            drawn = draw(q, [requests[i].generator for i in random]).tolist()
             for row, i in enumerate(random):
                 out[i] = (drawn[row], q[row])
         return out

@@ -11,9 +11,10 @@ from executor.sampler import (
     SamplingRow,
     TokenLogprobs,
     apply_penalties,
-    exponential_race,
+    draw,
     sampling_probs,
     token_logprobs,
+    uniforms,
 )
 
 
@@ -21,19 +22,6 @@ from executor.sampler import (
 class Verified:
     token_ids: list[list[int]]  # per request: the accepted proposals, then one token of the target's own
     logprobs: list[list[TokenLogprobs | None]]
-
-
-def _uniforms(counts: list[int], generators: list[torch.Generator | None], device) -> list[torch.Tensor]:
-    """counts[i] draws from U[0, 1) per request; a seeded request's come from its own generator only."""
-    shared = torch.rand(sum(c for c, g in zip(counts, generators, strict=True) if g is None), device=device)
-    out, used = [], 0
-    for count, generator in zip(counts, generators, strict=True):
-        if generator is None:
-            out.append(shared[used : used + count])
-            used += count
-        else:
-            out.append(torch.rand(count, generator=generator, device=device))
-    return out
 
 
 def rejection_sample(
@@ -62,7 +50,7 @@ def rejection_sample(
             ids = torch.tensor(draft_token_ids[i], device=device)
             q_x[offsets[i] - i : offsets[i] - i + counts[i]] = probs.gather(1, ids[:, None]).squeeze(1)
     # u < p/q, written without the division: q can be 0 for a proposal its own draft could not have made
-    accept = (torch.cat(_uniforms(counts, generators, device)) * q_x < p_x).tolist()
+    accept = (torch.cat(uniforms(counts, generators, device)) * q_x < p_x).tolist()
     num_accepted, recovery = [], []
     start = 0
     for i, count in enumerate(counts):
@@ -80,7 +68,7 @@ def rejection_sample(
             # all-zero only if p <= q everywhere, i.e. p == q, where rejection cannot happen; rounding aside
             p = residual / total if total > 0 else p
         recovery.append(p)
-    last = exponential_race(torch.stack(recovery), generators).tolist()
+    last = draw(torch.stack(recovery), generators).tolist()
     return [d[:n] + [t] for d, n, t in zip(draft_token_ids, num_accepted, last, strict=True)]
 
 

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from executor.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
+from executor import sampler as sampler_module
+from executor.sampler import Sampler, SamplingRow, apply_penalties, draw, sampling_probs
 from executor.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -255,3 +256,66 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_top(device: str) -> None:
 def test_shape_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match="logits"):
         Sampler()(torch.zeros(2, 4), [make_row(SamplingParams())])
+
+
+def _kept_by_full_sort(logits: torch.Tensor, params: list[SamplingParams], monkeypatch) -> torch.Tensor:
+    with monkeypatch.context() as patch:
+        patch.setattr(sampler_module, "_CANDIDATES", logits.shape[1])  # no head: every row sorted in full
+        return sampling_probs(logits, params) > 0
+
+
+@pytest.mark.parametrize("spread", [1.0, 3.0, 8.0])
+def test_filters_over_the_head_keep_what_a_full_sort_keeps(spread: float, monkeypatch) -> None:
+    """A realistic vocabulary: top-k and top-p decided among the best tokens must match the full sort, and
+    where the head cannot hold a row's top-p mass (flat logits) the full sort serves."""
+    torch.manual_seed(3)
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.5, temperature=0.7),
+        SamplingParams(top_k=40),
+        SamplingParams(top_k=2000),  # more than the head: the head grows to it
+        SamplingParams(top_k=50, top_p=0.8),
+        SamplingParams(top_p=0.95, min_p=0.01),
+        SamplingParams(),  # not filtered, in a batch that is
+    ]
+    logits = torch.randn(len(params), 49_152) * spread
+    logits[2, 100:140] = 20.0  # a run of ties at the top-k threshold, all inside the head
+    probs = sampling_probs(logits, params)
+    assert torch.equal(probs > 0, _kept_by_full_sort(logits, params, monkeypatch))
+    assert bool((probs[-1] > 0).all())
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(params)))
+
+
+def test_top_k_ties_running_past_the_head_fall_back_to_the_sort(monkeypatch) -> None:
+    logits = torch.zeros(2, 4096)
+    logits[:, :10] = 5.0
+    params = [SamplingParams(top_k=20), SamplingParams(top_p=0.2)]  # 4,086 tokens tie at the 20th value
+    monkeypatch.setattr(sampler_module, "_CANDIDATES", 64)
+    probs = sampling_probs(logits, params)
+    assert int((probs[0] > 0).sum()) == 4096  # ties stand together, as the full sort decides
+    assert torch.equal(probs > 0, _kept_by_full_sort(logits, params, monkeypatch))
+
+
+def test_draw_never_takes_a_token_without_mass() -> None:
+    torch.manual_seed(0)
+    probs = torch.zeros(4, 49_152)
+    probs[0, -1] = 1.0  # all mass on the last token
+    probs[1, 0] = 1e-30  # a tiny mass at the front, none after it
+    probs[2, ::2] = 1.0  # every other token
+    probs[3, 7] = 0.25  # a total other than 1
+    rows = torch.cat([probs] * 500)
+    tokens = draw(rows, [None] * len(rows))
+    assert set(tokens[0::4].tolist()) == {49_151}
+    assert set(tokens[1::4].tolist()) == {0}
+    assert all(t % 2 == 0 for t in tokens[2::4].tolist())
+    assert set(tokens[3::4].tolist()) == {7}
+
+
+def test_draw_takes_one_number_from_a_seeded_rows_generator() -> None:
+    """A seeded row's draw depends on its generator alone: one uniform each, so its stream stays aligned."""
+    probs = torch.full((1, 1000), 1.0)
+    generator = torch.Generator().manual_seed(11)
+    first = [int(draw(probs, [generator])) for _ in range(5)]
+    replay = torch.Generator().manual_seed(11)
+    expected = [int(torch.rand(1, generator=replay) * 1000) for _ in range(5)]
+    assert first == expected
