@@ -11,9 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from kernels import reference, torch_paged
+from kernels import layer_ops, torch_paged
 from kernels.triton_mode import interpreting, triton_available
 
 
@@ -25,27 +24,22 @@ class AttentionBackend:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (rms_norm(x + residual), x + residual): the residual stream's add fused with the norm that follows it
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # [T, 2I] (gate, then up) -> silu(gate) * up
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     # (device, dtype): build what the kernels build on first use now, before the executor serves
     prepare: Callable[[torch.device, torch.dtype], None]
     # every kernel sizes its launch from shapes alone, with no read back to the host: CUDA graphs can hold it
     graph_safe: bool = False
 
 
-def torch_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The add, then torch's own fused rms_norm: bit for bit what an unfused layer computes."""
-    summed = x + residual
-    return F.rms_norm(summed, (summed.shape[-1],), weight, eps), summed
-
-
-# the rotary twin is batched torch already (fp32 math, one rounding: in fp32 the ops HF does)
+# On the CPU in float32 these run as C++ kernels (kernels/layer_ops.py, torch_paged.py); elsewhere as torch ops.
 TORCH = AttentionBackend(
     "torch",
     torch_paged.paged_attention,
     torch_paged.reshape_and_cache,
-    reference.rotary_embedding,
-    torch_add_rms_norm,
+    layer_ops.rotary_embedding,
+    layer_ops.add_rms_norm,
+    layer_ops.silu_and_mul,
     torch_paged.prepare,
 )
 
@@ -59,6 +53,7 @@ def _triton() -> AttentionBackend:
         triton_cache.reshape_and_cache,
         triton_norm_rope.rotary_embedding,
         triton_norm_rope.add_rms_norm,
+        layer_ops.silu_and_mul,  # torch's two ops on CUDA; a CUDA graph holds them like any other
         # Triton compiles each kernel at its first launch: the memory-profiling step does it, unless
         # --kv-cache-memory skips that step (then the first requests wait seconds for it)
         lambda device, dtype: None,

@@ -8,10 +8,11 @@ call, which at 32 rows costs about as much as the arithmetic (the 49k-row LM hea
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
+
+from kernels.cpu_extension import kernels_enabled
 
 log = logging.getLogger("kvserve.kernels")
 
@@ -24,7 +25,7 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
         and dtype == torch.float32
-        and os.environ.get("KVSERVE_CPU_KERNELS", "1") != "0"
+        and kernels_enabled()
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )

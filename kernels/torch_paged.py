@@ -1,6 +1,7 @@
 """Paged attention in batched torch ops: the CPU path, and the fallback where Triton is missing.
 
-On the CPU, decodes go to the C++ kernel (kernels/csrc) when it is built: it reads blocks in place. Otherwise
+On the CPU, decodes go to the C++ kernel (kernels/csrc) when it is built: it reads blocks in place, and a step
+of decodes alone is one call with no bookkeeping on the host (a query row per sequence). Otherwise
 decodes (one query each) are sorted by context length and attended in a few groups, one SDPA call each, so
 padding to a group's longest context wastes little. Each prefill chunk gets its own call. Blocks are gathered
 with index_select on a [num_blocks, block_bytes] view: several times faster than advanced indexing on CPU.
@@ -11,21 +12,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import decode_extension
+from kernels.cpu_extension import cpu_kernels
 
 # a decode group grows while its padded size stays within this factor of the tokens it really holds
 _MAX_PADDING = 1.25
 
 
-def _uses_decode_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+def _uses_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
 def prepare(device: torch.device, dtype: torch.dtype) -> None:
-    """Build the C++ decode kernel now if this device and dtype will call it: its first build takes about a
-    minute, which belongs to the executor's start, not to the first request that decodes."""
-    if _uses_decode_kernel(device, dtype):
-        decode_extension()
+    """Build the C++ CPU kernels now if this device and dtype will call them: their first build takes about a
+    minute, which belongs to the executor's start, not to the first request."""
+    if _uses_cpu_kernels(device, dtype):
+        cpu_kernels()
 
 
 def reshape_and_cache(
@@ -35,6 +36,10 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
+    ops = cpu_kernels() if _uses_cpu_kernels(key.device, key.dtype) else None
+    if ops is not None and key.stride(-1) == 1 and value.stride(-1) == 1:
+        ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
     if slot_mapping.numel() and slot_mapping.min() < 0:  # padding tokens (slot -1) write nothing
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -74,13 +79,16 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    extension = cpu_kernels() if _uses_cpu_kernels(query.device, query.dtype) else None
+    if extension is not None and query.shape[0] == block_table.shape[0]:
+        # as many query tokens as sequences, and each has at least one: a step of decodes only
+        return extension.decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale)
     block_size = key_cache.shape[1]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     decode_rows = [s for s, n in enumerate(q_lens) if n == 1]
-    extension = decode_extension() if _uses_decode_kernel(query.device, query.dtype) else None
     if decode_rows and extension is not None:
         rows = torch.tensor(decode_rows)
         token_rows = query_start_loc[rows].long()

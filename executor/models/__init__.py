@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from executor.models.llama import AttentionBatch, DecoderLM, DecoderSpec, rope_inv_freq
+from executor.models.llama import FUSED_PROJECTIONS, AttentionBatch, DecoderLM, DecoderSpec, rope_inv_freq
 from kernels.cpu_linear import pack_linears, packing_available
 
 __all__ = ["AttentionBatch", "DecoderLM", "build_model", "decoder_spec", "SUPPORTED_ARCHITECTURES"]
@@ -65,6 +66,55 @@ def decoder_spec(config) -> DecoderSpec:
     )
 
 
+def _part_rows(spec: DecoderSpec) -> dict[str, int]:
+    """Output rows of each checkpoint projection that is stacked into a fused one."""
+    q, kv, ffn = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    return {
+        "self_attn.q_proj": q,
+        "self_attn.k_proj": kv,
+        "self_attn.v_proj": kv,
+        "mlp.gate_proj": ffn,
+        "mlp.up_proj": ffn,
+    }
+
+
+_PART_OF = {part: (fused, i) for fused, parts in FUSED_PROJECTIONS.items() for i, part in enumerate(parts)}
+_PART_NAME = re.compile(
+    r"(?P<layer>.+)\.(?P<part>" + "|".join(map(re.escape, _PART_OF)) + r")\.(?P<kind>weight|bias)"
+)
+
+
+def stack_projections(
+    spec: DecoderSpec, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under the model's names: q/k/v and gate/up stacked, in FUSED_PROJECTIONS'
+    order, into their fused projection once every part has come. A misshapen or missing part is an error
+    naming it."""
+    rows = _part_rows(spec)
+    pending: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}  # (layer, fused, kind) -> parts so far
+    for name, tensor in weights:
+        match = _PART_NAME.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        part = match["part"]
+        if tensor.shape[0] != rows[part]:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "
+                f"{rows[part]} rows"
+            )
+        fused, index = _PART_OF[part]
+        key = (match["layer"], fused, match["kind"])
+        parts = pending.setdefault(key, {})
+        parts[index] = tensor
+        if len(parts) == len(FUSED_PROJECTIONS[fused]):
+            del pending[key]
+            yield ".".join(key), torch.cat([parts[i] for i in range(len(parts))])
+    for (layer, fused, kind), parts in pending.items():
+        missing = next(p for i, p in enumerate(FUSED_PROJECTIONS[fused]) if i not in parts)
+        raise ValueError(f"checkpoint lacks {layer}.{missing}.{kind}, which {layer}.{fused}.{kind} stacks")
+
+
 def build_model(
     spec: DecoderSpec,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -77,7 +127,7 @@ def build_model(
         model = DecoderLM(spec)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, torch.Tensor] = {}
-    for name, tensor in weights:
+    for name, tensor in stack_projections(spec, weights):
         if name not in params:
             if name == "lm_head.weight" and spec.tie_word_embeddings:
                 continue

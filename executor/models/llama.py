@@ -1,7 +1,9 @@
 """The Llama family as one decoder: Llama (with Llama 3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
-Weights keep HuggingFace's names, so a checkpoint loads with load_state_dict. Attention reads and writes the
-paged KV cache through the paged_attention / reshape_and_cache of the batch's attention backend.
+Weights keep HuggingFace's names, except that q/k/v and gate/up projections are stacked into one GEMM each
+(qkv_proj, gate_up_proj; FUSED_PROJECTIONS says how a checkpoint's tensors map onto them). Attention reads and
+writes the paged KV cache through the paged_attention / reshape_and_cache of the batch's attention backend, which
+also supplies the per-layer kernels (fused residual add + RMSNorm, rotary embedding, SiLU and multiply).
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ class DecoderSpec:
     sliding_window: int | None = None  # attention is full; contexts are kept within the window instead
 
 
+# fused parameter -> the checkpoint's parameters stacked into it, in order (suffixes of the module path)
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -83,11 +92,10 @@ class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
+        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        # q, k and v in one GEMM (HF's q_proj, k_proj, v_proj stacked at load time): one pass over the input
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -103,9 +111,10 @@ class Attention(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = batch.attention.rotary_embedding(q, k, cos, sin)
@@ -120,12 +129,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        # gate and up in one GEMM (HF's gate_proj and up_proj stacked at load time)
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, kernels: AttentionBackend) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -152,7 +161,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, kv_cache, batch)
         norm = self.post_attention_layernorm
         h, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.mlp(h), residual
+        return self.mlp(h, kernels), residual
 
 
 class Backbone(nn.Module):

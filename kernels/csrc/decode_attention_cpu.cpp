@@ -6,7 +6,7 @@
 // extensions, lowered to AVX2 or whatever -march=native offers), and each query head's output stays in
 // registers while the values stream past: accumulating into memory cost three memory operations per
 // multiply-add and made the kernel load/store bound.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -109,17 +109,20 @@ void attend_any(const Item& it, std::vector<float>& scores) {
 }  // namespace
 
 // query [S, Hq, D]; key_cache, value_cache [N, B, Hkv, D]; block_table [S, M] int32; seq_lens [S] int32.
-torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                               torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "decode_attention: float32 only");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "decode_attention: contiguous tensors only");
-  auto table = block_table.to(torch::kInt32).contiguous();
-  auto lens = seq_lens.to(torch::kInt32).contiguous();
+at::Tensor decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                               at::Tensor block_table, at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "decode_attention: float32 only");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "decode_attention: contiguous caches only");
+  // a query may be rows of a larger tensor (the q part of a fused qkv projection): each token's heads contiguous
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "decode_attention: query [S, Hq, D] with each token's heads contiguous");
+  auto table = block_table.to(at::kInt).contiguous();
+  auto lens = seq_lens.to(at::kInt).contiguous();
   const int64_t S = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t B = key_cache.size(1), Hkv = key_cache.size(2), M = table.size(1);
   const int64_t group = Hq / Hkv;
-  auto out = torch::empty_like(query);
+  auto out = at::empty({S, Hq, D}, query.options());
+  const int64_t qs = query.stride(0);
   const float* q = query.data_ptr<float>();
   const float* k = key_cache.data_ptr<float>();
   const float* v = value_cache.data_ptr<float>();
@@ -140,7 +143,7 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache, tor
         keys[j] = k + row * D;
         values[j] = v + row * D;
       }
-      const Item item{q + (s * Hq + h * group) * D, o + (s * Hq + h * group) * D, &keys, &values, n, group, D,
+      const Item item{q + s * qs + h * group * D, o + (s * Hq + h * group) * D, &keys, &values, n, group, D,
                       fscale};
       if (D == 64)
         attend_vec<8>(item, scores);
@@ -153,8 +156,4 @@ torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache, tor
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
 }

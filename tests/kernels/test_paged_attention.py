@@ -1,4 +1,4 @@
-"""The CPU paths (batched torch, and the C++ decode kernel) against the reference twins."""
+"""The CPU paths (batched torch, and the C++ kernels) against the reference twins."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import kernels
 from kernels import reference, torch_paged
-from kernels.cpu_extension import decode_extension
+from kernels.cpu_extension import cpu_kernels
 
 
 def random_batch(q_lens, seq_lens, block_size=16, heads=8, kv_heads=2, dim=32, seed=0):
@@ -35,7 +35,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_torch_path_matches_reference(case, block_size, monkeypatch):
-    monkeypatch.setattr(torch_paged, "decode_extension", lambda: None)
+    monkeypatch.setattr(torch_paged, "cpu_kernels", lambda: None)
     args = random_batch(*CASES[case], block_size=block_size)
     expected = reference.paged_attention(*args, scale=0.17)
     assert torch.allclose(torch_paged.paged_attention(*args, scale=0.17), expected, atol=1e-5)
@@ -43,8 +43,8 @@ def test_torch_path_matches_reference(case, block_size, monkeypatch):
 
 @pytest.mark.parametrize("case", CASES)
 def test_cpu_decode_kernel_matches_reference(case):
-    if decode_extension() is None:
-        pytest.skip("the C++ decode kernel could not be built here")
+    if cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
     args = random_batch(*CASES[case], block_size=16)
     expected = reference.paged_attention(*args, scale=0.17)
     assert torch.allclose(kernels.paged_attention(*args, scale=0.17), expected, atol=1e-5)
@@ -91,18 +91,23 @@ def test_each_checkout_and_version_of_the_cpu_kernel_builds_under_its_own_name(t
     for path in (here, there):
         path.parent.mkdir()
         path.write_text("int f() { return 1; }")
+        (path.parent / "other.cpp").write_text("int g() { return 1; }")
+    mine, theirs = (here, here.parent / "other.cpp"), (there, there.parent / "other.cpp")
     flags = (("-O3",), ("-fopenmp",))
-    assert build_name(here, *flags) == build_name(here, *flags)
-    assert build_name(here, *flags).isidentifier()  # it is also the Python module's name
-    assert build_name(here, *flags) != build_name(there, *flags)
-    assert build_name(here, ("-O2",), ("-fopenmp",)) != build_name(here, *flags)
+    assert build_name(mine, *flags) == build_name(mine, *flags)
+    assert build_name(mine, *flags).isidentifier()  # it is also the Python module's name
+    assert build_name(mine, *flags) != build_name(theirs, *flags)
+    assert build_name(mine, ("-O2",), ("-fopenmp",)) != build_name(mine, *flags)
     here.write_text("int f() { return 2; }")
-    assert build_name(here, *flags) != build_name(there, *flags)
+    assert build_name(mine, *flags) != build_name(theirs, *flags)
+    (there.parent / "other.cpp").write_text("int g() { return 2; }")  # any source of the module counts
+    here.write_text("int f() { return 1; }")
+    assert build_name(mine, *flags) != build_name(theirs, *flags)
 
 
-def test_the_torch_backend_builds_the_cpu_kernel_before_serving(monkeypatch):
+def test_the_torch_backend_builds_the_cpu_kernels_before_serving(monkeypatch):
     built = []
-    monkeypatch.setattr(torch_paged, "decode_extension", lambda: built.append(True))
+    monkeypatch.setattr(torch_paged, "cpu_kernels", lambda: built.append(True))
     torch_paged.prepare(torch.device("cpu"), torch.bfloat16)  # not a dtype the kernel serves
     assert built == []
     torch_paged.prepare(torch.device("cpu"), torch.float32)

@@ -1,0 +1,19 @@
+// The CPU kernels as one Python module (kernels/cpu_extension.py builds it).
+#include <torch/extension.h>
+
+torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                               torch::Tensor block_table, torch::Tensor seq_lens, double scale);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+void rotary_embedding_(at::Tensor query, at::Tensor key, const at::Tensor& cos, const at::Tensor& sin);
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                       const at::Tensor& slot_mapping);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)");
+  m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding of query and key, in place");
+  m.def("reshape_and_cache", &reshape_and_cache, "write keys and values into the paged cache (slot -1: skip)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [tokens, 2 * intermediate]");
+}

@@ -1,0 +1,47 @@
+"""The torch backend's per-layer operations besides attention: the residual add fused with RMSNorm, rotary
+embedding, and SiLU(gate) * up. On the CPU in float32 the C++ kernels (kernels/csrc/fused_cpu.cpp) run each in
+one pass; elsewhere, or where they could not be built, torch ops compute the same."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from kernels.cpu_extension import cpu_kernels
+
+
+def _cpu_kernels_for(x: torch.Tensor):
+    return cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); unfused, the add then torch's own rms_norm."""
+    ops = _cpu_kernels_for(x)
+    if ops is not None and x.is_contiguous() and residual.is_contiguous() and weight.dtype == torch.float32:
+        return ops.add_rms_norm(x, residual, weight, eps)
+    summed = x + residual
+    return F.rms_norm(summed, (summed.shape[-1],), weight, eps), summed
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of query [T, Hq, D] and key [T, Hkv, D]; the CPU kernel rotates them in
+    place (they are fresh projections), the torch twin returns new tensors."""
+    ops = _cpu_kernels_for(query)
+    if ops is not None and key.dtype == torch.float32 and cos.dtype == torch.float32:
+        ops.rotary_embedding_(query, key, cos.contiguous(), sin.contiguous())
+        return query, key
+    return reference.rotary_embedding(query, key, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate, then up) -> silu(gate) * up, [T, I]."""
+    ops = _cpu_kernels_for(x)
+    if ops is not None and x.stride(-1) == 1:
+        return ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
