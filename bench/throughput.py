@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     parser.add_argument("--hf-batch", type=int, default=32, help="static batch size for HF")
     parser.add_argument(
         "--hf-single-requests",

@@ -38,6 +38,13 @@ def parse_bytes(value: str | int | float) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+# A step's token budget when none is given. On a GPU a 2,048-token step takes milliseconds. On a CPU it takes
+# seconds (~4 s for SmolLM2-135M on two cores): a burst of prompts then got its first tokens only when the whole
+# step ended, and every stream already decoding stalled as long. At 512 a step stays near one second and the
+# first prompts of a burst start decoding while the rest prefill; throughput is the same (bench/step_profile.py).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -45,7 +52,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None  # bytes; CPU default 4GiB
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # tokens a step computes at most; None: DEFAULT_MAX_NUM_BATCHED_TOKENS for the device (batched_tokens_for)
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -67,7 +75,7 @@ class EngineConfig:
             if self.kv_cache_memory <= 0:
                 raise ValueError("kv_cache_memory must be positive")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -80,6 +88,12 @@ class EngineConfig:
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
         self._check_speculative()
+
+    def batched_tokens_for(self, device_type: str) -> int:
+        """max_num_batched_tokens, or the default for this kind of device."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device_type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
 
     def _check_speculative(self) -> None:
         if self.speculative_model is None:
@@ -115,7 +129,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 4GiB (CPU default 4GiB)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens one step computes at most (default: 2048 on CUDA, 512 on CPU)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

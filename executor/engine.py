@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -43,8 +44,11 @@ class StepOutput:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.device, self.dtype = pick_device_and_dtype(config.device, config.dtype)
+        config = dataclasses.replace(
+            config, max_num_batched_tokens=config.batched_tokens_for(self.device.type)
+        )
+        self.config = config
         self.attention = choose_attention_backend(config.attention_backend, self.device)
         self.model_path = resolve_model(config.model)
         hf_config = read_config(self.model_path)
