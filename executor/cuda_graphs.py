@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor.models import AttentionBatch, DecoderLM
@@ -43,7 +45,7 @@ class DecodeRow:
 
     token_id: int
     position: int
-    block_ids: list[int]
+    block_ids: Sequence[int]  # a list, or a row of the KV cache manager's block table
 
 
 class DecodeGraphs:
@@ -96,31 +98,24 @@ class DecodeGraphs:
         return self.model(ids, positions, self.kv_caches, batch)
 
     def _fill(self, rows: list[DecodeRow], size: int) -> None:
-        n = len(rows)
-        pad = size - n
-        host = torch.tensor(
-            [
-                [r.token_id for r in rows] + [0] * pad,
-                [r.position for r in rows] + [0] * pad,
-                [self._slot(r) for r in rows] + [-1] * pad,
-                [r.position + 1 for r in rows] + [1] * pad,
-            ],
-            dtype=torch.int64,
-        )
-        self.rows[:, :size].copy_(host)
+        n, bs = len(rows), self.block_size
         width = max(len(r.block_ids) for r in rows)
-        table = torch.tensor(
-            [r.block_ids + [0] * (width - len(r.block_ids)) for r in rows], dtype=torch.int32
-        )
+        table = np.zeros((n, width), np.int32)
+        for i, row in enumerate(rows):
+            table[i, : len(row.block_ids)] = row.block_ids
+        host = np.zeros((4, size), np.int64)
+        host[2].fill(-1)  # padding writes no KV
+        host[3].fill(1)  # and attends to one position
+        host[0, :n] = np.fromiter((r.token_id for r in rows), np.int64, n)
+        positions = np.fromiter((r.position for r in rows), np.int64, n)
+        host[1, :n] = positions
+        host[2, :n] = table[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        host[3, :n] = positions + 1
+        self.rows[:, :size].copy_(torch.from_numpy(host))
         # columns past a row's own blocks may hold older ids: lengths keep the kernels from reading them
-        self.block_table[:n, :width].copy_(table)
-        if pad:
+        self.block_table[:n, :width].copy_(torch.from_numpy(table))
+        if size > n:
             self.block_table[n:size, 0] = 0
-
-    def _slot(self, row: DecodeRow) -> int:
-        return (
-            row.block_ids[row.position // self.block_size] * self.block_size + row.position % self.block_size
-        )
 
     @torch.inference_mode()
     def capture(self) -> None:

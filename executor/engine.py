@@ -81,7 +81,9 @@ class Engine:
         if not config.enable_chunked_prefill:
             max_batched = max(max_batched, self.max_model_len)  # a whole prompt must fit one step
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, self.block_size)
+        self.kv = KVCacheManager(
+            self.pool, self.block_size, -(-self.max_model_len // self.block_size) + 1, config.max_num_seqs
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, config.enable_chunked_prefill)
         self.runner = ModelRunner(model, num_blocks, self.block_size, self.device, self.dtype, self.attention)
         self.attention.prepare(self.device, self.dtype)

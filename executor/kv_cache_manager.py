@@ -1,6 +1,13 @@
-"""Block tables per request: prefix-cache lookups, on-demand allocation, caching of full blocks, freeing."""
+"""Block tables per request: prefix-cache lookups, on-demand allocation, caching of full blocks, freeing.
+
+Besides each request's list of Block objects (what ref counts and the prefix cache work on), the ids live in
+one int32 array, a row per request holding blocks, written when blocks are added: a step's batch copies rows
+out of it instead of rebuilding every request's table from Python objects each step.
+"""
 
 from __future__ import annotations
+
+import numpy as np
 
 from executor.block_pool import Block, BlockPool
 from executor.request import Request
@@ -8,15 +15,24 @@ from shared.block_hash import hash_blocks
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, max_blocks_per_seq: int = 64, rows: int = 64
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.tables: dict[str, list[Block]] = {}
         # per request: how many leading blocks of its table are already published in the prefix cache
         self._num_cached: dict[str, int] = {}
+        self.block_table = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)  # both grow when needed
+        self._row_of: dict[str, int] = {}
+        self._free_rows = list(range(rows - 1, -1, -1))
 
-    def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.tables.get(request.request_id, ())]
+    def block_ids(self, request: Request) -> np.ndarray:
+        """The request's block ids, a view into block_table: valid until its blocks change."""
+        row = self._row_of.get(request.request_id)
+        if row is None:
+            return self.block_table[0, :0]
+        return self.block_table[row, : len(self.tables[request.request_id])]
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached blocks at the head of the request, never covering its last token."""
@@ -41,6 +57,7 @@ class KVCacheManager:
         num_reclaimed = sum(1 for b in cached_prefix if b.ref_count == 0)
         if num_needed > self.pool.num_free_blocks - num_reclaimed:
             return False
+        old_len = len(table)
         if cached_prefix:
             self.pool.touch(list(cached_prefix))
             table = table + list(cached_prefix)
@@ -49,7 +66,22 @@ class KVCacheManager:
         if num_needed > 0:
             table = table + self.pool.allocate(num_needed)
         self.tables[request.request_id] = table
+        if len(table) > old_len:
+            self._write_row(request.request_id, old_len, table)
         return True
+
+    def _write_row(self, request_id: str, start: int, table: list[Block]) -> None:
+        row = self._row_of.get(request_id)
+        if row is None:
+            if not self._free_rows:
+                grown = self.block_table.shape[0]
+                self.block_table = np.vstack([self.block_table, np.zeros_like(self.block_table)])
+                self._free_rows = list(range(2 * grown - 1, grown - 1, -1))
+            row = self._row_of[request_id] = self._free_rows.pop()
+        if len(table) > self.block_table.shape[1]:
+            width = max(len(table), 2 * self.block_table.shape[1])
+            self.block_table = np.pad(self.block_table, ((0, 0), (0, width - self.block_table.shape[1])))
+        self.block_table[row, start : len(table)] = [b.block_id for b in table[start:]]
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the blocks whose every token now has its KV computed."""
@@ -68,6 +100,9 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         table = self.tables.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
+        row = self._row_of.pop(request.request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
         # tail first, so the blocks least likely to be shared are evicted first
         self.pool.free(table[::-1])
 

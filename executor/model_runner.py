@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor.cuda_graphs import DecodeGraphs, DecodeRow, capture_sizes
@@ -25,7 +28,7 @@ class StepLogits:
 class Chunk:
     """A run of one sequence's tokens to compute, from position start on, over its block table."""
 
-    block_ids: list[int]
+    block_ids: Sequence[int]  # a list, or a row of the KV cache manager's block table
     start: int
     token_ids: list[int]
     num_logits: int  # logits wanted for the last num_logits tokens
@@ -128,36 +131,46 @@ class ModelRunner:
         return [DecodeRow(c.token_ids[0], c.start, c.block_ids) for c in chunks]
 
     def _prepare(self, chunks: list[Chunk]):
-        bs = self.block_size
-        ids: list[int] = []
-        seq_index: list[int] = []
-        pos: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []
-        for s, chunk in enumerate(chunks):
-            n = len(chunk.token_ids)
-            ids.extend(chunk.token_ids)
-            pos.extend(range(chunk.start, chunk.start + n))
-            seq_index.extend([s] * n)
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(chunk.start + n)
-            logit_rows.extend(range(query_start[-1] - chunk.num_logits, query_start[-1]))
+        """The flattened batch, built with array operations over per-chunk numbers (no list per token):
+        positions, slots and logit rows follow from each chunk's start, length and block table row."""
+        bs, count = self.block_size, len(chunks)
+        lengths = np.fromiter((len(c.token_ids) for c in chunks), np.int64, count)
+        starts = np.fromiter((c.start for c in chunks), np.int64, count)
+        num_logits = np.fromiter((c.num_logits for c in chunks), np.int64, count)
+        ends = np.cumsum(lengths)
+        query_start = np.zeros(count + 1, np.int64)
+        query_start[1:] = ends
+        if (lengths == 1).all():  # decodes
+            ids = np.fromiter((c.token_ids[0] for c in chunks), np.int64, count)
+            positions = starts
+            seq_index = np.arange(count)
+        else:
+            ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, ends[-1])
+            seq_index = np.repeat(np.arange(count), lengths)
+            positions = np.arange(ends[-1]) - np.repeat(query_start[:-1] - starts, lengths)
         width = max(len(c.block_ids) for c in chunks)
-        table = torch.tensor(
-            [c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks], dtype=torch.int32
-        )
-        positions = torch.tensor(pos, dtype=torch.int64)
-        seq_idx = torch.tensor(seq_index, dtype=torch.int64)
-        slots = table[seq_idx, positions // bs].long() * bs + positions % bs
+        table = np.zeros((count, width), np.int32)
+        for i, chunk in enumerate(chunks):
+            table[i, : len(chunk.block_ids)] = chunk.block_ids
+        slots = table[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        # each chunk's last num_logits tokens
+        wanted = np.repeat(ends - num_logits, num_logits) + _ramps(num_logits)
         dev = self.device
         batch = AttentionBatch(
-            slot_mapping=slots.to(dev),
-            block_table=table.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_table=torch.from_numpy(table).to(dev),
+            seq_lens=torch.from_numpy((starts + lengths).astype(np.int32)).to(dev),
+            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
             attention=self.attention,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=dev)
-        return batch, input_ids, positions.to(dev), rows
+        input_ids = torch.from_numpy(ids).to(dev)
+        rows = torch.from_numpy(wanted).to(dev)
+        return batch, input_ids, torch.from_numpy(positions).to(dev), rows
+
+
+def _ramps(counts: np.ndarray) -> np.ndarray:
+    """0, 1, ..., counts[0] - 1, then 0, 1, ..., counts[1] - 1, ...: the offsets within each run."""
+    total = int(counts.sum())
+    offsets = np.zeros(len(counts), np.int64)
+    np.cumsum(counts[:-1], out=offsets[1:])
+    return np.arange(total) - np.repeat(offsets, counts)

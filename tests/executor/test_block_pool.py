@@ -67,7 +67,7 @@ def test_shared_prefix_blocks_are_shared_and_last_token_never_hit():
     kv.cache_full_blocks(first)
     second = make_request("b", list(range(12)) + [50, 51])
     hit = kv.find_cached_prefix(second)
-    assert [b.block_id for b in hit] == kv.block_ids(first)
+    assert [b.block_id for b in hit] == kv.block_ids(first).tolist()
     assert kv.allocate(second, 14 - 12, hit)
     assert second.num_computed_tokens == 12
     assert all(b.ref_count == 2 for b in hit)
@@ -143,3 +143,20 @@ def test_cache_events_net_out_within_one_drain_interval():
     (block,) = pool.allocate(1)
     pool.cache(block, b"z")
     assert pool.drain_events() == ([b"z"], [b"y"])
+
+
+def test_the_block_table_rows_follow_allocation_and_are_reused_after_free():
+    pool = BlockPool(64)
+    kv = KVCacheManager(pool, 4, max_blocks_per_seq=2, rows=1)  # both must grow
+    a, b = make_request("a", range(6)), make_request("b", range(30, 39))
+    assert kv.allocate(a, 6) and kv.allocate(b, 9)
+    assert kv.block_ids(a).tolist() == [blk.block_id for blk in kv.tables["a"]]
+    a.num_computed_tokens = 6
+    assert kv.allocate(a, 7)  # 13 tokens: four blocks, past the table's first width
+    assert kv.block_ids(a).tolist() == [blk.block_id for blk in kv.tables["a"]] and len(kv.block_ids(a)) == 4
+    assert kv.block_ids(b).tolist() == [blk.block_id for blk in kv.tables["b"]]
+    kv.free(a)
+    c = make_request("c", range(50, 53))
+    assert kv.allocate(c, 3)
+    assert kv.block_ids(c).tolist() == [blk.block_id for blk in kv.tables["c"]]
+    assert len(kv.block_ids(a)) == 0
