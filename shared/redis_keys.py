@@ -8,7 +8,8 @@ Layout (`<id>` is an executor id):
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
 - `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached.
 - `kvserve:executor:<id>:load`        hash: running, waiting, prefill_tokens (prompt tokens still to prefill),
-                                      kv_usage (0..1), updated_at.
+                                      kv_usage (0..1), queue_full (1: its waiting queue is at its bound, it
+                                      refuses new requests as busy), updated_at.
 - `kvserve:executor:<id>:inflight`    counter the gateways keep: prompt tokens to prefill of requests routed there
                                       whose first update has not come back yet, so not in the executor's load (a
                                       burst of arrivals would otherwise all see the same idle executor). Its own
