@@ -52,6 +52,9 @@ class ExecutorClient:
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.readers: dict[str, asyncio.Task] = {}
         self.streams: dict[str, asyncio.Queue] = {}
+        # the executor each open request was sent to: a request re-sent elsewhere must not take updates from
+        # the one it left (a stopped executor that resumes still answers what it had queued)
+        self.sent_to: dict[str, str] = {}
         self.started: set[str] = set()  # request ids whose stream has had an update
 
     def _socket(self, address: str) -> zmq.asyncio.Socket:
@@ -80,14 +83,20 @@ class ExecutorClient:
                 # first tokens first: streams wake in the order their queues are fed, and a request still
                 # waiting for its first token should not wait behind every running stream's next chunk
                 for update in sorted(msg.outputs, key=lambda u: u.request_id in self.started):
-                    queue = self.streams.get(update.request_id)
+                    queue = self._stream(address, update.request_id)
                     if queue is not None:
                         queue.put_nowait((received, update))
                         self.started.add(update.request_id)
             elif isinstance(msg, protocol.RequestError):
-                queue = self.streams.get(msg.request_id)
+                queue = self._stream(address, msg.request_id)
                 if queue is not None:
                     queue.put_nowait(ExecutorRequestError(msg.message, msg.code))
+
+    def _stream(self, address: str, request_id: str) -> asyncio.Queue | None:
+        """The queue waiting for a request's messages from this executor, if any."""
+        if self.sent_to.get(request_id) != address:
+            return None
+        return self.streams.get(request_id)
 
     async def submit(
         self, address: str, request: protocol.GenerateRequest, timing: ExecutorTiming | None = None
@@ -96,6 +105,7 @@ class ExecutorClient:
         or `release`, so the executor never runs a request nobody reads. timing, when given, records when
         the request left (and, through `updates`, when its first token came back)."""
         self.streams[request.request_id] = asyncio.Queue()
+        self.sent_to[request.request_id] = address
         try:
             await self._socket(address).send(protocol.encode(request))
         except BaseException:
@@ -146,6 +156,7 @@ class ExecutorClient:
     def _forget(self, request_id: str) -> bool:
         """Whether the request was still open."""
         self.started.discard(request_id)
+        self.sent_to.pop(request_id, None)
         return self.streams.pop(request_id, None) is not None
 
     async def abort(self, address: str, request_id: str) -> None:

@@ -32,6 +32,10 @@ class Choice:
     reason: str  # prefix_hit | least_loaded | round_robin | random | retry
 
 
+class Saturated(Exception):
+    """Every live executor's waiting queue is at its bound: the request waits at the gateway (gateway.backlog)."""
+
+
 class Router:
     def __init__(self, directory: ExecutorDirectory, policy: str) -> None:
         if policy not in ROUTING_POLICIES:
@@ -40,9 +44,15 @@ class Router:
         self.policy = policy
 
     async def choose(
-        self, ids: Sequence[int], cache_salt: str | None, exclude: set[str] = frozenset()
+        self,
+        ids: Sequence[int],
+        cache_salt: str | None,
+        exclude: set[str] = frozenset(),
+        avoid: set[str] = frozenset(),
     ) -> Choice:
-        """The executor for a prompt under the policy; executors in exclude (tried and lost) are skipped."""
+        """The executor for a prompt under the policy, among those with room in their queue; executors in
+        exclude (tried and lost) are skipped, and so are those in avoid (they just refused it as busy).
+        Raises Saturated when live executors exist but none has room."""
         block_size = DEFAULT_BLOCK_SIZE  # a guess, checked against what the executors report
         hashes = hash_blocks(ids, block_size, cache_salt)
         view = await self._view(hashes, exclude)
@@ -51,6 +61,9 @@ class Router:
             hashes = hash_blocks(ids, block_size, cache_salt)
             view = await self._view(hashes, exclude)
         view = [(info, load) for info, load in view if info.block_size == block_size]
+        view = [(info, load) for info, load in view if not load.queue_full and info.executor_id not in avoid]
+        if not view:
+            raise Saturated
         if self.policy == "round_robin":
             info, load = view[await self.directory.next_round_robin() % len(view)]
         elif self.policy == "random":
