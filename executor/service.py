@@ -401,6 +401,7 @@ def serve(args: argparse.Namespace) -> int:
             "block_size": engine.block_size,
             "kv_blocks_total": engine.pool.num_blocks,
             "max_model_len": engine.max_model_len,
+            "max_waiting_seqs": engine.config.max_waiting_seqs,
         }
     )
     registry.start_heartbeat()

@@ -50,6 +50,7 @@ class Gateway:
     async def startup(self) -> None:
         await self.tenancy.startup()
         self.client = ExecutorClient()  # needs the running event loop
+        self.router.unanswered = self.client.unanswered.__getitem__
         self.completions = Completions(
             self.config.model_name,
             self.config.tokenizer,

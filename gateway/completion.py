@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -40,6 +41,7 @@ from gateway.tenancy import Caller, Tenancy
 from shared import logs, protocol
 
 log = logging.getLogger("kvserve.gateway")
+T = TypeVar("T")
 
 EXECUTOR_HEADER = "x-kvserve-executor"
 REQUEST_ID_HEADER = "x-request-id"  # the id the gateway's and executor's log lines carry
@@ -93,6 +95,24 @@ class ReleasingStreamingResponse(StreamingResponse):
             await self.release()
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _while_connected(request: Request, work: Awaitable[T]) -> T:
+    """work's result; if the client disconnects first, work is cancelled (which aborts whatever it started on
+    an executor, or takes it out of the backlog) and ClientGone is raised."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise ClientGone
+        return task.result()
+    finally:
+        task.cancel()  # a no-op once it is done
+
+
 def _executor_error(error: ExecutorRequestError) -> APIError:
     kind = "invalid_request_error" if error.code < 500 else "server_error"
     return APIError(error.code, str(error), kind)
@@ -140,7 +160,14 @@ class Completions:
             allowed = caller.models([self.model_name])
             if parsed.model not in allowed:
                 raise model_not_found(parsed.model, allowed)
-            routed = await self._route(parsed, ids, arrival, request_id, caller, span)
+            try:  # it may wait in the backlog: a client that leaves meanwhile takes it out
+                routed = await _while_connected(
+                    request, self._route(parsed, ids, arrival, request_id, caller, span)
+                )
+            except ClientGone:
+                raise APIError(
+                    499, "the client disconnected while its request waited for an executor"
+                ) from None
             await self.tenancy.admit(caller, request_id, routed.reserved_tokens)
         except APIError as error:
             tenant = caller.tenant if caller else "unauthenticated"
@@ -296,7 +323,11 @@ class Completions:
             executor = routed.executor
 
             async def alive(executor_id: str = executor.executor_id) -> bool:
-                return await self.directory.is_alive(executor_id)
+                try:
+                    return await self.directory.is_alive(executor_id)
+                except Exception as error:  # Redis unreachable says nothing of the executor: keep waiting
+                    log.warning("liveness of executor %s unknown: %s", executor_id, error)
+                    return True
 
             answered = False
             try:
@@ -306,6 +337,7 @@ class Completions:
                     if not answered:
                         answered = True
                         self._uncount(routed)  # from now on the executor's published load counts it
+                        self.backlog.freed()  # it left its executor's queue: room there, perhaps
                     self._observe_tokens(routed, update)
                     yield update
                 return
@@ -389,15 +421,11 @@ class Completions:
                 if generation.finished:
                     return
 
-        task = asyncio.ensure_future(collect())
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()  # the client left: cancelling aborts the request on the executor
-                    routed.status = 499
-                    return Response(status_code=499)
-            task.result()
+            await _while_connected(request, collect())
+        except ClientGone:
+            routed.status = 499
+            return Response(status_code=499)
         except ExecutorRequestError as caught:
             error = _executor_error(caught)
         except APIError as caught:

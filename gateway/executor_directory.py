@@ -23,6 +23,7 @@ class ExecutorInfo:
     model: str
     block_size: int
     max_model_len: int
+    max_waiting_seqs: int = 0  # it refuses work with this many waiting; 0: not published
 
 
 # KEYS[1]: the set of executor ids. ARGV: key prefix, blocks, load and inflight suffixes, then the prompt's
@@ -91,6 +92,7 @@ class ExecutorDirectory:
                         info.get("model", ""),
                         int(info["block_size"]),
                         int(info["max_model_len"]),
+                        int(info.get("max_waiting_seqs", 0)),
                     ),
                     Candidate(
                         executor_id,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.api_error import APIError
@@ -42,6 +42,8 @@ class Router:
             raise ValueError(f"routing policy: {policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
         self.directory = directory
         self.policy = policy
+        # executor address -> requests this gateway sent there that have had no answer yet (ExecutorClient's)
+        self.unanswered: Callable[[str], int] = lambda address: 0
 
     async def choose(
         self,
@@ -61,7 +63,7 @@ class Router:
             hashes = hash_blocks(ids, block_size, cache_salt)
             view = await self._view(hashes, exclude)
         view = [(info, load) for info, load in view if info.block_size == block_size]
-        view = [(info, load) for info, load in view if not load.queue_full and info.executor_id not in avoid]
+        view = [(info, load) for info, load in view if self._has_room(info, load, avoid)]
         if not view:
             raise Saturated
         if self.policy == "round_robin":
@@ -84,6 +86,16 @@ class Router:
             load.cached_blocks,
             route_cost(load, len(ids), block_size),
             reason,
+        )
+
+    def _has_room(self, info: ExecutorInfo, load: Candidate, avoid: set[str]) -> bool:
+        """Not at its queue bound, by what it published or by what this gateway sent it since: a burst (or
+        the backlog emptying) must not send all at once to the executor that looked free."""
+        if load.queue_full or info.executor_id in avoid:
+            return False
+        return (
+            not info.max_waiting_seqs
+            or max(load.waiting, self.unanswered(info.address)) < info.max_waiting_seqs
         )
 
     async def _view(self, hashes: list[bytes], exclude: set[str]) -> list[tuple[ExecutorInfo, Candidate]]:

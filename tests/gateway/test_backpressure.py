@@ -90,6 +90,13 @@ class LoadSampler:
         return max(int(load.get("waiting", 0)) for sample in self.samples for load in sample.values())
 
 
+def disconnected(base: str) -> float:
+    """Requests the gateway counted as ended by their client (status 499)."""
+    lines = httpx.get(f"{base}/metrics").text.splitlines()
+    counts = [line for line in lines if line.startswith("kvserve_requests_total{") and 'status="499"' in line]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in counts)
+
+
 def full(executors: list[ExecutorProcess]) -> bool:
     return all(e.redis.hget(keys.load_key(e.id), "queue_full") == "1" for e in executors)
 
@@ -105,18 +112,26 @@ def test_requests_beyond_every_queue_wait_at_the_gateway_and_complete_when_room_
     assert sampler.most_waiting() <= 1
 
 
+@pytest.mark.slow  # ~30 s: the executors must stay full well past the held requests' waits
 def test_past_the_queue_timeout_a_held_request_gets_503_with_retry_after(stack):
     patient, impatient, executors = stack
 
     async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
         # two running and two waiting fill both executors for a few seconds
-        filling = asyncio.ensure_future(_post_all(patient, [body(f"long {i}", 80) for i in range(4)]))
+        filling = asyncio.ensure_future(_post_all(patient, [body(f"long {i}", 150) for i in range(4)]))
         while not full(executors):
             await asyncio.sleep(0.02)
         async with httpx.AsyncClient(base_url=impatient, timeout=60) as client:
             started = time.monotonic()
             refused = await client.post("/v1/completions", json=body("one too many", 4))
             assert time.monotonic() - started >= 0.9  # it was held for --queue-timeout, not refused at once
+        # a client that gives up while held leaves the backlog at once, not when an executor has room
+        left_before = disconnected(patient)
+        with pytest.raises(httpx.ReadTimeout):
+            async with httpx.AsyncClient(base_url=patient, timeout=0.5) as client:
+                await client.post("/v1/completions", json=body("impatient client", 4))
+        assert await asyncio.to_thread(eventually, lambda: disconnected(patient) > left_before, 2.0)
+        assert full(executors)
         return await filling, refused
 
     filled, refused = asyncio.run(scenario())
