@@ -59,6 +59,8 @@ class EngineConfig:
     # this many wait unstarted, or while the waiting prompts hold this many tokens still to prefill
     max_waiting_seqs: int = 16
     max_waiting_tokens: int | None = None  # None: WAITING_STEPS steps' token budget
+    # a request that has waited this long without starting is handed back to its gateway to go elsewhere (0: never)
+    max_waiting_time: float = 10.0
     # tokens a step computes at most; None: DEFAULT_MAX_NUM_BATCHED_TOKENS for the device (batched_tokens_for)
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length
@@ -90,6 +92,8 @@ class EngineConfig:
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.max_waiting_time >= 0:
+            raise ValueError(f"max_waiting_time must be >= 0 seconds, got {self.max_waiting_time}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -166,6 +170,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"refuse new requests as busy while waiting prompts hold this many tokens to prefill "
         f"(default: {WAITING_STEPS} x --max-num-batched-tokens)",
+    )
+    g.add_argument(
+        "--max-waiting-time",
+        type=float,
+        default=d.max_waiting_time,
+        help="seconds a request may wait unstarted before it is handed back to its gateway, which sends it "
+        "where it can start (0: never; default: %(default)s)",
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

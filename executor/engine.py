@@ -176,6 +176,17 @@ class Engine:
         """The waiting queue is at its bound (--max-waiting-seqs / --max-waiting-tokens)."""
         return self.scheduler.queue_full
 
+    def hand_back_overdue(self) -> list[str]:
+        """Drop the requests that have waited --max-waiting-time without starting, so their gateways can send
+        them to an executor with room: the ids, none of which has computed or sent anything."""
+        if not self.config.max_waiting_time:
+            return []
+        cutoff = time.time_ns() - int(self.config.max_waiting_time * 1e9)
+        overdue = [r.request_id for r in self.scheduler.unstarted_since(cutoff)]
+        for request_id in overdue:
+            self.abort(request_id)
+        return overdue
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -64,6 +64,10 @@ class Scheduler:
         to_prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
         return to_prefill >= self.max_waiting_tokens
 
+    def unstarted_since(self, before_ns: int) -> list[Request]:
+        """Waiting requests that arrived before before_ns and were never scheduled (no output, no KV)."""
+        return [r for r in self.waiting if not r.first_scheduled_ns and r.arrival_ns < before_ns]
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)

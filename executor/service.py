@@ -193,6 +193,10 @@ class ExecutorService:
             self.stats.observe_queue_time(max(0, request.first_scheduled_ns - request.arrival_ns) / 1e9)
         for out in outputs:
             self._queue(out)
+        for request_id in self.engine.hand_back_overdue():
+            owned = self._release(request_id, "handed back")
+            message = f"executor busy: waited {self.engine.config.max_waiting_time:g} s without starting"
+            self._send_error(owned.identity, request_id, message, protocol.BUSY, owned.trace_id)
         return True
 
     def _queue(self, out: StepOutput) -> None:

@@ -119,3 +119,14 @@ def test_the_waiting_queue_is_full_at_its_bound_of_requests_or_tokens_to_prefill
     for i in range(50):
         unbounded.add(request(f"r{i}", 3))
     assert not unbounded.queue_full
+
+
+def test_unstarted_since_lists_only_requests_never_scheduled():
+    sched = make(max_num_seqs=1)
+    a, b = request("a", 3), request("b", 3)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # the engine stamps what a step scheduled first
+    a.first_scheduled_ns = 1
+    assert sched.unstarted_since(b.arrival_ns + 1) == [b]
+    assert sched.unstarted_since(b.arrival_ns) == []  # arrived too recently

@@ -395,3 +395,18 @@ def test_at_its_queue_bound_the_executor_refuses_new_work_as_busy_before_any_wor
         client.generate("later", PROMPT_B, max_tokens=3, temperature=0.0)  # room again
         _, reasons, _, _ = client.collect({"later"})
         assert reasons == {"later": "length"}
+
+
+def test_a_request_that_waits_too_long_without_starting_is_handed_back_as_busy(tiny_models):
+    with _local_service(tiny_models["llama"], max_num_seqs=1, max_waiting_time=0.3) as (service, client, _):
+        client.generate("long", PROMPT_B, max_tokens=900, temperature=0.0, ignore_eos=True)
+        client.generate("behind", PROMPT_B, max_tokens=3, temperature=0.0)
+        sent = time.monotonic()
+        while not isinstance(msg := client.receive(), protocol.RequestError):
+            assert isinstance(msg, protocol.StepBatch)
+            assert all(u.request_id == "long" and u.finish_reason is None for u in msg.outputs)
+        waited = time.monotonic() - sent
+        assert msg.request_id == "behind" and msg.code == protocol.BUSY and "without starting" in msg.message
+        assert 0.3 <= waited < 5
+        assert set(service.owners) == {"long"}  # the one running stays; nothing of "behind" is left
+        client.send(protocol.AbortRequest("long"))
