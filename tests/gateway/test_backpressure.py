@@ -6,6 +6,7 @@ loses no request the client has not seen an answer to."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -23,25 +24,24 @@ BOUNDS = ("--max-num-seqs", "1", "--max-waiting-seqs", "1")
 ENV = {"KVSERVE_CPU_KERNELS": "0"}
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    """(patient gateway, impatient gateway, executors), on a Redis of their own."""
-    logs = tmp_path_factory.mktemp("backpressure-logs")
+@contextlib.contextmanager
+def running_stack(model: str, logs, executor_flags: tuple[str, ...], queue_timeouts: tuple[str, ...]):
+    """(gateway base urls, executors): two executors and a gateway per queue timeout, on a Redis of their own."""
     server = start_redis_server()
-    model = tiny_models["llama"]
     executors = [
-        ExecutorProcess(model, server.url, logs / f"executor-{i}.log", *BOUNDS, env=ENV) for i in range(2)
+        ExecutorProcess(model, server.url, logs / f"executor-{i}.log", *executor_flags, env=ENV)
+        for i in range(2)
     ]
     gateways = [
         GatewayProcess(model, server.url, logs / f"gateway-{i}.log", "--queue-timeout", timeout, env=ENV)
-        for i, timeout in enumerate(("30", "1"))
+        for i, timeout in enumerate(queue_timeouts)
     ]
     try:
         for executor in executors:  # a loaded 2-core machine takes its time to import torch
             executor.wait_registered(timeout=180)
         for gateway in gateways:
             gateway.wait_healthy(timeout=120)
-        yield gateways[0].base, gateways[1].base, executors
+        yield [g.base for g in gateways], executors
     finally:
         for executor in executors:  # a test that failed while one was stopped must not leave it stopped
             if executor.process.poll() is None:
@@ -49,6 +49,14 @@ def stack(tiny_models, tmp_path_factory):
         for process in (*gateways, *executors):
             process.stop()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models, tmp_path_factory):
+    """(patient gateway, impatient gateway, executors)."""
+    logs = tmp_path_factory.mktemp("backpressure-logs")
+    with running_stack(tiny_models["llama"], logs, BOUNDS, ("30", "1")) as ((patient, impatient), executors):
+        yield patient, impatient, executors
 
 
 def body(prompt: str, max_tokens: int, **extra) -> dict:
@@ -171,6 +179,37 @@ def test_a_stopped_executor_does_not_hold_queued_work(stack):
     assert took < keys.HEARTBEAT_TTL_S + 10
     # back from the stop, it registers again and serves
     assert eventually(lambda: stopped.redis.exists(keys.executor_key(stopped.id)), timeout=10)
+
+
+@pytest.mark.slow  # a stack of its own: its executors hand back what waited a second
+def test_a_request_queued_behind_a_long_one_moves_to_the_executor_that_went_idle(tiny_models, tmp_path):
+    flags = (*BOUNDS, "--max-waiting-time", "1")
+    with running_stack(tiny_models["llama"], tmp_path, flags, ("30",)) as ((base,), executors):
+
+        def running(executor: ExecutorProcess) -> bool:
+            return executor.redis.hget(keys.load_key(executor.id), "running") == "1"
+
+        async def scenario() -> tuple[list[httpx.Response], float, bool]:
+            async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+                long = asyncio.ensure_future(client.post("/v1/completions", json=body("long", 150)))
+                while not any(map(running, executors)):
+                    await asyncio.sleep(0.01)
+                short = asyncio.ensure_future(client.post("/v1/completions", json=body("short", 8)))
+                while not all(map(running, executors)):
+                    await asyncio.sleep(0.01)
+                # one waits behind the long request, one behind the short one, which soon leaves its executor idle
+                started = time.monotonic()
+                behind = await asyncio.gather(
+                    *(client.post("/v1/completions", json=body(f"w{i}", 8)) for i in (0, 1))
+                )
+                took, long_done = time.monotonic() - started, long.done()
+                return [await long, await short, *behind], took, long_done
+
+        responses, took, long_done = asyncio.run(scenario())
+    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    assert (
+        not long_done and took < 6
+    )  # not after the long request: handed back after a second, served elsewhere
 
 
 def test_non_streaming_requests_of_a_killed_executor_complete_on_the_other(stack):
