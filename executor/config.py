@@ -43,6 +43,9 @@ def parse_bytes(value: str | int | float) -> int:
 # step ended, and every stream already decoding stalled as long. At 512 a step stays near one second and the
 # first prompts of a burst start decoding while the rest prefill; throughput is the same (bench/step_profile.py).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
+# a request refused by a full executor waits at the gateway for whichever executor frees first; one queued
+# at an executor waits for that one alone. So an executor queues about this many steps' prefill, no more
+WAITING_STEPS = 4
 
 
 @dataclass
@@ -52,6 +55,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None  # bytes; CPU default 4GiB
     max_num_seqs: int = 256
+    # back-pressure: an executor refuses new requests (the gateway sends them elsewhere or holds them) while
+    # this many wait unstarted, or while the waiting prompts hold this many tokens still to prefill
+    max_waiting_seqs: int = 16
+    max_waiting_tokens: int | None = None  # None: WAITING_STEPS steps' token budget
+    # a request that has waited this long without starting is handed back to its gateway to go elsewhere (0: never)
+    max_waiting_time: float = 10.0
     # tokens a step computes at most; None: DEFAULT_MAX_NUM_BATCHED_TOKENS for the device (batched_tokens_for)
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length
@@ -74,9 +83,17 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 raise ValueError("kv_cache_memory must be positive")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting_seqs",
+            "max_waiting_tokens",
+        ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.max_waiting_time >= 0:
+            raise ValueError(f"max_waiting_time must be >= 0 seconds, got {self.max_waiting_time}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -94,6 +111,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device_type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
+
+    def waiting_tokens_for(self, device_type: str) -> int:
+        """max_waiting_tokens, or WAITING_STEPS steps' token budget."""
+        if self.max_waiting_tokens is not None:
+            return self.max_waiting_tokens
+        return WAITING_STEPS * self.batched_tokens_for(device_type)
 
     def _check_speculative(self) -> None:
         if self.speculative_model is None:
@@ -134,6 +157,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_num_batched_tokens,
         help="tokens one step computes at most (default: 2048 on CUDA, 512 on CPU)",
+    )
+    g.add_argument(
+        "--max-waiting-seqs",
+        type=int,
+        default=d.max_waiting_seqs,
+        help="refuse new requests as busy while this many wait unstarted (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=None,
+        help=f"refuse new requests as busy while waiting prompts hold this many tokens to prefill "
+        f"(default: {WAITING_STEPS} x --max-num-batched-tokens)",
+    )
+    g.add_argument(
+        "--max-waiting-time",
+        type=float,
+        default=d.max_waiting_time,
+        help="seconds a request may wait unstarted before it is handed back to its gateway, which sends it "
+        "where it can start (0: never; default: %(default)s)",
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

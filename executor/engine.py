@@ -84,7 +84,14 @@ class Engine:
         self.kv = KVCacheManager(
             self.pool, self.block_size, -(-self.max_model_len // self.block_size) + 1, config.max_num_seqs
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            max_batched,
+            config.enable_chunked_prefill,
+            config.max_waiting_seqs,
+            config.waiting_tokens_for(self.device.type),
+        )
         self.runner = ModelRunner(model, num_blocks, self.block_size, self.device, self.dtype, self.attention)
         self.attention.prepare(self.device, self.dtype)
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -163,6 +170,22 @@ class Engine:
             return False
         self._finish(request, "abort")
         return True
+
+    @property
+    def queue_full(self) -> bool:
+        """The waiting queue is at its bound (--max-waiting-seqs / --max-waiting-tokens)."""
+        return self.scheduler.queue_full
+
+    def hand_back_overdue(self) -> list[str]:
+        """Drop the requests that have waited --max-waiting-time without starting, so their gateways can send
+        them to an executor with room: the ids, none of which has computed or sent anything."""
+        if not self.config.max_waiting_time:
+            return []
+        cutoff = time.time_ns() - int(self.config.max_waiting_time * 1e9)
+        overdue = [r.request_id for r in self.scheduler.unstarted_since(cutoff)]
+        for request_id in overdue:
+            self.abort(request_id)
+        return overdue
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -313,6 +336,7 @@ class Engine:
             # prompt tokens still to prefill: the work a new request waits behind
             "prefill_tokens": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
             "kv_usage": self.pool.num_used_blocks / self.pool.num_blocks,
+            "queue_full": int(self.queue_full),
         }
 
     def counters(self) -> dict[str, int]:

@@ -27,8 +27,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        max_waiting_seqs: int | None = None,
+        max_waiting_tokens: int | None = None,
     ) -> None:
         self.kv = kv
+        self.max_waiting_seqs = max_waiting_seqs  # None: no bound (the offline API queues everything)
+        self.max_waiting_tokens = max_waiting_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -48,6 +52,21 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+
+    @property
+    def queue_full(self) -> bool:
+        """Whether the waiting queue is at its bound: a new request would wait here for a step that is not
+        near, so the service refuses it (the gateway sends it where it can start sooner, or holds it)."""
+        if self.max_waiting_seqs is not None and len(self.waiting) >= self.max_waiting_seqs:
+            return True
+        if self.max_waiting_tokens is None or not self.waiting:
+            return False
+        to_prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return to_prefill >= self.max_waiting_tokens
+
+    def unstarted_since(self, before_ns: int) -> list[Request]:
+        """Waiting requests that arrived before before_ns and were never scheduled (no output, no KV)."""
+        return [r for r in self.waiting if not r.first_scheduled_ns and r.arrival_ns < before_ns]
 
     @property
     def num_unfinished(self) -> int:

@@ -153,7 +153,11 @@ class ExecutorService:
     def _generate(self, identity: bytes, msg: protocol.GenerateRequest) -> None:
         trace_id = tracing.trace_id(msg.traceparent)
         if self.drain_deadline is not None:
-            self._send_error(identity, msg.request_id, "executor draining", 503, trace_id)
+            self._send_error(identity, msg.request_id, "executor draining", protocol.DRAINING, trace_id)
+            return
+        if self.engine.queue_full:  # back-pressure: refused before any work, the gateway routes it elsewhere
+            message = "executor busy: its waiting queue is full"
+            self._send_error(identity, msg.request_id, message, protocol.BUSY, trace_id)
             return
         try:
             unknown = sorted(set(msg.sampling) - _SAMPLING_FIELDS)
@@ -189,6 +193,10 @@ class ExecutorService:
             self.stats.observe_queue_time(max(0, request.first_scheduled_ns - request.arrival_ns) / 1e9)
         for out in outputs:
             self._queue(out)
+        for request_id in self.engine.hand_back_overdue():
+            owned = self._release(request_id, "handed back")
+            message = f"executor busy: waited {self.engine.config.max_waiting_time:g} s without starting"
+            self._send_error(owned.identity, request_id, message, protocol.BUSY, owned.trace_id)
         return True
 
     def _queue(self, out: StepOutput) -> None:
@@ -271,6 +279,8 @@ class ExecutorService:
         self, identity: bytes, request_id: str, message: str, code: int, trace_id: str | None = None
     ) -> None:
         level, what = (logging.ERROR, "failed") if code >= 500 else (logging.INFO, "refused")
+        if code == protocol.BUSY:
+            level = logging.DEBUG  # routine under load: the gateway sends the request elsewhere
         log.log(
             level, "request %s %s (%d): %s", request_id, what, code, message, extra=_ids(request_id, trace_id)
         )
@@ -395,6 +405,7 @@ def serve(args: argparse.Namespace) -> int:
             "block_size": engine.block_size,
             "kv_blocks_total": engine.pool.num_blocks,
             "max_model_len": engine.max_model_len,
+            "max_waiting_seqs": engine.config.max_waiting_seqs,
         }
     )
     registry.start_heartbeat()

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api_error import APIError
+from gateway.backlog import Backlog
 from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, Completions, error_response
 from gateway.executor_client import ExecutorClient
 from gateway.executor_directory import ExecutorDirectory
@@ -33,6 +34,7 @@ class GatewayConfig:
     tokenizer: object
     routing_policy: str = "cache_aware"
     require_api_key: bool = False
+    queue_timeout: float = 60.0  # seconds a request may wait at the gateway for an executor with room
 
 
 class Gateway:
@@ -48,6 +50,7 @@ class Gateway:
     async def startup(self) -> None:
         await self.tenancy.startup()
         self.client = ExecutorClient()  # needs the running event loop
+        self.router.unanswered = self.client.unanswered.__getitem__
         self.completions = Completions(
             self.config.model_name,
             self.config.tokenizer,
@@ -56,6 +59,7 @@ class Gateway:
             self.tenancy,
             self.client,
             self.metrics,
+            Backlog(self.router, self.config.queue_timeout),
         )
 
     async def shutdown(self) -> None:

@@ -38,6 +38,13 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
         help="cache_aware: least prefill still to compute plus load (gateway/routing.py); others for comparison",
     )
     parser.add_argument(
+        "--queue-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds a request may wait at the gateway while every executor's queue is full, then 503 "
+        "with Retry-After (default: %(default)s)",
+    )
+    parser.add_argument(
         "--require-api-key",
         action="store_true",
         help="refuse to start without API keys in Redis (`kvserve keys create`), never serve without one",
@@ -48,6 +55,13 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVSERVE_LOG_FORMAT", "json"),
         help="json: one object per line with request and trace ids (default; or $KVSERVE_LOG_FORMAT)",
     )
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def add_gateway_commands(commands: argparse._SubParsersAction) -> None:
@@ -106,7 +120,12 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(f"kvserve gateway: error: --model: {error}", file=sys.stderr)
         return 2
     config = GatewayConfig(
-        args.redis_url, _served_name(args), tokenizer, args.routing_policy, args.require_api_key
+        args.redis_url,
+        _served_name(args),
+        tokenizer,
+        args.routing_policy,
+        args.require_api_key,
+        args.queue_timeout,
     )
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")

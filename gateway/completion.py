@@ -2,7 +2,8 @@
 
 Stateless between requests: each one reads the caller's key, the live executors, their cached prefixes and loads
 from Redis, is admitted against the caller's limits, routed, streamed back from the chosen executor over ZeroMQ
-(retried elsewhere if that executor dies before answering), settled, recorded and forgotten.
+(sent elsewhere if that executor is busy, or dies before the client has received anything), settled, recorded
+and forgotten. While every executor's queue is full it waits at the gateway (gateway.backlog).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api_error import APIError
+from gateway.backlog import Backlog
 from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError, ExecutorTiming
 from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
 from gateway.metrics import GatewayMetrics
@@ -38,11 +41,15 @@ from gateway.tenancy import Caller, Tenancy
 from shared import logs, protocol
 
 log = logging.getLogger("kvserve.gateway")
+T = TypeVar("T")
 
 EXECUTOR_HEADER = "x-kvserve-executor"
 REQUEST_ID_HEADER = "x-request-id"  # the id the gateway's and executor's log lines carry
 NO_EXECUTOR = "none"  # the header's value when a request was answered before reaching one
 DISCONNECT_POLL_S = 0.25
+# a request is started again from scratch on another executor at most this many times when its executor dies
+# before the client has received anything (a request that kills every executor it reaches must stop somewhere)
+MAX_EXECUTOR_LOSSES = 3
 
 
 @dataclass(slots=True)
@@ -50,13 +57,14 @@ class Routed:
     executor: ExecutorInfo  # changes if the first choice dies before answering
     request: protocol.GenerateRequest
     generation: Generation
+    fresh: Callable[[], Generation]  # the generation as it starts, for a restart on another executor
     stream: bool
     include_usage: bool
     arrival: float  # time.monotonic() when the HTTP request came in
     caller: Caller
     span: RequestSpan
     reserved_tokens: int  # prompt + max_tokens, taken from the caller's tokens-per-minute budget
-    tried: set[str] = dataclasses.field(default_factory=set)
+    tried: set[str] = dataclasses.field(default_factory=set)  # executors lost while serving it
     timing: ExecutorTiming = dataclasses.field(default_factory=ExecutorTiming)
     prefill_estimate: int = 0  # prompt tokens the chosen executor has to prefill, by its cached blocks
     counted_on: str | None = None  # the executor whose in-flight count in Redis includes this request
@@ -87,6 +95,24 @@ class ReleasingStreamingResponse(StreamingResponse):
             await self.release()
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _while_connected(request: Request, work: Awaitable[T]) -> T:
+    """work's result; if the client disconnects first, work is cancelled (which aborts whatever it started on
+    an executor, or takes it out of the backlog) and ClientGone is raised."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise ClientGone
+        return task.result()
+    finally:
+        task.cancel()  # a no-op once it is done
+
+
 def _executor_error(error: ExecutorRequestError) -> APIError:
     kind = "invalid_request_error" if error.code < 500 else "server_error"
     return APIError(error.code, str(error), kind)
@@ -104,6 +130,7 @@ class Completions:
         tenancy: Tenancy,
         client: ExecutorClient,
         metrics: GatewayMetrics,
+        backlog: Backlog,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -112,6 +139,7 @@ class Completions:
         self.tenancy = tenancy
         self.client = client
         self.metrics = metrics
+        self.backlog = backlog
         self.background: set[asyncio.Task] = set()
 
     async def serve(self, request: Request, endpoint: str) -> Response:
@@ -132,7 +160,14 @@ class Completions:
             allowed = caller.models([self.model_name])
             if parsed.model not in allowed:
                 raise model_not_found(parsed.model, allowed)
-            routed = await self._route(parsed, ids, arrival, request_id, caller, span)
+            try:  # it may wait in the backlog: a client that leaves meanwhile takes it out
+                routed = await _while_connected(
+                    request, self._route(parsed, ids, arrival, request_id, caller, span)
+                )
+            except ClientGone:
+                raise APIError(
+                    499, "the client disconnected while its request waited for an executor"
+                ) from None
             await self.tenancy.admit(caller, request_id, routed.reserved_tokens)
         except APIError as error:
             tenant = caller.tenant if caller else "unauthenticated"
@@ -187,6 +222,7 @@ class Completions:
         """However the request ended: free it on the executor, settle the caller's budget, record it."""
         self._uncount(routed)
         await self.client.release(routed.executor.address, routed.request.request_id)
+        self.backlog.freed()
         generation = routed.generation
         usage = (generation.num_prompt_tokens, generation.output.num_tokens, generation.cached_tokens)
         tenant = routed.caller.tenant
@@ -237,7 +273,7 @@ class Completions:
         span: RequestSpan,
     ) -> Routed:
         started = time.time_ns()
-        choice = await self.router.choose(ids, caller.cache_salt)
+        choice = await self.backlog.choose(ids, caller.cache_salt, arrival)
         self._record_route(span, started, choice)
         params = fit_to_context(parsed, len(ids), choice.executor.max_model_len)
         span.describe(caller.tenant, parsed.model, params.max_tokens, params.temperature, params.top_p)
@@ -250,11 +286,15 @@ class Completions:
             cache_salt=caller.cache_salt,
             traceparent=span.traceparent(),
         )
-        generation = Generation.start(parsed, ids, params.stop, self.tokenizer)
+
+        def fresh() -> Generation:
+            return Generation.start(parsed, ids, params.stop, self.tokenizer)
+
         return Routed(
             choice.executor,
             generate,
-            generation,
+            fresh(),
+            fresh,
             parsed.stream,
             parsed.include_usage,
             arrival,
@@ -276,43 +316,65 @@ class Completions:
         span.child("route", started_ns, attributes)
 
     async def _updates(self, routed: Routed):
-        """The submitted request's updates; an executor that dies before its first update is replaced."""
+        """The submitted request's updates. An executor that refuses it as busy (or draining) is replaced at
+        once; one that dies is replaced if the client has received nothing yet: a non-streaming request starts
+        again from scratch elsewhere, with the same seed; a stream that has had tokens ends with an error."""
         while True:
             executor = routed.executor
 
             async def alive(executor_id: str = executor.executor_id) -> bool:
-                return await self.directory.is_alive(executor_id)
+                try:
+                    return await self.directory.is_alive(executor_id)
+                except Exception as error:  # Redis unreachable says nothing of the executor: keep waiting
+                    log.warning("liveness of executor %s unknown: %s", executor_id, error)
+                    return True
 
-            streamed = False
+            answered = False
             try:
                 async for update in self.client.updates(
                     executor.address, routed.request.request_id, alive, routed.timing
                 ):
-                    if not streamed:
-                        streamed = True
+                    if not answered:
+                        answered = True
                         self._uncount(routed)  # from now on the executor's published load counts it
+                        self.backlog.freed()  # it left its executor's queue: room there, perhaps
                     self._observe_tokens(routed, update)
                     yield update
                 return
+            except ExecutorRequestError as error:
+                if answered or error.code not in protocol.REROUTABLE:
+                    raise
+                await self._reroute(routed, avoid={executor.executor_id})
             except ExecutorGone:
                 log.warning(
                     "executor %s stopped answering (request %s)",
                     executor.executor_id,
                     routed.request.request_id,
                 )
-                if streamed:
+                routed.tried.add(executor.executor_id)
+                if answered and routed.stream:
                     raise APIError(
                         502, f"executor {executor.executor_id} stopped answering mid-stream", "server_error"
                     ) from None
-                routed.tried.add(executor.executor_id)
-                self._uncount(routed)
-                started = time.time_ns()
-                choice = await self.router.choose(
-                    routed.request.prompt_token_ids, routed.caller.cache_salt, routed.tried
-                )
-                self._record_route(routed.span, started, choice)
-                routed.executor, routed.prefill_estimate = choice.executor, choice.prefill_estimate
-                await self._submit(routed)
+                if len(routed.tried) >= MAX_EXECUTOR_LOSSES:
+                    raise APIError(
+                        502, f"{len(routed.tried)} executors stopped answering this request", "server_error"
+                    ) from None
+                if answered:  # nothing reached the client: what the lost executor made is discarded
+                    old = routed.generation
+                    routed.generation = dataclasses.replace(routed.fresh(), id=old.id, created=old.created)
+                await self._reroute(routed)
+
+    async def _reroute(self, routed: Routed, avoid: set[str] = frozenset()) -> None:
+        """Send the request to another executor: one not lost with it, not in avoid, with room in its queue."""
+        self._uncount(routed)
+        started = time.time_ns()
+        choice = await self.backlog.choose(
+            routed.request.prompt_token_ids, routed.caller.cache_salt, routed.arrival, routed.tried, avoid
+        )
+        self._record_route(routed.span, started, choice)
+        routed.executor, routed.prefill_estimate = choice.executor, choice.prefill_estimate
+        await self._submit(routed)
 
     async def _events(self, routed: Routed):
         stream = EventStream(routed.generation, routed.include_usage)
@@ -350,25 +412,20 @@ class Completions:
         self.metrics.tokens_arrived(routed.caller.tenant, len(update.token_ids), gap)
 
     async def _whole(self, request: Request, routed: Routed) -> Response:
-        generation = routed.generation
-
         async def collect() -> None:
             async for update in self._updates(routed):
+                generation = routed.generation  # a restart on another executor replaces it
                 generation.feed(
                     update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
                 )
                 if generation.finished:
                     return
 
-        task = asyncio.ensure_future(collect())
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()  # the client left: cancelling aborts the request on the executor
-                    routed.status = 499
-                    return Response(status_code=499)
-            task.result()
+            await _while_connected(request, collect())
+        except ClientGone:
+            routed.status = 499
+            return Response(status_code=499)
         except ExecutorRequestError as caught:
             error = _executor_error(caught)
         except APIError as caught:
@@ -379,6 +436,6 @@ class Completions:
                 EXECUTOR_HEADER: routed.executor.executor_id,
                 REQUEST_ID_HEADER: routed.request.request_id,
             }
-            return JSONResponse(response_body(generation), headers=headers)
+            return JSONResponse(response_body(routed.generation), headers=headers)
         self._failed(routed, error)
         return error_response(error, routed.request.request_id, routed.executor.executor_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -52,6 +53,13 @@ class ExecutorClient:
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.readers: dict[str, asyncio.Task] = {}
         self.streams: dict[str, asyncio.Queue] = {}
+        # the executor each open request was sent to: a request re-sent elsewhere must not take updates from
+        # the one it left (a stopped executor that resumes still answers what it had queued)
+        self.sent_to: dict[str, str] = {}
+        # requests sent to each executor that it has not answered yet (no update, no refusal): until it does,
+        # its published load may not count them, so the router counts them here
+        self.awaiting: set[str] = set()
+        self.unanswered: Counter[str] = Counter()
         self.started: set[str] = set()  # request ids whose stream has had an update
 
     def _socket(self, address: str) -> zmq.asyncio.Socket:
@@ -80,14 +88,22 @@ class ExecutorClient:
                 # first tokens first: streams wake in the order their queues are fed, and a request still
                 # waiting for its first token should not wait behind every running stream's next chunk
                 for update in sorted(msg.outputs, key=lambda u: u.request_id in self.started):
-                    queue = self.streams.get(update.request_id)
+                    queue = self._stream(address, update.request_id)
                     if queue is not None:
                         queue.put_nowait((received, update))
                         self.started.add(update.request_id)
+                        self._answered(update.request_id)
             elif isinstance(msg, protocol.RequestError):
-                queue = self.streams.get(msg.request_id)
+                queue = self._stream(address, msg.request_id)
                 if queue is not None:
                     queue.put_nowait(ExecutorRequestError(msg.message, msg.code))
+                    self._answered(msg.request_id)
+
+    def _stream(self, address: str, request_id: str) -> asyncio.Queue | None:
+        """The queue waiting for a request's messages from this executor, if any."""
+        if self.sent_to.get(request_id) != address:
+            return None
+        return self.streams.get(request_id)
 
     async def submit(
         self, address: str, request: protocol.GenerateRequest, timing: ExecutorTiming | None = None
@@ -96,6 +112,9 @@ class ExecutorClient:
         or `release`, so the executor never runs a request nobody reads. timing, when given, records when
         the request left (and, through `updates`, when its first token came back)."""
         self.streams[request.request_id] = asyncio.Queue()
+        self.sent_to[request.request_id] = address
+        self.awaiting.add(request.request_id)
+        self.unanswered[address] += 1
         try:
             await self._socket(address).send(protocol.encode(request))
         except BaseException:
@@ -145,8 +164,15 @@ class ExecutorClient:
 
     def _forget(self, request_id: str) -> bool:
         """Whether the request was still open."""
+        self._answered(request_id)
         self.started.discard(request_id)
+        self.sent_to.pop(request_id, None)
         return self.streams.pop(request_id, None) is not None
+
+    def _answered(self, request_id: str) -> None:
+        if request_id in self.awaiting:
+            self.awaiting.discard(request_id)
+            self.unanswered[self.sent_to[request_id]] -= 1
 
     async def abort(self, address: str, request_id: str) -> None:
         try:

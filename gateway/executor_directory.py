@@ -23,6 +23,7 @@ class ExecutorInfo:
     model: str
     block_size: int
     max_model_len: int
+    max_waiting_seqs: int = 0  # it refuses work with this many waiting; 0: not published
 
 
 # KEYS[1]: the set of executor ids. ARGV: key prefix, blocks, load and inflight suffixes, then the prompt's
@@ -91,6 +92,7 @@ class ExecutorDirectory:
                         info.get("model", ""),
                         int(info["block_size"]),
                         int(info["max_model_len"]),
+                        int(info.get("max_waiting_seqs", 0)),
                     ),
                     Candidate(
                         executor_id,
@@ -101,6 +103,7 @@ class ExecutorDirectory:
                         kv_usage=float(load.get("kv_usage", 0.0)),
                         prefill_tokens=int(load.get("prefill_tokens", 0)),
                         inflight_tokens=max(0, int(inflight or 0)),
+                        queue_full=load.get("queue_full", "0") not in ("0", "0.0"),
                     ),
                 )
             )

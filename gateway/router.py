@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.api_error import APIError
@@ -32,17 +32,29 @@ class Choice:
     reason: str  # prefix_hit | least_loaded | round_robin | random | retry
 
 
+class Saturated(Exception):
+    """Every live executor's waiting queue is at its bound: the request waits at the gateway (gateway.backlog)."""
+
+
 class Router:
     def __init__(self, directory: ExecutorDirectory, policy: str) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy: {policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
         self.directory = directory
         self.policy = policy
+        # executor address -> requests this gateway sent there that have had no answer yet (ExecutorClient's)
+        self.unanswered: Callable[[str], int] = lambda address: 0
 
     async def choose(
-        self, ids: Sequence[int], cache_salt: str | None, exclude: set[str] = frozenset()
+        self,
+        ids: Sequence[int],
+        cache_salt: str | None,
+        exclude: set[str] = frozenset(),
+        avoid: set[str] = frozenset(),
     ) -> Choice:
-        """The executor for a prompt under the policy; executors in exclude (tried and lost) are skipped."""
+        """The executor for a prompt under the policy, among those with room in their queue; executors in
+        exclude (tried and lost) are skipped, and so are those in avoid (they just refused it as busy).
+        Raises Saturated when live executors exist but none has room."""
         block_size = DEFAULT_BLOCK_SIZE  # a guess, checked against what the executors report
         hashes = hash_blocks(ids, block_size, cache_salt)
         view = await self._view(hashes, exclude)
@@ -51,6 +63,9 @@ class Router:
             hashes = hash_blocks(ids, block_size, cache_salt)
             view = await self._view(hashes, exclude)
         view = [(info, load) for info, load in view if info.block_size == block_size]
+        view = [(info, load) for info, load in view if self._has_room(info, load, avoid)]
+        if not view:
+            raise Saturated
         if self.policy == "round_robin":
             info, load = view[await self.directory.next_round_robin() % len(view)]
         elif self.policy == "random":
@@ -71,6 +86,16 @@ class Router:
             load.cached_blocks,
             route_cost(load, len(ids), block_size),
             reason,
+        )
+
+    def _has_room(self, info: ExecutorInfo, load: Candidate, avoid: set[str]) -> bool:
+        """Not at its queue bound, by what it published or by what this gateway sent it since: a burst (or
+        the backlog emptying) must not send all at once to the executor that looked free."""
+        if load.queue_full or info.executor_id in avoid:
+            return False
+        return (
+            not info.max_waiting_seqs
+            or max(load.waiting, self.unanswered(info.address)) < info.max_waiting_seqs
         )
 
     async def _view(self, hashes: list[bytes], exclude: set[str]) -> list[tuple[ExecutorInfo, Candidate]]:

@@ -29,6 +29,7 @@ class Candidate:
     kv_usage: float = 0.0  # share of its KV blocks in use, 0..1
     prefill_tokens: int = 0  # prompt tokens queued there, still to prefill
     inflight_tokens: int = 0  # prompt tokens to prefill of requests routed there, not yet in its load
+    queue_full: bool = False  # its waiting queue is at its bound: it refuses new requests as busy
 
 
 def leading_run(held: Sequence[bool]) -> int:

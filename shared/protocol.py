@@ -75,8 +75,13 @@ class RequestError:
 
     request_id: str
     message: str
-    code: int  # HTTP-like: 400 bad input, 503 draining or overloaded, 500 internal fault
+    code: int  # HTTP-like: 400 bad input, 429 busy (BUSY), 503 draining, 500 internal fault
 
+
+# RequestError codes that mean "nothing was started here, send it to another executor"
+BUSY = 429  # the executor's waiting queue is at its bound (back-pressure)
+DRAINING = 503  # the executor is shutting down
+REROUTABLE = frozenset({BUSY, DRAINING})
 
 Message = GenerateRequest | AbortRequest | StepBatch | RequestError
 

@@ -4,11 +4,12 @@ Layout (`<id>` is an executor id):
 - `kvserve:executors`                 set of executor ids that registered. A set member cannot expire on its own,
                                       so a reader treats an id whose info hash is gone as dead.
 - `kvserve:executor:<id>`             hash, the registration: address, model, block_size, kv_blocks_total,
-                                      max_model_len, started_at. Its TTL is the heartbeat: refreshed every
+                                      max_model_len, max_waiting_seqs (its queue bound), started_at. Its TTL is the heartbeat: refreshed every
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
 - `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached.
 - `kvserve:executor:<id>:load`        hash: running, waiting, prefill_tokens (prompt tokens still to prefill),
-                                      kv_usage (0..1), updated_at.
+                                      kv_usage (0..1), queue_full (1: its waiting queue is at its bound, it
+                                      refuses new requests as busy), updated_at.
 - `kvserve:executor:<id>:inflight`    counter the gateways keep: prompt tokens to prefill of requests routed there
                                       whose first update has not come back yet, so not in the executor's load (a
                                       burst of arrivals would otherwise all see the same idle executor). Its own

@@ -98,3 +98,35 @@ def test_removing_requests_frees_every_block():
     for r in reqs:
         sched.remove(r)
     assert sched.kv.pool.num_free_blocks == 16 and not sched.running and not sched.waiting
+
+
+def test_the_waiting_queue_is_full_at_its_bound_of_requests_or_tokens_to_prefill():
+    kv = KVCacheManager(BlockPool(64, True), 4)
+    by_count = Scheduler(kv, 1, 32, max_waiting_seqs=2)
+    by_count.add(request("a", 3))
+    by_count.add(request("b", 3))
+    assert by_count.queue_full
+    run_step(by_count)  # a starts: one waits
+    assert not by_count.queue_full
+    by_tokens = Scheduler(KVCacheManager(BlockPool(64, True), 4), 1, 32, max_waiting_tokens=20)
+    assert not by_tokens.queue_full  # an empty queue is never full, whatever the bound
+    by_tokens.add(request("a", 3))
+    by_tokens.add(request("b", 12))
+    assert not by_tokens.queue_full
+    by_tokens.add(request("c", 5, first=40))
+    assert by_tokens.queue_full  # 20 prompt tokens wait to be prefilled
+    unbounded = make(max_num_seqs=1)  # the offline API queues whatever it is given
+    for i in range(50):
+        unbounded.add(request(f"r{i}", 3))
+    assert not unbounded.queue_full
+
+
+def test_unstarted_since_lists_only_requests_never_scheduled():
+    sched = make(max_num_seqs=1)
+    a, b = request("a", 3), request("b", 3)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # the engine stamps what a step scheduled first
+    a.first_scheduled_ns = 1
+    assert sched.unstarted_since(b.arrival_ns + 1) == [b]
+    assert sched.unstarted_since(b.arrival_ns) == []  # arrived too recently

@@ -1,5 +1,6 @@
 """`kvserve executor` as a real process: a real ZeroMQ DEALER client, a real Redis server."""
 
+import contextlib
 import json
 import os
 import signal
@@ -136,6 +137,7 @@ def test_redis_holds_registration_block_hashes_and_load(executor, gateway):
         "waiting": "0",
         "prefill_tokens": "0",
         "kv_usage": "0.0",
+        "queue_full": "0",
         "updated_at": load["updated_at"],
     }
     for key in keys.executor_keys(executor.id):
@@ -320,13 +322,19 @@ class _NoRedis:
 def local_service(tiny_models):
     """The service loop in a thread of this process, on a real socket, without Redis: for what a real process
     cannot be made to do on cue."""
+    with _local_service(tiny_models["llama"]) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def _local_service(model: str, **engine_flags):
     import threading
 
     from executor.config import EngineConfig
     from executor.engine import Engine
     from executor.service import ExecutorService
 
-    engine = Engine(EngineConfig(model=tiny_models["llama"], kv_cache_memory="8MiB", device="cpu"))
+    engine = Engine(EngineConfig(model=model, kv_cache_memory="8MiB", device="cpu", **engine_flags))
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -373,3 +381,32 @@ def test_a_failing_engine_step_ends_its_requests_with_500_and_the_loop_goes_on(l
     client.generate("after", PROMPT_B, max_tokens=3, temperature=0.0)
     _, reasons, _, _ = client.collect({"after"})
     assert reasons == {"after": "length"}
+
+
+def test_at_its_queue_bound_the_executor_refuses_new_work_as_busy_before_any_work(tiny_models):
+    with _local_service(tiny_models["llama"], max_num_seqs=1, max_waiting_seqs=1) as (service, client, _):
+        # one message batch: "first" waits (the queue is at its bound of one), "second" is refused at once
+        client.generate("first", PROMPT_B, max_tokens=3, temperature=0.0)
+        client.generate("second", PROMPT_B, max_tokens=3, temperature=0.0)
+        _, reasons, errors, _ = client.collect({"first", "second"})
+        assert reasons == {"first": "length"} and set(errors) == {"second"}
+        assert errors["second"].code == protocol.BUSY and "busy" in errors["second"].message
+        assert not service.engine.has_unfinished()
+        client.generate("later", PROMPT_B, max_tokens=3, temperature=0.0)  # room again
+        _, reasons, _, _ = client.collect({"later"})
+        assert reasons == {"later": "length"}
+
+
+def test_a_request_that_waits_too_long_without_starting_is_handed_back_as_busy(tiny_models):
+    with _local_service(tiny_models["llama"], max_num_seqs=1, max_waiting_time=0.3) as (service, client, _):
+        client.generate("long", PROMPT_B, max_tokens=900, temperature=0.0, ignore_eos=True)
+        client.generate("behind", PROMPT_B, max_tokens=3, temperature=0.0)
+        sent = time.monotonic()
+        while not isinstance(msg := client.receive(), protocol.RequestError):
+            assert isinstance(msg, protocol.StepBatch)
+            assert all(u.request_id == "long" and u.finish_reason is None for u in msg.outputs)
+        waited = time.monotonic() - sent
+        assert msg.request_id == "behind" and msg.code == protocol.BUSY and "without starting" in msg.message
+        assert 0.3 <= waited < 5
+        assert set(service.owners) == {"long"}  # the one running stays; nothing of "behind" is left
+        client.send(protocol.AbortRequest("long"))

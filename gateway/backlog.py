@@ -1,0 +1,108 @@
+"""Back-pressure at the gateway: a request no executor can start soon waits here, not in an executor's queue.
+
+An executor's waiting queue is bounded (--max-waiting-seqs, --max-waiting-tokens): at its bound it publishes
+`queue_full` and refuses new requests as busy before doing any work. The router skips full executors; when every
+live one is full, the request waits in this backlog, oldest arrival first, until one has room, and only the
+oldest asks Redis (with backoff, and at once when a request of this gateway ends), so a long backlog costs one
+reader. Work then goes to whichever executor frees first, never to one queue chosen at arrival. Past the
+deadline (--queue-timeout after arrival) the request gets 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections.abc import Sequence
+
+from gateway.api_error import APIError
+from gateway.router import Choice, Router, Saturated
+
+FIRST_BACKOFF_S = 0.01  # the oldest waiter asks Redis again after this, doubling up to MAX_BACKOFF_S
+MAX_BACKOFF_S = 0.2  # an executor publishes its load every step: about this stale at worst on a CPU
+RETRY_AFTER_S = 2
+
+
+class Backlog:
+    def __init__(self, router: Router, timeout_s: float) -> None:
+        self.router = router
+        self.timeout_s = timeout_s
+        self._waiters: list[tuple[float, int, asyncio.Future]] = []  # heap by arrival: the first one asks
+        self._order = itertools.count()  # breaks ties between equal arrivals
+        self._freed = asyncio.Event()  # set when a request ends here: some executor may have room now
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def freed(self) -> None:
+        """A request of this gateway ended: the oldest waiter looks again now instead of after its backoff."""
+        self._freed.set()
+
+    async def choose(
+        self,
+        ids: Sequence[int],
+        cache_salt: str | None,
+        arrival: float,
+        exclude: set[str] = frozenset(),
+        avoid: set[str] = frozenset(),
+    ) -> Choice:
+        """The router's choice among executors with room (exclude: lost executors; avoid: ones that just
+        refused as busy, skipped on the first look only); while all are full, wait in turn."""
+        if not self._waiters:  # with others waiting, a newcomer takes its turn behind them
+            try:
+                return await self.router.choose(ids, cache_salt, exclude, avoid)
+            except Saturated:
+                pass
+        deadline = arrival + self.timeout_s
+        turn = asyncio.get_running_loop().create_future()
+        entry = (arrival, next(self._order), turn)
+        heapq.heappush(self._waiters, entry)
+        if self._waiters[0] is entry:
+            turn.set_result(None)
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), max(0.0, deadline - time.monotonic()))
+            return await self._poll(ids, cache_salt, exclude, deadline)
+        except TimeoutError:
+            raise _saturated(self.timeout_s) from None
+        finally:
+            self._leave(entry)
+
+    async def _poll(
+        self, ids: Sequence[int], cache_salt: str | None, exclude: set[str], deadline: float
+    ) -> Choice:
+        """The oldest waiter's loop: ask, back off (or wake when a request ends), ask again."""
+        backoff = FIRST_BACKOFF_S
+        while True:
+            try:
+                return await self.router.choose(ids, cache_salt, exclude)
+            except Saturated:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self._freed.clear()
+            try:
+                await asyncio.wait_for(self._freed.wait(), min(backoff, left))
+                backoff = FIRST_BACKOFF_S
+            except TimeoutError:
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+
+    def _leave(self, entry: tuple[float, int, asyncio.Future]) -> None:
+        """Out of the backlog, however the wait ended; the next oldest, if any, takes its turn at once."""
+        if entry in self._waiters:
+            self._waiters.remove(entry)
+            heapq.heapify(self._waiters)
+        if self._waiters and not self._waiters[0][2].done():
+            self._waiters[0][2].set_result(None)
+
+
+def _saturated(timeout_s: float) -> APIError:
+    return APIError(
+        503,
+        f"every executor is at its queue bound and none had room within {timeout_s:g} s; retry later",
+        "server_error",
+        code="overloaded",
+        headers={"retry-after": str(RETRY_AFTER_S)},
+    )
