@@ -43,6 +43,16 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
         help="refuse to start without API keys in Redis (`kvserve keys create`), never serve without one",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port only, for Prometheus (default: on --port, unless --require-api-key: "
+        "metrics name every tenant)",
+    )
+    parser.add_argument(
+        "--metrics-host", default=None, help="the metrics listener's address (default: --host)"
+    )
+    parser.add_argument(
         "--log-format",
         choices=["json", "text"],
         default=os.environ.get("KVSERVE_LOG_FORMAT", "json"),
@@ -106,7 +116,13 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(f"kvserve gateway: error: --model: {error}", file=sys.stderr)
         return 2
     config = GatewayConfig(
-        args.redis_url, _served_name(args), tokenizer, args.routing_policy, args.require_api_key
+        args.redis_url,
+        _served_name(args),
+        tokenizer,
+        args.routing_policy,
+        args.require_api_key,
+        metrics_host=args.metrics_host or args.host,
+        metrics_port=args.metrics_port,
     )
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")
