@@ -25,6 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import (
     MAX_BODY_BYTES,
     OpenAIRequest,
+    body_too_large,
     check_content_type,
     fit_to_context,
     model_not_found,
@@ -98,6 +99,20 @@ def _as_api_error(caught: Exception, request_id: str) -> APIError:
         return APIError(caught.code, str(caught), kind)
     log.error("request failed unexpectedly", exc_info=caught)
     return internal_error(request_id)
+
+
+async def _body(request: Request) -> bytes:
+    """Refused (413) as soon as it outgrows the limit: a chunked upload declares no length to check up front."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise body_too_large(f"{length} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise body_too_large(f"more than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _tenant(caller: Caller | None) -> str:
@@ -234,13 +249,8 @@ class Completions:
         self, request: Request, endpoint: str, span: RequestSpan
     ) -> tuple[OpenAIRequest, list[int]]:
         """The request body, parsed and validated, and its prompt's token ids."""
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise APIError(
-                413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}", code="request_too_large"
-            )
         check_content_type(request.headers.get("content-type"))
-        raw = await request.body()
+        raw = await _body(request)
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
         parsed = parse(raw, [self.model_name])
         started = time.time_ns()

@@ -48,6 +48,10 @@ class OpenAIRequest:
     sampling: SamplingParams  # validated; its max_tokens is final only after fit_to_context
 
 
+def body_too_large(size: str) -> APIError:
+    return APIError(413, f"request body is {size}; the limit is {MAX_BODY_BYTES}", code="request_too_large")
+
+
 def check_content_type(content_type: str | None) -> None:
     """JSON bodies only, as vLLM (415): a form or text body is a client's mistake, not JSON by luck. The media type
     is compared case-insensitively, parameters (charset) aside; no Content-Type at all is read as JSON, which
@@ -66,7 +70,7 @@ def read_json_body(raw: bytes) -> dict:
     """Size first (413), then UTF-8 and JSON (400), then shape: every later check may assume a dict whose strings
     are valid Unicode and whose nesting is shallow."""
     if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+        raise body_too_large(f"{len(raw)} bytes")
     try:
         text = raw.decode("utf-8")  # strict: also refuses UTF-8-encoded surrogates (\xed\xa0\x80)
     except UnicodeDecodeError as exc:

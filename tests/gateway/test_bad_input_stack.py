@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from bench import fuzz
+from gateway.openai_protocol import MAX_BODY_BYTES
 from shared.redis_server import start_redis_server
 from tests.gateway.http_wire import pipelined, request
 from tests.gateway.test_http_stack import _samples
@@ -122,6 +123,23 @@ def test_out_of_range_sampling_and_non_string_user_are_400_naming_the_field(gate
     response = httpx.post(f"{gateway.base}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400
     assert _openai_error(response.content)["param"] == field
+
+
+def test_a_body_without_a_length_is_refused_once_it_outgrows_the_limit(gateway):
+    """Chunked, so no Content-Length to refuse up front, and never finished: the 413 must come while it streams."""
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        chunk = b"x" * 65536
+        for _ in range(MAX_BODY_BYTES // len(chunk) + 2):  # just past the limit, and no last chunk
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        answer = b""
+        while not answer.endswith(b"}}") and (received := sock.recv(65536)):
+            answer += received
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert b'"code":"request_too_large"' in answer
 
 
 def test_a_client_leaving_mid_body_is_one_log_line_and_a_499(gateway):
