@@ -106,6 +106,8 @@ def _check_values(body: dict) -> None:
         if len(path) >= MAX_JSON_DEPTH:
             field = _param(path[:1])
             raise invalid_request(f"{field} is nested deeper than {MAX_JSON_DEPTH} levels", field)
+        if isinstance(value, list) and all(type(item) is int for item in value):
+            continue  # token ids, the one long list a body has: ~10x faster than the loop below
         for key, item in value.items() if isinstance(value, dict) else enumerate(value):
             if isinstance(key, str) and _not_unicode(key):
                 where = _param(path) or "the request body"

@@ -1,9 +1,10 @@
 """Bad input over real HTTP (Redis, one executor on a tiny model, one gateway): each refusal is a counted 4xx in
 OpenAI's shape naming what was wrong, and the requests behind it on the same keep-alive connection are still served.
 
-And the fuzz target: bench/fuzz.py's seeded bad requests over both endpoints get 4xx or whole 200s, never a 5xx or a
-dropped connection; afterwards the executor holds no KV blocks and a plain request is served. CI sends a few
-hundred; the issue's 2,000: `python -m bench.fuzz --url URL --requests 2000`."""
+And the fuzz target: bench/bad_requests.py's seeded bad requests over both endpoints, sent and checked by
+bench/fuzz.py, get 4xx or whole 200s, never a 5xx or a dropped connection; afterwards the executor holds no KV blocks
+and a plain request is served. CI sends a few hundred; the issue's 2,000: `python -m bench.fuzz --url URL --requests
+2000`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from bench import fuzz
+from bench.bad_requests import BODY_MUTATIONS, ENDPOINTS, bad_requests
 from gateway.openai_protocol import MAX_BODY_BYTES
 from shared.redis_server import start_redis_server
 from tests.gateway.http_wire import pipelined, request
@@ -159,16 +161,16 @@ def test_a_client_leaving_mid_body_is_one_log_line_and_a_499(gateway):
 
 
 def test_the_generator_is_seeded_and_covers_both_endpoints():
-    first, again = fuzz.bad_requests(7, 200, "tiny"), fuzz.bad_requests(7, 200, "tiny")
-    assert first == again and first != fuzz.bad_requests(8, 200, "tiny")
-    assert {r.path for r in first} >= set(fuzz.ENDPOINTS)
+    first, again = bad_requests(7, 200, "tiny"), bad_requests(7, 200, "tiny")
+    assert first == again and first != bad_requests(8, 200, "tiny")
+    assert {r.path for r in first} >= set(ENDPOINTS)
     kinds = {kind for r in first for kind in r.kind.split("+")}
-    assert set(fuzz.BODY_MUTATIONS) <= kinds
+    assert set(BODY_MUTATIONS) <= kinds
 
 
 def test_fuzzed_bad_requests_get_4xx_never_5xx_and_leak_no_blocks(stack):
     gateway, executor = stack
-    requests = fuzz.bad_requests(seed=13, count=FUZZ_REQUESTS, model="tiny")
+    requests = bad_requests(seed=13, count=FUZZ_REQUESTS, model="tiny")
     report = asyncio.run(fuzz.run(gateway.base, requests, concurrency=4))
     assert report.problems == []
     assert sum(report.statuses.values()) == FUZZ_REQUESTS
