@@ -19,6 +19,9 @@ ERROR = json.dumps(
     }
 ).encode()
 
+EMPTY_MESSAGE = b'{"error": {"message": "", "type": "x", "param": null, "code": null}}'
+SERVER_ERROR_EVENT = b'data: {"error":{"type":"server_error"}}\n\ndata: [DONE]\n\n'
+
 
 @pytest.mark.parametrize(
     "status, content_type, body",
@@ -42,20 +45,10 @@ def test_4xx_in_openais_shape_and_whole_200s_pass(status, content_type, body):
         (502, "application/json", ERROR, "status 502"),
         (400, "text/plain", b"bad", "not JSON"),
         (400, "application/json", b'{"detail": "bad"}', "OpenAI's error shape"),
-        (
-            404,
-            "application/json",
-            b'{"error": {"message": "", "type": "x", "param": null, "code": null}}',
-            "empty",
-        ),
+        (404, "application/json", EMPTY_MESSAGE, "empty"),
         (200, "application/json", b'{"object": "list"}', "without choices"),
         (200, "text/event-stream", b'data: {"choices": []}\n\n', "[DONE]"),
-        (
-            200,
-            "text/event-stream",
-            b'data: {"error":{"type":"server_error"}}\n\ndata: [DONE]\n\n',
-            "error event",
-        ),
+        (200, "text/event-stream", SERVER_ERROR_EVENT, "error event"),
         (301, "text/html", b"", "status 301"),
     ],
 )
