@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_REPETITION_PENALTY = 2.0  # SGLang's range is [0, 2]; 0 would divide by zero here, so (0, 2]
 
 
 def _integer(name: str, value: object) -> int:
@@ -21,7 +23,11 @@ def _integer(name: str, value: object) -> int:
 
 def _number(name: str, value: object) -> float:
     """Accepts ints as floats (JSON has one number type) but never NaN or infinity, which defeat range checks."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if isinstance(value, int) and not -(2**1023) < value < 2**1023:  # float() would overflow
+        raise ValueError(f"{name} must be a finite number, got an integer too large for a float")
+    if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
@@ -76,8 +82,8 @@ class SamplingParams:
         if _integer("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         self.temperature = _number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         self.top_p = _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -106,8 +112,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}"
+            )
         self.logit_bias = _logit_bias(self.logit_bias)
 
     @property

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+# messages may quote the client's input (a field's value), which can be megabytes: the reply quotes a bounded part
+MAX_MESSAGE_CHARS = 1000
+
 
 class APIError(Exception):
     """A request that cannot be served: its HTTP status and OpenAI's error body (message, type, param, code)."""
@@ -17,6 +20,9 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            cut = f"... ({len(message)} characters)"
+            message = message[: MAX_MESSAGE_CHARS - len(cut)] + cut
         super().__init__(message)
         self.headers = headers or {}  # e.g. retry-after on a 429
         self.status = status
@@ -37,3 +43,9 @@ class APIError(Exception):
 def invalid_request(message: str, param: str | None) -> APIError:
     """400 naming the offending field: the common case, written once."""
     return APIError(400, message, "invalid_request_error", param)
+
+
+def internal_error(request_id: str) -> APIError:
+    """A fault of ours, not the client's: a 500 that points at the log line holding the traceback."""
+    where = f" (request id {request_id})" if request_id else ""
+    return APIError(500, f"internal error: the gateway's log has the details{where}", "server_error")

@@ -6,11 +6,14 @@ lifetime; each completion request is served by gateway.completion, which keeps n
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -20,11 +23,18 @@ from gateway.backlog import Backlog
 from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, Completions, error_response
 from gateway.executor_client import ExecutorClient
 from gateway.executor_directory import ExecutorDirectory
+from gateway.last_resort import LastResort
 from gateway.metrics import GatewayMetrics
+from gateway.metrics_listener import MetricsListener
 from gateway.router import ROUTING_POLICIES, Router
 from gateway.tenancy import Tenancy
 
 __all__ = ["ROUTING_POLICIES", "GatewayConfig", "build_app"]
+
+log = logging.getLogger("kvserve.gateway")
+
+# a scrape waits this long for the executors' stats, then shows the gateway's own
+METRICS_REDIS_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -35,6 +45,9 @@ class GatewayConfig:
     routing_policy: str = "cache_aware"
     require_api_key: bool = False
     queue_timeout: float = 60.0  # seconds a request may wait at the gateway for an executor with room
+    # /metrics on a listener of its own; without one, a gateway that requires API keys does not serve it at all
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
 
 
 class Gateway:
@@ -46,6 +59,7 @@ class Gateway:
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics()
         self.completions: Completions | None = None
+        self.metrics_listener: MetricsListener | None = None
 
     async def startup(self) -> None:
         await self.tenancy.startup()
@@ -61,8 +75,19 @@ class Gateway:
             self.metrics,
             Backlog(self.router, self.config.queue_timeout),
         )
+        if self.config.metrics_port is not None:
+            metrics_app = Starlette(
+                routes=[Route("/metrics", self.metrics_page, methods=["GET"])],
+                middleware=[_last_resort(self.metrics)],
+            )
+            self.metrics_listener = MetricsListener(
+                metrics_app, self.config.metrics_host, self.config.metrics_port
+            )
+            await self.metrics_listener.start()
 
     async def shutdown(self) -> None:
+        if self.metrics_listener is not None:
+            await self.metrics_listener.stop()
         await self.tenancy.shutdown()
         if self.client is not None:
             await self.client.close()
@@ -103,12 +128,42 @@ class Gateway:
         }
         return JSONResponse(body, status, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
+    async def public_metrics(self, request: Request) -> Response:
+        """Metrics name every tenant: on the public port only while nothing there is private."""
+        if self.config.metrics_port is not None:
+            reason = "they are served on the metrics port"
+        elif self.config.require_api_key:
+            reason = (
+                "this gateway requires API keys and metrics name its tenants; start it with --metrics-port"
+            )
+        else:
+            return await self.metrics_page(request)
+        return error_response(
+            APIError(404, f"GET /metrics is not served here: {reason}", "not_found_error"), ""
+        )
+
     async def metrics_page(self, request: Request) -> Response:
         return Response(
-            self.metrics.render(await self.directory.executor_stats()),
+            await self._metrics_text(),
             media_type="text/plain; version=0.0.4; charset=utf-8",
             headers={EXECUTOR_HEADER: NO_EXECUTOR},
         )
+
+    async def _metrics_text(self) -> bytes:
+        """The whole stack's series, or while Redis does not answer the gateway's own, saying what is missing."""
+        try:
+            stats = await asyncio.wait_for(self.directory.executor_stats(), METRICS_REDIS_TIMEOUT_S)
+        except Exception as error:
+            log.warning("metrics without the executors' series: Redis did not answer: %r", error)
+            return self.metrics.render(None)
+        return self.metrics.render(stats)
+
+
+def _last_resort(metrics: GatewayMetrics) -> Middleware:
+    endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/models": "models"}
+    return Middleware(
+        LastResort, metrics=metrics, endpoints={**endpoints, "/health": "health", "/metrics": "metrics"}
+    )
 
 
 def build_app(config: GatewayConfig) -> Starlette:
@@ -118,7 +173,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         Route("/v1/completions", gateway.completion, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
-        Route("/metrics", gateway.metrics_page, methods=["GET"]),
+        Route("/metrics", gateway.public_metrics, methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager
@@ -134,6 +189,11 @@ def build_app(config: GatewayConfig) -> Starlette:
         error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
         return error_response(error, "")
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
+        middleware=[_last_resort(gateway.metrics)],
+    )
     app.state.gateway = gateway
     return app

@@ -50,6 +50,16 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
         help="refuse to start without API keys in Redis (`kvserve keys create`), never serve without one",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port only, for Prometheus (default: on --port, unless --require-api-key: "
+        "metrics name every tenant)",
+    )
+    parser.add_argument(
+        "--metrics-host", default=None, help="the metrics listener's address (default: --host)"
+    )
+    parser.add_argument(
         "--log-format",
         choices=["json", "text"],
         default=os.environ.get("KVSERVE_LOG_FORMAT", "json"),
@@ -126,6 +136,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         args.routing_policy,
         args.require_api_key,
         args.queue_timeout,
+        metrics_host=args.metrics_host or args.host,
+        metrics_port=args.metrics_port,
     )
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")

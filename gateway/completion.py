@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.api_error import APIError
+from gateway.api_error import APIError, internal_error
 from gateway.backlog import Backlog
 from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError, ExecutorTiming
 from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
@@ -28,6 +28,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import (
     MAX_BODY_BYTES,
     OpenAIRequest,
+    body_too_large,
+    check_content_type,
     fit_to_context,
     model_not_found,
     parse_chat_request,
@@ -113,9 +115,34 @@ async def _while_connected(request: Request, work: Awaitable[T]) -> T:
         task.cancel()  # a no-op once it is done
 
 
-def _executor_error(error: ExecutorRequestError) -> APIError:
-    kind = "invalid_request_error" if error.code < 500 else "server_error"
-    return APIError(error.code, str(error), kind)
+def _as_api_error(caught: Exception, request_id: str) -> APIError:
+    """What the client is told of a request that failed: the error as it stands, the executor's in OpenAI's
+    shape, or, for a fault of ours, a 500 whose traceback goes to the log."""
+    if isinstance(caught, APIError):
+        return caught
+    if isinstance(caught, ExecutorRequestError):
+        kind = "invalid_request_error" if caught.code < 500 else "server_error"
+        return APIError(caught.code, str(caught), kind)
+    log.error("request failed unexpectedly", exc_info=caught)
+    return internal_error(request_id)
+
+
+async def _body(request: Request) -> bytes:
+    """Refused (413) as soon as it outgrows the limit: a chunked upload declares no length to check up front."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise body_too_large(f"{length} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise body_too_large(f"more than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _tenant(caller: Caller | None) -> str:
+    return caller.tenant if caller else "unauthenticated"
 
 
 class Completions:
@@ -169,15 +196,25 @@ class Completions:
                     499, "the client disconnected while its request waited for an executor"
                 ) from None
             await self.tenancy.admit(caller, request_id, routed.reserved_tokens)
-        except APIError as error:
-            tenant = caller.tenant if caller else "unauthenticated"
-            log.info("request refused (%d, tenant %s): %s", error.status, tenant, error.message)
-            self.metrics.requests.labels(tenant, endpoint, str(error.status)).inc()
+        except ClientDisconnect:  # the client left while sending its body: no one to answer, nothing broke
+            log.info("client disconnected while sending its request body")
+            self.metrics.requests.labels(_tenant(caller), endpoint, "499").inc()
+            span.finish(499, "client disconnected")
+            return Response(status_code=499)
+        except Exception as caught:
+            error = _as_api_error(caught, request_id)
+            log.info("request refused (%d, tenant %s): %s", error.status, _tenant(caller), error.message)
+            self.metrics.requests.labels(_tenant(caller), endpoint, str(error.status)).inc()
             span.finish(error.status, error.message)
             return error_response(error, request_id)
         try:
             # sent before the response starts, so the executor works while the HTTP machinery sets up
             await self._submit(routed)
+        except Exception as caught:
+            error = _as_api_error(caught, request_id)
+            self._failed(routed, error)
+            await self._end(routed)
+            return error_response(error, request_id)
         except BaseException:
             await self._end(routed)
             raise
@@ -248,12 +285,8 @@ class Completions:
         self, request: Request, endpoint: str, span: RequestSpan
     ) -> tuple[OpenAIRequest, list[int]]:
         """The request body, parsed and validated, and its prompt's token ids."""
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise APIError(
-                413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}", code="request_too_large"
-            )
-        raw = await request.body()
+        check_content_type(request.headers.get("content-type"))
+        raw = await _body(request)
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
         parsed = parse(raw, [self.model_name])
         started = time.time_ns()
@@ -387,11 +420,8 @@ class Completions:
                     yield text
                 if routed.generation.finished:
                     return  # a stop string matched: leaving the loop aborts the executor request
-        except ExecutorRequestError as caught:
-            error = _executor_error(caught)
-            self._failed(routed, error)
-            yield error.sse_event()
-        except APIError as error:
+        except Exception as caught:
+            error = _as_api_error(caught, routed.request.request_id)
             self._failed(routed, error)
             yield error.sse_event()
 
@@ -426,10 +456,8 @@ class Completions:
         except ClientGone:
             routed.status = 499
             return Response(status_code=499)
-        except ExecutorRequestError as caught:
-            error = _executor_error(caught)
-        except APIError as caught:
-            error = caught
+        except Exception as caught:
+            error = _as_api_error(caught, routed.request.request_id)
         else:
             # the executor that answered: a retry may have replaced the first choice
             headers = {

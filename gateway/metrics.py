@@ -141,6 +141,11 @@ class GatewayMetrics:
             ["policy", "reason"],
             registry=self.registry,
         )
+        self.executor_stats_missing = Counter(
+            "kvserve_metrics_executor_stats_missing",
+            "Scrapes of /metrics that left the executors' series out: Redis did not answer in time.",
+            registry=self.registry,
+        )
         self.executors = ExecutorStatsCollector()
         self.registry.register(self.executors)
 
@@ -157,6 +162,12 @@ class GatewayMetrics:
             for _ in range(count):
                 self.inter_token.observe(per_token)
 
-    def render(self, executor_stats: dict[str, ExecutorStats]) -> bytes:
+    def render(self, executor_stats: dict[str, ExecutorStats] | None) -> bytes:
+        """None: the executors' stats could not be read; their series are left out, counted, and a comment says so."""
+        if executor_stats is None:
+            self.executor_stats_missing.inc()
+            self.executors.snapshot = {}
+            note = b"# executor series omitted: their stats could not be read from Redis\n"
+            return note + generate_latest(self.registry)
         self.executors.snapshot = executor_stats
         return generate_latest(self.registry)

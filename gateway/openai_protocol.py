@@ -13,6 +13,7 @@ from gateway.api_error import APIError, invalid_request
 from gateway.chat_template import ChatMessage, parse_messages
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # larger bodies get 413 before any parsing
+MAX_JSON_DEPTH = 64  # levels of arrays and objects; OpenAI's own bodies need a handful
 COMPLETIONS_DEFAULT_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 )
@@ -47,17 +48,95 @@ class OpenAIRequest:
     sampling: SamplingParams  # validated; its max_tokens is final only after fit_to_context
 
 
+def body_too_large(size: str) -> APIError:
+    return APIError(413, f"request body is {size}; the limit is {MAX_BODY_BYTES}", code="request_too_large")
+
+
+def check_content_type(content_type: str | None) -> None:
+    """JSON bodies only, as vLLM (415): a form or text body is a client's mistake, not JSON by luck. The media type
+    is compared case-insensitively, parameters (charset) aside; no Content-Type at all is read as JSON, which
+    HTTP allows (RFC 9110 8.3: the recipient may examine the data) and raw clients rely on."""
+    if content_type is None:
+        return
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(
+            415,
+            f"Content-Type must be application/json, got {content_type!r}",
+            code="unsupported_media_type",
+        )
+
+
 def read_json_body(raw: bytes) -> dict:
-    """Size first (413), then JSON (400), then shape: every later check may assume a dict."""
+    """Size first (413), then UTF-8 and JSON (400), then shape: every later check may assume a dict whose strings
+    are valid Unicode and whose nesting is shallow."""
     if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+        raise body_too_large(f"{len(raw)} bytes")
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid_request(f"request body is not valid JSON: {exc}", None) from exc
+        text = raw.decode("utf-8")  # strict: also refuses UTF-8-encoded surrogates (\xed\xa0\x80)
+    except UnicodeDecodeError as exc:
+        raise invalid_request(
+            f"request body is not valid JSON: it must be UTF-8, and byte {exc.start} is not ({exc.reason})",
+            None,
+        ) from None
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:  # the C decoder's own guard, near a thousand levels
+        raise invalid_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", None) from None
+    except json.JSONDecodeError as exc:
+        raise invalid_request(f"request body is not valid JSON: {exc}", None) from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise invalid_request(f"request body holds a number too long to read: {exc}", None) from None
     if not isinstance(body, dict):
         raise invalid_request("request body must be a JSON object", None)
+    _check_values(body)
     return body
+
+
+def _refuse_constant(name: str) -> float:
+    """Python's json reads NaN and Infinity, which JSON does not have."""
+    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
+
+
+def _check_values(body: dict) -> None:
+    """Bounded nesting, so later code may recurse (repr, msgpack); and strings that UTF-8 can carry: a JSON escape
+    can spell a lone surrogate ("\\ud800"), which the tokenizer, msgpack and our own JSON replies all refuse."""
+    pending: list[tuple[dict | list, tuple]] = [(body, ())]
+    while pending:
+        value, path = pending.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            field = _param(path[:1])
+            raise invalid_request(f"{field} is nested deeper than {MAX_JSON_DEPTH} levels", field)
+        if isinstance(value, list) and all(type(item) is int for item in value):
+            continue  # token ids, the one long list a body has: ~10x faster than the loop below
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(key, str) and _not_unicode(key):
+                where = _param(path) or "the request body"
+                raise invalid_request(
+                    f"a key in {where} is not valid Unicode (a lone surrogate)", _param(path)
+                )
+            if isinstance(item, str) and _not_unicode(item):
+                param = _param((*path, key))
+                raise invalid_request(f"{param} is not valid Unicode: it holds a lone surrogate", param)
+            if isinstance(item, (dict, list)):
+                pending.append((item, (*path, key)))
+
+
+def _not_unicode(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _param(path: tuple) -> str | None:
+    """("messages", 0, "content") -> "messages[0].content", as the other checks name fields."""
+    name = ""
+    for part in path:
+        name += f"[{part}]" if isinstance(part, int) else f".{part}" if name else part
+    return name or None
 
 
 def _typed(body: dict, name: str, kind: type, what: str, default=None):
@@ -144,6 +223,7 @@ def _common(body: dict, served_models: Collection[str]) -> tuple[str, bool, bool
     """model, stream, stream_options.include_usage: the same on both endpoints."""
     model = _model(body, served_models)
     _refuse_unsupported(body)
+    _typed(body, "user", str, "a string")  # an end-user id OpenAI keeps for abuse reports; here only checked
     stream = _typed(body, "stream", bool, "a boolean", False)
     options = _typed(body, "stream_options", dict, "an object", {})
     include_usage = options.get("include_usage", False)

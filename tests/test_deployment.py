@@ -70,6 +70,12 @@ def test_dockerfile_installs_the_project_and_copies_every_package():
 def test_keys_required_and_traces_exported_to_the_viewer(compose):
     services = kvserve_services(compose)
     assert "--require-api-key" in services["gateway"]["command"]
+    # metrics name tenants: a gateway requiring keys serves them only on a port of their own, inside the network
+    command = services["gateway"]["command"]
+    metrics_port = command[command.index("--metrics-port") + 1]
+    assert (
+        metrics_port in services["gateway"]["expose"] and metrics_port != command[command.index("--port") + 1]
+    )
     for name, service in services.items():
         environment = service["environment"]
         assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name

@@ -59,6 +59,12 @@ def test_defaults_match_vllm() -> None:
         ({"frequency_penalty": "x"}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e30}, "repetition_penalty"),  # OpenAI-style bounds: [0, 2] as SGLang's
+        ({"repetition_penalty": 2.01}, "repetition_penalty"),
+        ({"temperature": 1e30}, "temperature"),  # OpenAI's range is [0, 2]
+        ({"temperature": 2.01}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),  # an int too large for a float is not an OverflowError
+        ({"top_p": -(10**400)}, "top_p"),
         ({"seed": 2**63}, "seed"),  # past 64 bits: msgpack and torch's generators refuse it
         ({"seed": -(2**63) - 1}, "seed"),
         ({"top_k": 2**70}, "top_k"),
@@ -101,6 +107,7 @@ def test_boundary_values_are_accepted() -> None:
         frequency_penalty=2,
         repetition_penalty=0.5,
     )
+    assert SamplingParams(temperature=2, repetition_penalty=2).temperature == 2.0
     assert params.temperature == 0.0 and isinstance(params.temperature, float)
     assert params.top_k == 0  # -1 and 0 both mean off; one spelling downstream
     assert SamplingParams(logprobs=0).logprobs == 0

@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from gateway.api_error import APIError
+from gateway.api_error import MAX_MESSAGE_CHARS, APIError
 from gateway.openai_protocol import (
     MAX_BODY_BYTES,
+    MAX_JSON_DEPTH,
+    check_content_type,
     fit_to_context,
     parse_chat_request,
     parse_completion_request,
@@ -34,7 +36,7 @@ def test_error_body_has_openais_shape():
     err = error_of(parse_chat_request, chat(temperature=-1))
     assert err.body() == {
         "error": {
-            "message": "temperature must be non-negative, got -1.0",
+            "message": "temperature must be in [0, 2], got -1.0",
             "type": "invalid_request_error",
             "param": "temperature",
             "code": None,
@@ -57,6 +59,70 @@ def test_malformed_body_is_400(raw, message):
         err = error_of(parse, raw)
         assert (err.status, err.type, err.param) == (400, "invalid_request_error", None)
         assert message in err.message
+
+
+PREFIX = b'{"model": "SmolLM2-135M-Instruct", "prompt": '
+
+
+@pytest.mark.parametrize(
+    "raw, param, message",
+    [
+        (
+            PREFIX + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            None,
+            f"nested deeper than {MAX_JSON_DEPTH} levels",
+        ),
+        (PREFIX + b'{"a":' * 50_000 + b"1" + b"}" * 50_000 + b"}", None, "nested deeper than"),
+        (PREFIX + b"[" * 200 + b"]" * 200 + b"}", "prompt", f"prompt is nested deeper than {MAX_JSON_DEPTH}"),
+        (PREFIX + b'"\\ud800x"}', "prompt", "prompt is not valid Unicode: it holds a lone surrogate"),
+        (PREFIX + b'"ok", "stop": ["\\udfff"]}', "stop[0]", "stop[0] is not valid Unicode"),
+        (PREFIX + b'"ok", "\\ud800": 1}', None, "a key in the request body is not valid Unicode"),
+        (
+            PREFIX + b'"\xed\xa0\x80"}',
+            None,
+            "must be UTF-8, and byte 46 is not",
+        ),  # a surrogate, UTF-8-encoded
+        (PREFIX + b'"ok", "temperature": NaN}', None, "NaN is not a JSON value"),
+        (PREFIX + b'"ok", "temperature": -Infinity}', None, "-Infinity is not a JSON value"),
+        (PREFIX + b'"ok", "n": ' + b"1" * 5000 + b"}", None, "a number too long to read"),
+        (PREFIX + b'"ok", "temperature": 1' + b"0" * 400 + b"}", "temperature", "must be a finite number"),
+    ],
+)
+def test_bodies_python_reads_but_cannot_serve_are_400(raw, param, message):
+    err = error_of(parse_completion_request, raw)
+    assert (err.status, err.type, err.param) == (400, "invalid_request_error", param)
+    assert message in err.message
+    json.dumps(err.body(), ensure_ascii=False).encode()  # the reply itself is valid UTF-8
+
+
+def test_chat_content_with_a_lone_surrogate_is_400_naming_it():
+    parts = [{"type": "text", "text": "fine"}, {"type": "text", "text": "\ud800"}]
+    err = error_of(parse_chat_request, chat(messages=[{"role": "user", "content": parts}]))
+    assert (err.status, err.param) == (400, "messages[0].content[1].text")
+    deep_but_fine = {"a": [[[{"b": "\u00e9\U0001f600"}]]]}  # a proper surrogate pair in JSON: one emoji
+    assert parse_chat_request(chat(metadata=deep_but_fine), MODELS).messages[0].content == "hi"
+
+
+def test_messages_quoting_huge_values_are_cut():
+    err = error_of(parse_chat_request, chat(model="x" * 100_000))
+    assert err.status == 404 and len(err.message) <= MAX_MESSAGE_CHARS and "characters)" in err.message
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "application/json", "Application/JSON; charset=utf-8", " application/json ;x=y"]
+)
+def test_json_content_types_are_accepted(content_type):
+    check_content_type(content_type)
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "application/json-seq", "", "json"]
+)
+def test_other_content_types_are_415(content_type):
+    with pytest.raises(APIError) as info:
+        check_content_type(content_type)
+    err = info.value
+    assert (err.status, err.code) == (415, "unsupported_media_type") and "Content-Type" in err.message
 
 
 def test_body_too_large_is_413():
@@ -84,7 +150,11 @@ def test_body_too_large_is_413():
         ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be at least 1"),
         ({"max_completion_tokens": 2.5}, "max_completion_tokens", "must be an integer"),
         ({"temperature": "hot"}, "temperature", "temperature must be a finite number"),
-        ({"temperature": -0.5}, "temperature", "temperature must be non-negative"),
+        ({"temperature": -0.5}, "temperature", "temperature must be in [0, 2]"),
+        ({"temperature": 1e30}, "temperature", "temperature must be in [0, 2]"),
+        ({"repetition_penalty": 1e30}, "repetition_penalty", "repetition_penalty must be in (0, 2]"),
+        ({"user": ["me"]}, "user", "user must be a string"),
+        ({"user": 7}, "user", "user must be a string"),
         ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
         ({"top_k": -2}, "top_k", "top_k must be"),
         ({"min_p": 2}, "min_p", "min_p must be in [0, 1]"),
@@ -94,7 +164,7 @@ def test_body_too_large_is_413():
         ({"stop": 5}, "stop", "stop must be a list"),
         ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
         ({"frequency_penalty": -2.5}, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
-        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be positive"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in (0, 2]"),
         ({"ignore_eos": "no"}, "ignore_eos", "ignore_eos must be a boolean"),
         ({"logprobs": 3}, "logprobs", "logprobs must be a boolean"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
