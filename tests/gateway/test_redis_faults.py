@@ -5,6 +5,8 @@ every client's URL stays valid, as `kvserve up`'s supervisor restarts it."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import threading
 import time
 from urllib.parse import urlparse
@@ -107,6 +109,28 @@ def test_tenancy_and_limits_recover_from_dropped_connections_and_a_flushed_scrip
         assert store.usage("acme")["acme"]["requests"] == 2
     finally:
         store.revoke(record.key_id)  # the module's other tests run open
+
+
+def test_a_stream_whose_executor_is_silent_through_a_redis_restart_goes_on(stack):
+    """While Redis is down the gateway cannot tell whether an executor lives, and a Redis that came back empty
+    holds no registration until the executor's next heartbeat: neither may end a request that runs."""
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 150, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stack.gateway.base}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        executor = next(e for e in stack.executors if e.id == response.headers["x-kvserve-executor"])
+        executor.process.send_signal(signal.SIGSTOP)  # no update, no heartbeat: liveness checks run
+        try:
+            stack.restart_redis(down_s=1.5)
+            time.sleep(1.2)  # Redis is back, empty, and the executor's next heartbeat has not come yet
+        finally:
+            executor.process.send_signal(signal.SIGCONT)
+        events = [first, *(line for line in lines if line.startswith("data: "))]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def _held(stack: Stack, executor: ExecutorProcess) -> set[str]:
