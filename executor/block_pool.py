@@ -87,6 +87,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds now: what a publisher writes again when its copy was lost."""
+        return list(self._cached)
+
     def _evict(self, block: Block) -> None:
         del self._cached[block.block_hash]
         if self._events is not None:

@@ -1,7 +1,9 @@
 """The executor's published copy of itself in Redis: registration, heartbeat, cached block hashes, load, stats.
 
 Key names live in shared.redis_keys, which the gateway reads too. The block pool stays the truth; Redis is a
-copy, so a write that fails is kept and retried with the next one rather than lost.
+copy, so a write that fails is kept and retried with the next one rather than lost, and a copy Redis lost (a
+restart, a failover, an eviction) is written again whole: the blocks set carries a marker member, and a
+heartbeat that finds it missing has the next publish replace the set with the pool's cached hashes.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 
 import redis
 from redis.backoff import NoBackoff
@@ -25,16 +28,28 @@ REDIS_TIMEOUT_S = 0.5
 
 
 def connect(url: str) -> redis.Redis:
+    """A connection error is retried once at once, on a fresh connection: after a Redis restart the pooled
+    connections are stale, and the first write on each failed. A timeout is not retried (the step would
+    wait twice)."""
     return redis.Redis.from_url(
         url,
         socket_connect_timeout=REDIS_TIMEOUT_S,
         socket_timeout=REDIS_TIMEOUT_S,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), 1, (redis.ConnectionError,)),
     )
 
 
 class Registry:
-    def __init__(self, client: redis.Redis, executor_id: str, ttl_s: int = keys.HEARTBEAT_TTL_S) -> None:
+    """cached_hashes gives the block pool's cached hashes; publish() calls it, from the engine loop's thread,
+    the only one that changes the pool, so the copy it writes matches the changes drained before it."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        executor_id: str,
+        ttl_s: int = keys.HEARTBEAT_TTL_S,
+        cached_hashes: Callable[[], Iterable[bytes]] = tuple,
+    ) -> None:
         self.client = client
         self.executor_id = keys.check_executor_id(executor_id)
         self.ttl_s = ttl_s
@@ -42,6 +57,9 @@ class Registry:
         self._pending_added: set[str] = set()
         self._pending_removed: set[str] = set()
         self._pending_stats: dict[str, float] | None = None
+        self._last_stats: dict[str, float] | None = None  # what a republish writes again
+        self._cached_hashes = cached_hashes
+        self._lost = threading.Event()  # Redis lost the blocks set: the next publish writes it whole
         self._failing = False
         self._info: dict[str, str | int | float] = {}
         self._beating: threading.Thread | None = None
@@ -50,18 +68,29 @@ class Registry:
         """Clear whatever an earlier run under this id left, then announce this one, with zero stats, so a
         scrape sees this executor from the start."""
         self._info = {**info, "started_at": time.time()}
+        self._last_stats = ExecutorStats().to_hash()
         pipe = self.client.pipeline()
         pipe.delete(*self.keys, keys.inflight_key(self.executor_id))
         self._announce(pipe)
-        pipe.hset(keys.stats_key(self.executor_id), mapping=ExecutorStats().to_hash())
+        pipe.hset(keys.stats_key(self.executor_id), mapping=self._last_stats)
         pipe.expire(keys.stats_key(self.executor_id), self.ttl_s)
         pipe.execute()
 
-    def _announce(self, pipe) -> None:
-        # rewritten on every heartbeat, so a registration that expired (a stall, a Redis restart) comes back
+    def _announce(self, pipe) -> int:
+        """Queue the registration, rewritten on every heartbeat so one that expired (a stall, a Redis restart)
+        comes back, and the blocks set's marker; returns the index of the marker's reply (1: it was missing)."""
         pipe.hset(keys.executor_key(self.executor_id), mapping=self._info)
         pipe.expire(keys.executor_key(self.executor_id), self.ttl_s)
         pipe.sadd(keys.EXECUTORS, self.executor_id)
+        pipe.sadd(keys.blocks_key(self.executor_id), keys.BLOCKS_MARKER)
+        return len(pipe) - 1
+
+    def _check_marker(self, replies: list, marker_reply: int | None) -> None:
+        if marker_reply is not None and replies[marker_reply] and not self._lost.is_set():
+            log.warning(
+                "Redis lost this executor's cached blocks (restart, failover or eviction): republishing"
+            )
+            self._lost.set()
 
     def _refresh_ttls(self, pipe) -> None:
         """Every key of this executor lives exactly as long as its heartbeat."""
@@ -86,31 +115,46 @@ class Registry:
             self._pending_added.discard(h.hex())
             self._pending_removed.add(h.hex())
         if stats is not None:
-            self._pending_stats = stats  # cumulative: the newest replaces one that has not gone out
+            self._pending_stats = self._last_stats = stats  # cumulative: the newest replaces one not gone out
         if self._failing and not heartbeat:
             return
         blocks = keys.blocks_key(self.executor_id)
-        pipe = self.client.pipeline(transaction=False)
-        if self._pending_added:
+        republish = self._lost.is_set()
+        # a republish replaces the set in one transaction: no reader, and no heartbeat checking the marker,
+        # sees it half written
+        pipe = self.client.pipeline(transaction=republish)
+        if republish:
+            self._lost.clear()  # set again by a heartbeat that finds the marker gone after this
+            self._pending_added = {h.hex() for h in self._cached_hashes()}
+            self._pending_removed.clear()
+            if self._pending_stats is None:
+                self._pending_stats = self._last_stats
+            pipe.delete(blocks)
+            pipe.sadd(blocks, keys.BLOCKS_MARKER, *self._pending_added)
+        elif self._pending_added:
             pipe.sadd(blocks, *self._pending_added)
         if self._pending_removed:
             pipe.srem(blocks, *self._pending_removed)
         pipe.hset(keys.load_key(self.executor_id), mapping={**load, "updated_at": time.time()})
         if self._pending_stats is not None:
             pipe.hset(keys.stats_key(self.executor_id), mapping=self._pending_stats)
-        if heartbeat:
-            self._announce(pipe)
+        marker_reply = self._announce(pipe) if heartbeat else None
         self._refresh_ttls(pipe)
         try:
-            pipe.execute()
+            replies = pipe.execute()
         except redis.RedisError as error:
             if not self._failing:  # one line per outage, not one per step
                 log.warning("publishing to Redis failed, will retry: %s", error)
             self._failing = True
+            if republish:
+                self._lost.set()
             return
         if self._failing:
             log.info("publishing to Redis works again")
+        if republish:
+            log.info("republished %d cached blocks to Redis", len(self._pending_added))
         self._failing = False
+        self._check_marker(replies, marker_reply)
         self._pending_added.clear()
         self._pending_removed.clear()
         self._pending_stats = None
@@ -126,10 +170,10 @@ class Registry:
         failing = False
         while not self._stop_beating.wait(keys.HEARTBEAT_INTERVAL_S):
             pipe = self.client.pipeline(transaction=False)
-            self._announce(pipe)
+            marker_reply = self._announce(pipe)
             self._refresh_ttls(pipe)
             try:
-                pipe.execute()
+                self._check_marker(pipe.execute(), marker_reply)
             except redis.RedisError as error:
                 if not failing:
                     log.warning("heartbeat to Redis failed, will retry: %s", error)

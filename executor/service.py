@@ -394,7 +394,7 @@ def serve(args: argparse.Namespace) -> int:
     except zmq.ZMQError as error:
         context.destroy(linger=0)
         return fail(f"--bind: cannot listen on {args.bind}: {error}", 1)
-    registry = Registry(client, executor_id)
+    registry = Registry(client, executor_id, cached_hashes=engine.pool.cached_hashes)
     service = ExecutorService(engine, socket, registry, args.shutdown_grace_period)
     signal.signal(signal.SIGTERM, service.drain)
     signal.signal(signal.SIGINT, service.drain)

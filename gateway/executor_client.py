@@ -18,6 +18,10 @@ from shared import protocol
 log = logging.getLogger("kvserve.gateway")
 
 LIVENESS_CHECK_S = 1.0  # how long to wait for an update before asking Redis whether the executor still lives
+# an executor is gone when Redis says so this many checks in a row (two seconds and more, a heartbeat's
+# expiry is five): a Redis that restarted empty holds no registration until the executor's next heartbeat
+# (HEARTBEAT_INTERVAL_S), and the requests it is running meanwhile must not be given up
+LIVENESS_MISSES = 3
 
 
 class ExecutorRequestError(Exception):
@@ -132,14 +136,16 @@ class ExecutorClient:
     ) -> AsyncIterator[protocol.RequestUpdate]:
         """A submitted request's updates until it finishes. Leaving early (a client that went away, a stop
         string matched) aborts it on the executor, so its blocks are freed. While no update comes, is_alive
-        is asked every LIVENESS_CHECK_S; an executor that is gone raises ExecutorGone."""
+        is asked every LIVENESS_CHECK_S; an executor gone LIVENESS_MISSES times in a row raises ExecutorGone."""
         queue = self.streams[request_id]
+        misses = 0
         try:
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), LIVENESS_CHECK_S)
                 except TimeoutError:
-                    if not await is_alive():
+                    misses = 0 if await is_alive() else misses + 1
+                    if misses >= LIVENESS_MISSES:
                         # the abort sent on the way out still matters if it was only slow, not dead
                         raise ExecutorGone(address) from None
                     continue

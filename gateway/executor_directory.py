@@ -6,14 +6,46 @@ are still alive, their registration, which of the prompt's block hashes each hol
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 
 from gateway.routing import Candidate, leading_run
 from shared import redis_keys
 from shared.executor_stats import ExecutorStats
+
+log = logging.getLogger("kvserve.gateway.directory")
+
+# Every Redis command of a request is short (one round trip, well under a millisecond on a healthy Redis), so a
+# burst of requests larger than the pool waits a moment for a free connection instead of failing (redis-py's
+# default pool refuses past 100: a burst of 150 got 50 x 503). The wait is bounded: a Redis that stopped
+# answering holds every connection until REDIS_TIMEOUT_S, and the requests behind them get 503, not a hang.
+REDIS_MAX_CONNECTIONS = 128
+REDIS_POOL_WAIT_S = 5.0
+REDIS_CONNECT_TIMEOUT_S = 2.0
+REDIS_TIMEOUT_S = 5.0
+
+
+def connect(redis_url: str) -> aioredis.Redis:
+    """The gateway's Redis client, shared by the directory and tenancy. A command that meets a connection
+    error is retried once on a fresh connection: after a Redis restart or failover every pooled connection is
+    stale, and without the retry each one failed one request on its first use, seconds after Redis was back.
+    Timeouts are not retried: the command may have run (a rate-limit admission, an in-flight count), and a
+    Redis that does not answer should cost a request one timeout, not two."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        redis_url,
+        max_connections=REDIS_MAX_CONNECTIONS,
+        timeout=REDIS_POOL_WAIT_S,
+        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+        socket_timeout=REDIS_TIMEOUT_S,
+        retry=Retry(ExponentialWithJitterBackoff(cap=0.1, base=0.01), 1, (redis.ConnectionError,)),
+    )
+    return aioredis.Redis.from_pool(pool)
 
 
 @dataclass(slots=True)
@@ -69,7 +101,7 @@ def _as_dict(flat: list[bytes]) -> dict[str, str]:
 
 class ExecutorDirectory:
     def __init__(self, redis_url: str) -> None:
-        self.redis = aioredis.from_url(redis_url)
+        self.redis = connect(redis_url)
         self._routing_view = self.redis.register_script(_ROUTING_VIEW)
         self._stats = self.redis.register_script(_STATS)
 
@@ -118,7 +150,15 @@ class ExecutorDirectory:
         return [info for info, _ in await self.routing_view()]
 
     async def is_alive(self, executor_id: str) -> bool:
-        return bool(await self.redis.exists(redis_keys.executor_key(executor_id)))
+        """Whether the executor's registration is in Redis. A Redis that cannot be reached cannot tell that it
+        died: its request goes on over ZeroMQ meanwhile."""
+        try:
+            return bool(await self.redis.exists(redis_keys.executor_key(executor_id)))
+        except redis.RedisError as error:
+            log.warning(
+                "cannot ask Redis whether executor %s lives, assuming it does: %s", executor_id, error
+            )
+            return True
 
     async def add_inflight(self, executor_id: str, delta: int) -> None:
         key = redis_keys.inflight_key(executor_id)

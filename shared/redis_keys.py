@@ -6,7 +6,10 @@ Layout (`<id>` is an executor id):
 - `kvserve:executor:<id>`             hash, the registration: address, model, block_size, kv_blocks_total,
                                       max_model_len, max_waiting_seqs (its queue bound), started_at. Its TTL is the heartbeat: refreshed every
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
-- `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached.
+- `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached,
+                                      and BLOCKS_MARKER (not hex: never a hash). A set without the marker was
+                                      lost (Redis restarted, failed over, evicted it): the executor's next
+                                      heartbeat notices and it writes the whole set again.
 - `kvserve:executor:<id>:load`        hash: running, waiting, prefill_tokens (prompt tokens still to prefill),
                                       kv_usage (0..1), queue_full (1: its waiting queue is at its bound, it
                                       refuses new requests as busy), updated_at.
@@ -36,6 +39,7 @@ ROUND_ROBIN = "kvserve:gateway:round_robin"  # counter shared by every gateway r
 HEARTBEAT_TTL_S = 5
 HEARTBEAT_INTERVAL_S = 1.0
 INFLIGHT_TTL_S = 30
+BLOCKS_MARKER = "complete"
 
 _EXECUTOR_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 

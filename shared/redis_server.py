@@ -60,18 +60,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_redis_server(host: str = "127.0.0.1", timeout: float = 10.0) -> EmbeddedRedis:
-    """Start a server on a free port of host, without persistence; returns once it answers PING."""
+def start_redis_server(
+    host: str = "127.0.0.1", timeout: float = 10.0, port: int | None = None
+) -> EmbeddedRedis:
+    """Start a server on port (default: a free port) of host, without persistence; returns once it answers
+    PING. A given port is tried once: a server restarted there keeps every client's URL valid."""
     binary = find_server_binary()
     data_dir = tempfile.TemporaryDirectory(prefix="kvserve-redis-")
     last_error = ""
-    for _ in range(3):  # another process may take the free port between our probe and the server's bind
-        port = free_port(host)
-        args = [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"]
+    # another process may take a free port between our probe and the server's bind: try another
+    for _ in range(3 if port is None else 1):
+        port_now = port or free_port(host)
+        args = [binary, "--bind", host, "--port", str(port_now), "--save", "", "--appendonly", "no"]
         args += ["--dir", data_dir.name, "--logfile", str(Path(data_dir.name) / "server.log")]
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        if _wait_for_ping(host, port, process, timeout):
-            return EmbeddedRedis(f"redis://{host}:{port}/0", process, data_dir)
+        if _wait_for_ping(host, port_now, process, timeout):
+            return EmbeddedRedis(f"redis://{host}:{port_now}/0", process, data_dir)
         if process.poll() is None:
             process.kill()
         process.wait()

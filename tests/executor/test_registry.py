@@ -3,11 +3,20 @@ import time
 import pytest
 import redis
 
+from executor.block_pool import BlockPool
 from executor.registry import Registry, connect
 from shared import redis_keys as keys
 from shared.executor_stats import ExecutorStats
+from tests.processes import eventually
 
 LOAD = {"running": 1, "waiting": 0, "kv_usage": 0.5}
+
+
+def held(client: redis.Redis, executor_id: str) -> set[str]:
+    """The hashes the executor's blocks set holds, which it marks as complete."""
+    members = client.smembers(keys.blocks_key(executor_id))
+    assert keys.BLOCKS_MARKER in members
+    return members - {keys.BLOCKS_MARKER}
 
 
 def test_register_publish_deregister(redis_url):
@@ -17,14 +26,14 @@ def test_register_publish_deregister(redis_url):
     registry.register({"address": "tcp://127.0.0.1:1", "block_size": 16})
     assert client.hget(keys.executor_key("reg-a"), "block_size") == "16"
     assert "reg-a" in client.smembers(keys.EXECUTORS)
-    assert not client.exists(keys.blocks_key("reg-a"))
+    assert held(client, "reg-a") == set()  # what an earlier run left is gone
     # a scrape sees the executor, at zero, from the start; and its stats expire with it
     assert ExecutorStats.from_hash(client.hgetall(keys.stats_key("reg-a"))) == ExecutorStats()
     assert 0 < client.ttl(keys.stats_key("reg-a")) <= keys.HEARTBEAT_TTL_S
 
     registry.publish([b"\x01", b"\x02"], [], LOAD)
     registry.publish([b"\x03"], [b"\x01"], LOAD)
-    assert client.smembers(keys.blocks_key("reg-a")) == {"02", "03"}
+    assert held(client, "reg-a") == {"02", "03"}
     assert client.hget(keys.load_key("reg-a"), "running") == "1"
     assert all(0 < client.ttl(k) <= keys.HEARTBEAT_TTL_S for k in keys.executor_keys("reg-a"))
 
@@ -72,9 +81,9 @@ def test_changes_that_failed_to_publish_go_out_with_the_next_write(redis_url):
     assert time.monotonic() - started < 1  # no retries with backoff inside the engine loop
     registry.client = client
     registry.publish([b"\x0c"], [], LOAD)  # while failing, only heartbeats try Redis
-    assert client.smembers(keys.blocks_key("reg-b")) == {"0a"}
+    assert held(client, "reg-b") == {"0a"}
     registry.publish([], [], LOAD, heartbeat=True)
-    assert client.smembers(keys.blocks_key("reg-b")) == {"0b", "0c"}
+    assert held(client, "reg-b") == {"0b", "0c"}
     registry.deregister()
 
 
@@ -83,3 +92,72 @@ def test_executor_ids_cannot_alias_other_keys():
     for bad in ("a:blocks", "", "a b"):
         with pytest.raises(ValueError, match="executor_id"):
             keys.check_executor_id(bad)
+
+
+def _cache(pool: BlockPool, hashes: list[bytes]) -> list:
+    blocks = pool.allocate(len(hashes))
+    for block, block_hash in zip(blocks, hashes, strict=True):
+        pool.cache(block, block_hash)
+    return blocks
+
+
+@pytest.mark.parametrize("loss", ["restart", "eviction"])
+def test_blocks_redis_lost_are_republished_whole_from_the_pool(redis_url, loss):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    pool = BlockPool(3, record_events=True)
+    registry = Registry(client, f"reg-lost-{loss}", cached_hashes=pool.cached_hashes)
+    registry.register({"address": "tcp://127.0.0.1:4"})
+    first = _cache(pool, [b"\x01", b"\x02", b"\x03"])
+    registry.publish(*pool.drain_events(), LOAD)
+    pool.free(first)
+
+    if loss == "restart":  # what a Redis that restarted empty holds
+        client.flushdb()
+    else:
+        client.delete(keys.blocks_key(registry.executor_id))
+    _cache(pool, [b"\x04", b"\x05"])  # evicts \x01 and \x02 (least recently freed) on the way
+    registry.publish(*pool.drain_events(), LOAD)  # only the changes: the rest stays lost
+    assert client.smembers(keys.blocks_key(registry.executor_id)) == {"04", "05"}
+    registry.publish(*pool.drain_events(), LOAD, heartbeat=True)  # notices the marker is gone
+    assert client.hget(keys.executor_key(registry.executor_id), "address") == "tcp://127.0.0.1:4"
+    registry.publish(*pool.drain_events(), LOAD)  # the whole pool's cache, as it is now
+    assert held(client, registry.executor_id) == {"03", "04", "05"}
+    assert ExecutorStats.from_hash(client.hgetall(keys.stats_key(registry.executor_id))) == ExecutorStats()
+    assert all(0 < client.ttl(k) <= keys.HEARTBEAT_TTL_S for k in keys.executor_keys(registry.executor_id))
+
+    registry.publish(*pool.drain_events(), LOAD, heartbeat=True)  # whole again: nothing more to write
+    registry.publish([], [b"\x05"], LOAD)
+    assert held(client, registry.executor_id) == {"03", "04"}
+    registry.deregister()
+
+
+def test_the_heartbeat_thread_notices_a_lost_set_for_the_engine_loop(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    pool = BlockPool(4, record_events=True)
+    registry = Registry(client, "reg-thread", cached_hashes=pool.cached_hashes)
+    registry.register({"address": "tcp://127.0.0.1:5"})
+    _cache(pool, [b"\x0a", b"\x0b"])
+    registry.publish(*pool.drain_events(), LOAD)
+    registry.start_heartbeat()
+    try:
+        client.flushdb()
+        registration = keys.executor_key(registry.executor_id)
+        assert eventually(lambda: client.exists(registration), timeout=3 * keys.HEARTBEAT_INTERVAL_S)
+        assert eventually(lambda: registry._lost.is_set(), timeout=1)
+        registry.publish(*pool.drain_events(), LOAD)  # the engine loop's next step
+        assert held(client, registry.executor_id) == {"0a", "0b"}
+    finally:
+        registry.deregister()
+
+
+def test_writes_go_through_at_once_after_redis_dropped_every_connection(redis_url):
+    """What a Redis restart leaves in the pool: connections the server closed. The first write on each used
+    to fail, and a failed write waits for the next heartbeat."""
+    client = connect(redis_url)
+    registry = Registry(client, "reg-stale")
+    registry.register({"address": "tcp://127.0.0.1:6"})
+    registry.publish([b"\x01"], [], LOAD)
+    redis.Redis.from_url(redis_url).client_kill_filter(_type="normal", skipme=True)
+    registry.publish([b"\x02"], [], LOAD)
+    assert held(redis.Redis.from_url(redis_url, decode_responses=True), "reg-stale") == {"01", "02"}
+    registry.deregister()
