@@ -39,6 +39,21 @@ def connect(url: str) -> redis.Redis:
     )
 
 
+# KEYS[1]: the set of executor ids. ARGV: this executor's id, the key prefix, the load suffix. 1 when another
+# live executor could start a request now (its queue not full, nothing waiting), else 0.
+_PEER_HAS_ROOM = """
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if id ~= ARGV[1] and redis.call('EXISTS', ARGV[2] .. id) == 1 then
+    local load = redis.call('HMGET', ARGV[2] .. id .. ARGV[3], 'queue_full', 'waiting')
+    if load[1] ~= '1' and (not load[2] or tonumber(load[2]) == 0) then return 1 end
+  end
+end
+return 0
+"""
+_PREFIX = keys.executor_key("")
+_LOAD_SUFFIX = keys.load_key("").removeprefix(_PREFIX)
+
+
 class Registry:
     """cached_hashes gives the block pool's cached hashes; publish() calls it, from the engine loop's thread,
     the only one that changes the pool, so the copy it writes matches the changes drained before it."""
@@ -60,6 +75,10 @@ class Registry:
         self._last_stats: dict[str, float] | None = None  # what a republish writes again
         self._cached_hashes = cached_hashes
         self._lost = threading.Event()  # Redis lost the blocks set: the next publish writes it whole
+        # whether another live executor could start a request at once, as of the last heartbeat: only then is
+        # a request that waits here too long handed back (alone, it would only lose its place in the queue)
+        self.peer_has_room = False
+        self._peer_has_room = client.register_script(_PEER_HAS_ROOM)
         self._failing = False
         self._info: dict[str, str | int | float] = {}
         self._beating: threading.Thread | None = None
@@ -174,12 +193,20 @@ class Registry:
             self._refresh_ttls(pipe)
             try:
                 self._check_marker(pipe.execute(), marker_reply)
+                self.check_peers()
             except redis.RedisError as error:
+                self.peer_has_room = False
                 if not failing:
                     log.warning("heartbeat to Redis failed, will retry: %s", error)
                 failing = True
                 continue
             failing = False
+
+    def check_peers(self) -> bool:
+        """Read whether another live executor has room now (peer_has_room); the heartbeat does it each beat."""
+        args = [self.executor_id, _PREFIX, _LOAD_SUFFIX]
+        self.peer_has_room = bool(self._peer_has_room(keys=[keys.EXECUTORS], args=args))
+        return self.peer_has_room
 
     def deregister(self) -> None:
         if self._beating is not None:

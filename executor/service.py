@@ -193,11 +193,15 @@ class ExecutorService:
             self.stats.observe_queue_time(max(0, request.first_scheduled_ns - request.arrival_ns) / 1e9)
         for out in outputs:
             self._queue(out)
+        if self.registry.peer_has_room:  # alone, a request handed back would only lose its place here
+            self._hand_back_overdue()
+        return True
+
+    def _hand_back_overdue(self) -> None:
         for request_id in self.engine.hand_back_overdue():
             owned = self._release(request_id, "handed back")
             message = f"executor busy: waited {self.engine.config.max_waiting_time:g} s without starting"
             self._send_error(owned.identity, request_id, message, protocol.BUSY, owned.trace_id)
-        return True
 
     def _queue(self, out: StepOutput) -> None:
         owned = self.owners.get(out.request_id)

@@ -161,3 +161,28 @@ def test_writes_go_through_at_once_after_redis_dropped_every_connection(redis_ur
     registry.publish([b"\x02"], [], LOAD)
     assert held(redis.Redis.from_url(redis_url, decode_responses=True), "reg-stale") == {"01", "02"}
     registry.deregister()
+
+
+def test_a_peer_has_room_only_when_another_live_executor_could_start_a_request_now():
+    from shared.redis_server import start_redis_server
+
+    server = start_redis_server()  # of its own: no other test's executor may count as a peer
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    own, peer = Registry(client, "room-own"), Registry(client, "room-peer")
+    own.register({"address": "tcp://127.0.0.1:1", "block_size": 16})
+    try:
+        assert not own.check_peers()  # alone: nowhere better to go
+        peer.register({"address": "tcp://127.0.0.1:2", "block_size": 16})
+        peer.publish([], [], {"running": 4, "waiting": 2, "queue_full": 0})
+        assert not own.check_peers()  # the peer has a queue of its own
+        peer.publish([], [], {"running": 4, "waiting": 16, "queue_full": 1})
+        assert not own.check_peers()
+        peer.publish([], [], {"running": 1, "waiting": 0, "queue_full": 0})
+        assert own.check_peers()
+        own.publish([], [], {"running": 9, "waiting": 9, "queue_full": 1})
+        assert own.check_peers()  # its own load does not count
+        client.delete(keys.executor_key("room-peer"))  # the peer's heartbeat expired: dead
+        assert not own.check_peers()
+    finally:
+        client.close()
+        server.stop()

@@ -314,6 +314,8 @@ def test_traced_requests_leave_spans_in_the_gateways_trace(tiny_models, redis_ur
 class _NoRedis:
     """Stands in for the Registry where a test is about the loop alone."""
 
+    peer_has_room = True  # as if another executor were idle: a request waiting too long may be handed back
+
     def publish(self, *args) -> None:
         pass
 
@@ -327,7 +329,7 @@ def local_service(tiny_models):
 
 
 @contextlib.contextmanager
-def _local_service(model: str, **engine_flags):
+def _local_service(model: str, peer_has_room: bool = True, **engine_flags):
     import threading
 
     from executor.config import EngineConfig
@@ -339,7 +341,9 @@ def _local_service(model: str, **engine_flags):
     router = context.socket(zmq.ROUTER)
     address = f"tcp://127.0.0.1:{free_port()}"
     router.bind(address)
-    service = ExecutorService(engine, router, _NoRedis(), grace_s=0.2)
+    registry = _NoRedis()
+    registry.peer_has_room = peer_has_room
+    service = ExecutorService(engine, router, registry, grace_s=0.2)
     loop = threading.Thread(target=service.run)
     client = Gateway(address)
     loop.start()
@@ -410,3 +414,16 @@ def test_a_request_that_waits_too_long_without_starting_is_handed_back_as_busy(t
         assert 0.3 <= waited < 5
         assert set(service.owners) == {"long"}  # the one running stays; nothing of "behind" is left
         client.send(protocol.AbortRequest("long"))
+
+
+def test_an_executor_without_a_peer_with_room_keeps_a_request_that_waits_long(tiny_models):
+    flags = dict(max_num_seqs=1, max_waiting_time=0.3)
+    with _local_service(tiny_models["llama"], peer_has_room=False, **flags) as (service, client, _):
+        client.generate("long", PROMPT_B, max_tokens=400, temperature=0.0, ignore_eos=True)
+        client.generate("behind", PROMPT_B, max_tokens=3, temperature=0.0)
+        finished = set()
+        while "behind" not in finished:  # handed back, it would come as a busy RequestError instead
+            msg = client.receive()
+            assert isinstance(msg, protocol.StepBatch)
+            finished |= {u.request_id for u in msg.outputs if u.finish_reason is not None}
+        assert finished == {"long", "behind"}
