@@ -132,7 +132,7 @@ def run_gateway(args: argparse.Namespace, stack: LocalStack | None = None) -> in
     server = GatewayServer(build_app(config), args.host, args.port, args.shutdown_grace_period)
     if stack is not None:
         # a child that keeps dying drains the gateway like a SIGTERM, and kvserve up then exits 1
-        server.on_drain.append(stack.supervisor.hold)
+        server.on_drain.append(stack.hold)
         stack.watch(on_failure=server.begin_drain)
     try:
         server.run()

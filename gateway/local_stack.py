@@ -73,6 +73,10 @@ class LocalStack:
         """Restart children that die from now on; on_failure(message) once one keeps dying."""
         self.supervisor.watch(on_failure)
 
+    def hold(self) -> None:
+        """Shutting down: children that exit from now on stay down."""
+        self.supervisor.hold()
+
     @property
     def failure(self) -> str | None:
         return self.supervisor.failure
