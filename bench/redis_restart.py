@@ -22,7 +22,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 import redis
@@ -116,10 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         client = redis.Redis.from_url(server.url)
         index = {e: (_blocks(client, e), None) for e in ("executor-0", "executor-1")}
         restart_at = time.monotonic()
-        redis_port = urlparse(server.url).port
-        server.stop()
+        server.kill()  # not persistent: it comes back empty, as after a failover or a restart
         time.sleep(args.down)
-        server = start_redis_server(port=redis_port)
+        server.restart()
         back = time.monotonic()
         while time.monotonic() < back + args.after:  # when each executor's index is whole again
             for executor_id, (size, at) in index.items():

@@ -26,6 +26,7 @@ from executor.registry import Registry, connect
 from executor.request_spans import record_request_spans
 from executor.sampling_params import SamplingParams
 from shared import logs, protocol, tracing
+from shared.defaults import SHUTDOWN_GRACE_PERIOD_S
 from shared.executor_stats import ExecutorStats
 from shared.redis_keys import HEARTBEAT_INTERVAL_S, check_executor_id
 
@@ -352,7 +353,7 @@ def add_executor_command(commands: argparse._SubParsersAction) -> None:
     executor.add_argument(
         "--shutdown-grace-period",
         type=float,
-        default=30.0,
+        default=SHUTDOWN_GRACE_PERIOD_S,
         help="seconds SIGTERM waits for running requests before aborting them",
     )
     executor.add_argument(

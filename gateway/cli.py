@@ -1,4 +1,5 @@
-"""`kvserve gateway` (one HTTP gateway) and `kvserve up` (Redis, executors and a gateway on one machine)."""
+"""`kvserve gateway` (one HTTP gateway) and `kvserve up` (Redis, executors and a gateway on one machine): their
+arguments. The gateway's draining server is gateway/draining.py; what `up` runs beside it, gateway/local_stack.py."""
 
 from __future__ import annotations
 
@@ -6,22 +7,28 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
-import time
+from typing import TYPE_CHECKING
 
 from executor.config import add_engine_args, config_from_args, engine_argv
-from shared.defaults import DEFAULT_MODEL
-from shared.redis_server import free_port
+from gateway.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S
+from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
+
+if TYPE_CHECKING:
+    from gateway.local_stack import LocalStack
 
 # CPU executors run below the gateway's priority: the gateway's work per request is small but sits on every
 # request's path, and behind busy OpenMP threads it waited for a core (bench/soak.sh: added latency p50
 # 15 ms -> 4 ms with the gateway first)
 EXECUTOR_NICENESS = 10
 
-log = logging.getLogger("kvserve.up")
-
-EXECUTOR_START_TIMEOUT_S = 600  # the first start may pull and convert the default model
+UP_DESCRIPTION = (
+    "Redis (embedded unless --redis-url), executors and a gateway on this machine. A child that dies is "
+    f"restarted after {FIRST_BACKOFF_S} s, the wait doubling with each death within {RESTART_WINDOW_S:.0f} s; "
+    f"{RESTART_LIMIT} deaths of one child within {RESTART_WINDOW_S:.0f} s end kvserve up with exit code 1, "
+    "naming it. SIGTERM or Ctrl-C drains: new requests get 503 while those in flight finish (at most "
+    "--shutdown-grace-period), then everything stops; a second signal stops at once."
+)
 
 
 def _add_http_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +72,13 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVSERVE_LOG_FORMAT", "json"),
         help="json: one object per line with request and trace ids (default; or $KVSERVE_LOG_FORMAT)",
     )
+    parser.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=SHUTDOWN_GRACE_PERIOD_S,
+        help="seconds SIGTERM (or Ctrl-C) lets requests in flight finish while new ones get 503 "
+        "(default: %(default)s; `up` passes it on to its executors)",
+    )
 
 
 def _seconds(text: str) -> float:
@@ -80,7 +94,11 @@ def add_gateway_commands(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument("--model", default=None, help="model directory or name, for its tokenizer")
     gateway.set_defaults(handler=run_gateway)
 
-    up = commands.add_parser("up", help="the whole stack on this machine: Redis, executors, gateway")
+    up = commands.add_parser(
+        "up",
+        help="the whole stack on this machine: Redis, executors, gateway",
+        description=UP_DESCRIPTION,
+    )
     _add_http_args(up)
     up.add_argument("--executors", type=int, default=1, help="how many executor processes")
     up.add_argument(
@@ -103,12 +121,13 @@ def _served_name(args: argparse.Namespace) -> str:
     )
 
 
-def run_gateway(args: argparse.Namespace) -> int:
-    import uvicorn
+def run_gateway(args: argparse.Namespace, stack: LocalStack | None = None) -> int:
+    """Serve until drained; with `stack` (from `kvserve up`), supervise its children meanwhile."""
     from transformers import AutoTokenizer
 
     from executor.model_files import ModelLoadError, resolve_model
     from gateway.app import GatewayConfig, build_app
+    from gateway.draining import GatewayServer
     from shared import logs, tracing
 
     logs.configure("kvserve-gateway", args.log_format)
@@ -141,9 +160,13 @@ def run_gateway(args: argparse.Namespace) -> int:
     )
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")
+    server = GatewayServer(build_app(config), args.host, args.port, args.shutdown_grace_period)
+    if stack is not None:
+        # a child that keeps dying drains the gateway like a SIGTERM, and kvserve up then exits 1
+        server.on_drain.append(stack.hold)
+        stack.watch(on_failure=server.begin_drain)
     try:
-        # log_config=None: uvicorn's own lines go through the same (JSON) handler as ours
-        uvicorn.run(build_app(config), host=args.host, port=args.port, access_log=False, log_config=None)
+        server.run()
     finally:
         tracing.shutdown()
     return 0
@@ -157,28 +180,13 @@ def _keys_exist(redis_url: str) -> bool:
     return bool(redis.Redis.from_url(redis_url).scard(redis_keys.API_KEYS))
 
 
-def _wait_for_executors(redis_url: str, ids: list[str], children: list[subprocess.Popen]) -> None:
-    import redis
-
-    from shared import redis_keys
-
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + EXECUTOR_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if all(client.exists(redis_keys.executor_key(i)) for i in ids):
-            return
-        dead = [c for c in children if c.poll() is not None]
-        if dead:
-            raise RuntimeError(f"an executor exited with code {dead[0].returncode} while starting")
-        time.sleep(0.2)
-    raise RuntimeError(f"executors did not register within {EXECUTOR_START_TIMEOUT_S} s")
-
-
 def run_up(args: argparse.Namespace) -> int:
-    """Start what is missing (Redis unless --redis-url), N executors as child processes, then the gateway here;
-    on exit stop exactly the processes it started."""
+    """Start what is missing (Redis unless --redis-url), N executors as supervised child processes, then the
+    gateway here; on exit stop exactly the processes it started."""
     from executor.model_files import resolve_model
+    from gateway.local_stack import ExecutorPlan, LocalStack, StackError
     from shared import logs
+    from shared.redis_server import RedisServerError
 
     logs.configure("kvserve-up", args.log_format)
 
@@ -188,6 +196,9 @@ def run_up(args: argparse.Namespace) -> int:
     if not 0 <= args.executor_niceness <= 19:
         print("kvserve up: error: --executor-niceness must be 0-19", file=sys.stderr)
         return 2
+    if args.shutdown_grace_period < 0:
+        print("kvserve up: error: --shutdown-grace-period must be at least 0", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
         model_dir = str(resolve_model(config.model))  # pull once here, not in every executor at once
@@ -195,54 +206,30 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"kvserve up: error: {error}", file=sys.stderr)
         return 2
     config.model = model_dir
-    # uvicorn re-raises SIGTERM after its own shutdown; as an exception it unwinds through the cleanup below
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    embedded = None
-    children: list[subprocess.Popen] = []
+    flags = ["--log-format", args.log_format, "--shutdown-grace-period", str(args.shutdown_grace_period)]
+    plan = ExecutorPlan(args.executors, [*flags, *engine_argv(config)], config.device, args.executor_niceness)
+    stack = LocalStack(plan, args.redis_url)
+    # until the gateway serves (and drains on these itself), a signal unwinds through the cleanup below
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     try:
-        if not args.redis_url:
-            from shared.redis_server import start_redis_server
-
-            embedded = start_redis_server()
-            args.redis_url = embedded.url
-            log.info("embedded Redis at %s", embedded.url)
-        ids = [f"executor-{i}" for i in range(args.executors)]
-        for executor_id in ids:
-            bind = f"tcp://127.0.0.1:{free_port()}"
-            argv = [sys.executable, "-m", "executor.cli", "executor", "--executor-id", executor_id]
-            argv += ["--bind", bind, "--redis-url", args.redis_url, "--log-format", args.log_format]
-            argv += engine_argv(config)
-            children.append(start_executor(argv, args.executors, config.device, args.executor_niceness))
-        _wait_for_executors(args.redis_url, ids, children)
+        stack.start()
+        args.redis_url = stack.redis_url
         args.model = model_dir
         if args.served_model_name is None and _is_default(model_dir):
             args.served_model_name = DEFAULT_MODEL
-        return run_gateway(args)
-    except RuntimeError as error:
+        code = run_gateway(args, stack)
+    except (StackError, RedisServerError) as error:
         print(f"kvserve up: error: {error}", file=sys.stderr)
         return 1
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=35)
-            except subprocess.TimeoutExpired:
-                child.kill()
-        if embedded is not None:
-            embedded.stop()
-
-
-def start_executor(argv: list[str], num_executors: int, device: str, niceness: int) -> subprocess.Popen:
-    """One executor child process. CPU executors split this machine's cores between them (oversubscribed
-    OpenMP threads spin against each other: two executors with two threads each on two cores ran several
-    times slower) unless OMP_NUM_THREADS is set, and run `niceness` below the gateway."""
-    env = dict(os.environ)
-    if device == "cuda":
-        return subprocess.Popen(argv, env=env)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // num_executors)))
-    return subprocess.Popen(argv, env=env, preexec_fn=lambda: os.nice(niceness) if niceness else None)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # stopping the children is bounded; let it finish
+        stack.stop()
+    if stack.failure is not None:
+        print(f"kvserve up: error: {stack.failure}", file=sys.stderr)
+        return 1
+    return code
 
 
 def _exit_on_signal(signum: int, _frame) -> None:

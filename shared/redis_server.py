@@ -41,6 +41,26 @@ class EmbeddedRedis:
     url: str
     process: subprocess.Popen
     data_dir: tempfile.TemporaryDirectory
+    host: str
+    port: int
+    command: list[str]  # how it was started, for restart()
+    own_process_group: bool = False
+
+    def restart(self, timeout: float = 10.0) -> subprocess.Popen:
+        """Start the server again, after it died, on the same port and data folder, so every URL handed out
+        stays valid (and a persistent server comes back with its data); returns once it answers PING."""
+        if self.process.poll() is None:
+            raise RedisServerError(f"{self.url}: still running (pid {self.process.pid})")
+        self.process = _launch(self.command, self.own_process_group)
+        if _wait_for_ping(self.host, self.port, self.process, timeout):
+            return self.process
+        _kill(self.process)
+        where = f"{self.host}:{self.port}"
+        raise RedisServerError(f"{self.command[0]} did not restart on {where}: {_log_tail(self.data_dir)}")
+
+    def kill(self) -> None:
+        """End the server's process as a crash would (SIGKILL), keeping its port and data folder for restart()."""
+        _kill(self.process)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the server this object started (its PID only) and remove its data folder."""
@@ -61,28 +81,58 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_redis_server(
-    host: str = "127.0.0.1", timeout: float = 10.0, port: int | None = None
+    host: str = "127.0.0.1",
+    timeout: float = 10.0,
+    *,
+    persistent: bool = False,
+    own_process_group: bool = False,
 ) -> EmbeddedRedis:
-    """Start a server on port (default: a free port) of host, without persistence; returns once it answers
-    PING. A given port is tried once: a server restarted there keeps every client's URL valid."""
+    """Start a server on a free port of host; returns once it answers PING (restart() starts it again there).
+
+    persistent: an append-only file in its data folder, so a restart() after a crash or kill -9 keeps what was
+    written (API keys above all: with none left, a gateway would serve anyone); otherwise nothing is persisted.
+    own_process_group: Ctrl-C at a terminal does not reach it, so its owner can stop it after everything
+    that uses it.
+    """
     binary = find_server_binary()
     data_dir = tempfile.TemporaryDirectory(prefix="kvserve-redis-")
-    last_error = ""
+    persistence = (
+        ["--appendonly", "yes", "--appendfsync", "everysec"] if persistent else ["--appendonly", "no"]
+    )
     # another process may take a free port between our probe and the server's bind: try another
-    for _ in range(3 if port is None else 1):
-        port_now = port or free_port(host)
-        args = [binary, "--bind", host, "--port", str(port_now), "--save", "", "--appendonly", "no"]
-        args += ["--dir", data_dir.name, "--logfile", str(Path(data_dir.name) / "server.log")]
-        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        if _wait_for_ping(host, port_now, process, timeout):
-            return EmbeddedRedis(f"redis://{host}:{port_now}/0", process, data_dir)
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        log = Path(data_dir.name) / "server.log"
-        last_error = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    for _ in range(3):
+        port = free_port(host)
+        command = [binary, "--bind", host, "--port", str(port), "--save", "", *persistence]
+        command += ["--dir", data_dir.name, "--logfile", str(Path(data_dir.name) / "server.log")]
+        process = _launch(command, own_process_group)
+        if _wait_for_ping(host, port, process, timeout):
+            url = f"redis://{host}:{port}/0"
+            return EmbeddedRedis(url, process, data_dir, host, port, command, own_process_group)
+        _kill(process)
+    last_error = _log_tail(data_dir)
     data_dir.cleanup()
-    raise RedisServerError(f"{binary} did not start on {host}: {last_error.strip() or 'no log'}")
+    raise RedisServerError(f"{binary} did not start on {host}: {last_error}")
+
+
+def _launch(command: list[str], own_process_group: bool = False) -> subprocess.Popen:
+    return subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        process_group=0 if own_process_group else None,
+    )
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+def _log_tail(data_dir: tempfile.TemporaryDirectory) -> str:
+    log = Path(data_dir.name) / "server.log"
+    tail = log.read_text(errors="replace")[-2000:].strip() if log.exists() else ""
+    return tail or "no log"
 
 
 def _wait_for_ping(host: str, port: int, process: subprocess.Popen, timeout: float) -> bool:

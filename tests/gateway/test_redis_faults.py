@@ -9,7 +9,6 @@ import json
 import signal
 import threading
 import time
-from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -37,10 +36,9 @@ class Stack:
     def restart_redis(self, down_s: float) -> float:
         """Stop Redis (its keys are lost: no persistence), wait down_s, start it again on the same port;
         returns time.monotonic() when it answers again."""
-        port = urlparse(self.server.url).port
-        self.server.stop()
+        self.server.kill()
         time.sleep(down_s)
-        self.server = start_redis_server(port=port)
+        self.server.restart()
         return time.monotonic()
 
 

@@ -1,21 +1,34 @@
-"""`kvserve up`: Redis, executors and gateway from one command; Ctrl-C leaves no process behind."""
+"""`kvserve up`: Redis, executors and gateway from one command; children that die come back, SIGTERM drains,
+and nothing is left behind."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
+import pytest
+import redis
 
+from gateway.supervisor import RESTART_LIMIT
 from tests.processes import REPO, eventually, free_port
 
 
 def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(c) for c in path.read_text().split()] if path.exists() else []
+    """Every child of pid, whichever of its threads started it (the supervisor's thread restarts them)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with_children = task / "children"
+        if with_children.exists():
+            found += [int(c) for c in with_children.read_text().split()]
+    return found
 
 
 def alive(pid: int) -> bool:
@@ -27,42 +40,259 @@ def alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-def test_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
-    port = free_port()
-    args = [sys.executable, "-m", "executor.cli", "up", "--model", tiny_models["llama"], "--executors", "2"]
-    args += ["--port", str(port), "--kv-cache-memory", "8MiB", "--served-model-name", "tiny"]
-    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed below
-    up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+def command_line(pid: int) -> str:
     try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
-        def serving() -> bool:
-            try:
-                return len(httpx.get(f"{base}/health").json().get("executors", [])) == 2
-            except (httpx.HTTPError, ValueError):
-                return False
 
-        assert eventually(serving, timeout=90), (tmp_path / "up.log").read_text()
-        started = children(up.pid)
-        assert len(started) == 3  # Redis and two executors
-        response = httpx.post(
-            f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=60
+class Up:
+    """`kvserve up` on a tiny model as a child process, logging (as text) to a file."""
+
+    def __init__(self, model: str, log_path: Path, *extra: str, executors: int = 2) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        args = [sys.executable, "-m", "executor.cli", "up", "--model", model, "--executors", str(executors)]
+        args += ["--port", str(self.port), "--kv-cache-memory", "8MiB", "--served-model-name", "tiny"]
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [*args, "--log-format", "text", *extra], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT
         )
-        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
-        up.send_signal(signal.SIGINT)
-        up.wait(60)
-        assert eventually(lambda: not any(alive(pid) for pid in started), timeout=10)
-    finally:
-        # a failed test must not leave the stack behind: ask nicely, then stop every child by its PID
-        leftover = children(up.pid)
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
+        self.seen: set[int] = set()  # every child ever seen, to check none is left behind
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        found = children(self.process.pid)
+        self.seen.update(found)
+        return found
+
+    def child(self, needle: str) -> int | None:
+        """The live child whose command line holds needle: "valkey-server", "--executor-id executor-1"."""
+        return next((p for p in self.children() if needle in command_line(p) and alive(p)), None)
+
+    def executors(self) -> list[str] | None:
+        try:
+            return httpx.get(f"{self.base}/health", timeout=10).json().get("executors")
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def wait_serving(self, executors: int, timeout: float = 240) -> None:
+        if not eventually(lambda: len(self.executors() or []) == executors, timeout=timeout):
+            raise AssertionError(f"not serving {executors} executors in {timeout} s:\n{self.text()}")
+        self.children()
+
+    def complete(self, max_tokens: int = 3) -> httpx.Response:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": max_tokens}
+        return httpx.post(f"{self.base}/v1/completions", json=body, timeout=60)
+
+    def redis_url(self) -> str:
+        return re.search(r"embedded Redis at (redis://\S+)", self.text()).group(1)
+
+    def stop(self) -> None:
+        """A failed test must not leave the stack behind: ask nicely, then stop every child by its PID."""
+        self.children()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
             try:
-                up.wait(60)
+                self.process.wait(60)
             except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        for pid in leftover:
-            if alive(pid):
+                self.process.kill()
+                self.process.wait()
+        for pid in self.seen:
+            if alive(pid) and command_line(pid):
                 os.kill(pid, signal.SIGKILL)
-        log.close()
+        self.log.close()
+
+    def none_left(self) -> bool:
+        return not any(alive(pid) for pid in self.seen)
+
+
+def reaped(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.slow
+def test_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
+    up = Up(tiny_models["llama"], tmp_path / "up.log")
+    try:
+        up.wait_serving(2)
+        assert len(up.children()) == 3  # Redis and two executors
+        response = up.complete()
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+        up.process.send_signal(signal.SIGINT)
+        assert up.process.wait(60) == 0
+        assert eventually(up.none_left, timeout=10)
+    finally:
+        up.stop()
+
+
+# -- one stack for the faults below; the drain test ends it, so it comes last ------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models, tmp_path_factory):
+    up = Up(tiny_models["llama"], tmp_path_factory.mktemp("up") / "up.log", "--shutdown-grace-period", "60")
+    try:
+        up.wait_serving(2)
+        yield up
+    finally:
+        up.stop()
+
+
+class LightLoad:
+    """One small completion after another from a thread, until stopped: what each got, or the error."""
+
+    def __init__(self, up: Up) -> None:
+        self.up = up
+        self.results: list[int | str] = []
+        self.running = True
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while self.running:
+            try:
+                self.results.append(self.up.complete().status_code)
+            except httpx.HTTPError as error:
+                self.results.append(repr(error))
+            time.sleep(0.05)
+
+    def stop(self) -> list[int | str]:
+        self.running = False
+        self.thread.join()
+        return self.results
+
+
+@pytest.mark.slow
+def test_executor_killed_under_load_is_logged_restarted_and_serves_again(stack):
+    victim = stack.child("--executor-id executor-1")
+    address = re.search(r"--bind (\S+)", command_line(victim)).group(1)
+    load = LightLoad(stack)
+    try:
+        time.sleep(0.5)
+        os.kill(victim, signal.SIGKILL)
+        assert eventually(lambda: reaped(victim), timeout=2)  # no zombie
+        # its registration goes at once (not when its heartbeat would expire): nothing is routed to it
+        assert eventually(lambda: stack.executors() == ["executor-0"], timeout=3), stack.text()
+        assert f"executor-1 died (pid {victim}, killed by SIGKILL)" in stack.text()
+        stack.wait_serving(2)
+    finally:
+        results = load.stop()
+    successor = stack.child("--executor-id executor-1")
+    assert successor not in (None, victim)
+    assert f"executor-1 restarted (pid {successor})" in stack.text()
+    assert f"--bind {address}" in command_line(successor)  # the same address
+    assert all(isinstance(r, int) for r in results), results  # the gateway answered throughout
+    served_by = set()
+    for _ in range(30):  # ties between two idle executors break at random
+        response = stack.complete()
+        assert response.status_code == 200, response.text
+        served_by.add(response.headers["x-kvserve-executor"])
+        if "executor-1" in served_by:
+            break
+    assert "executor-1" in served_by
+
+
+@pytest.mark.slow
+def test_killed_redis_comes_back_on_its_port_with_its_data(stack):
+    url = stack.redis_url()
+    client = redis.Redis.from_url(url)
+    client.set("test:survives", "yes")  # as an API key would: written just before the kill
+    victim = stack.child("valkey-server")
+    os.kill(victim, signal.SIGKILL)
+    assert eventually(lambda: stack.child("valkey-server") not in (None, victim), timeout=10), stack.text()
+    assert f"redis died (pid {victim}, killed by SIGKILL)" in stack.text()
+    assert reaped(victim)
+
+    def read_back() -> bytes | None:
+        try:
+            return redis.Redis.from_url(url).get("test:survives")  # the same URL
+        except redis.RedisError:
+            return None
+
+    assert eventually(lambda: read_back() == b"yes", timeout=10)
+    # the executors' heartbeats register them again and the gateway reconnects
+    assert eventually(lambda: stack.executors() == ["executor-0", "executor-1"], timeout=30), stack.text()
+    assert eventually(lambda: stack.complete().status_code == 200, timeout=30)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_requests_in_flight_and_refuses_new_ones_with_503(stack):
+    started = stack.children()
+    assert len(started) == 3
+    events: list[dict] = []
+    first_event, done = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        try:
+            with httpx.stream("POST", f"{stack.base}/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line.removeprefix("data: ")))
+                        first_event.set()
+        finally:
+            done.set()
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    assert first_event.wait(60)
+    stack.process.send_signal(signal.SIGTERM)
+    refusals, health = [], []
+    # new connections while the stream runs are answered, never refused; the last 100 of its tokens leave
+    # room for the moment the stack stops listening, just after the stream ends
+    while not done.is_set() and len(events) < 900:
+        refusals.append(stack.complete())
+        health.append(httpx.get(f"{stack.base}/health", timeout=10))
+    streaming.join()
+    assert refusals and health
+    for response in refusals:
+        assert response.status_code == 503, response.text
+        assert int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["code"] == "draining"
+        assert response.json()["error"]["type"] == "server_error"
+    assert all(r.status_code == 503 and r.json() == {"status": "draining"} for r in health)
+    assert events[-1]["usage"]["completion_tokens"] == 1000  # the request in flight ran to its end
+    assert stack.process.wait(30) == 0, stack.text()
+    assert eventually(stack.none_left, timeout=10)
+    assert "draining (SIGTERM)" in stack.text()
+
+
+# -- children that do not stay up ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_child_that_keeps_dying_ends_up_naming_it(tiny_models, tmp_path):
+    up = Up(tiny_models["llama"], tmp_path / "up.log", executors=1)
+    try:
+        up.wait_serving(1)
+        for death in range(1, RESTART_LIMIT + 1):
+            victim = up.child("valkey-server")
+            os.kill(victim, signal.SIGKILL)
+            if death < RESTART_LIMIT:  # back after 0.5, 1, 2, 4 s
+                back = lambda v=victim: up.child("valkey-server") not in (None, v)  # noqa: E731
+                assert eventually(back, timeout=15), up.text()
+        assert up.process.wait(60) == 1
+        assert f"kvserve up: error: redis died {RESTART_LIMIT} times within 60 s" in up.text()
+        assert eventually(up.none_left, timeout=10)
+    finally:
+        up.stop()
+
+
+@pytest.mark.slow
+def test_executor_that_exits_at_start_up_ends_up_naming_it(tiny_models, tmp_path):
+    # a KV pool too small for one block passes `up`'s checks and fails in the executor's engine
+    up = Up(tiny_models["llama"], tmp_path / "up.log", "--kv-cache-memory", "1000", executors=1)
+    try:
+        assert up.process.wait(180) == 1, up.text()
+        assert "kvserve up: error: executor-0 exited while the stack started (exit code 1)" in up.text()
+        url = up.redis_url()
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(url).ping()  # the embedded Redis was stopped too
+    finally:
+        up.stop()

@@ -1,0 +1,160 @@
+"""What `kvserve up` runs beside its gateway: the embedded Redis (unless --redis-url) and N executors, child
+processes kept alive by a Supervisor.
+
+Each child has a process group of its own, so Ctrl-C at a terminal reaches only `kvserve up`, which stops them
+in order once its gateway has drained: the executors first, then the Redis they deregister from. A restarted
+executor keeps its id and its address (a new free port only if another process took it); the embedded Redis
+comes back on its port with its data (an append-only file), so every URL and API key stays valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import redis
+
+from gateway.supervisor import Supervisor, describe_exit, stop_processes
+from shared import redis_keys
+from shared.redis_server import EmbeddedRedis, free_port, start_redis_server
+
+log = logging.getLogger("kvserve.up")
+
+REDIS = "redis"  # the embedded server's name in log lines and messages
+EXECUTOR_START_TIMEOUT_S = 600  # the first start may pull and convert the default model
+STOP_TIMEOUT_S = 10.0  # an executor told to stop after the gateway drained has nothing left to run
+HOST = "127.0.0.1"
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class ExecutorPlan:
+    count: int
+    flags: list[str]  # for every `kvserve executor`, after its id, address and Redis URL
+    device: str
+    niceness: int  # CPU executors run this much below the gateway
+
+
+class LocalStack:
+    def __init__(self, plan: ExecutorPlan, redis_url: str | None) -> None:
+        self.plan = plan
+        self.redis_url = redis_url
+        self.embedded: EmbeddedRedis | None = None
+        self.addresses: dict[str, str] = {}  # executor id -> ZeroMQ address, kept across restarts
+        self.supervisor = Supervisor(on_death=self._forget_executor)
+        self._client: redis.Redis | None = None
+
+    def start(self) -> None:
+        """Redis, then the executors; returns once every executor has registered. Whatever happens, the
+        caller ends with stop()."""
+        if self.redis_url is None:
+            self.embedded = start_redis_server(HOST, persistent=True, own_process_group=True)
+            self.redis_url = self.embedded.url
+            self.supervisor.adopt(REDIS, self.embedded.process, self.embedded.restart)
+            log.info("embedded Redis at %s", self.redis_url)
+        self._client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+        for i in range(self.plan.count):
+            executor_id = f"executor-{i}"
+            self.addresses[executor_id] = f"tcp://{HOST}:{free_port(HOST)}"
+            self.supervisor.start(executor_id, functools.partial(self._start_executor, executor_id))
+        self._wait_for_executors()
+
+    def watch(self, on_failure) -> None:
+        """Restart children that die from now on; on_failure(message) once one keeps dying."""
+        self.supervisor.watch(on_failure)
+
+    def hold(self) -> None:
+        """Shutting down: children that exit from now on stay down."""
+        self.supervisor.hold()
+
+    @property
+    def failure(self) -> str | None:
+        return self.supervisor.failure
+
+    def stop(self) -> None:
+        """Stop exactly what this stack started: the executors, then the embedded Redis."""
+        self.supervisor.halt()
+        executors = [self.supervisor.process(i) for i in self.addresses if i in self.supervisor.children]
+        stop_processes(executors, STOP_TIMEOUT_S)
+        if self.embedded is not None:
+            self.embedded.stop()
+
+    def _start_executor(self, executor_id: str) -> subprocess.Popen:
+        address = self.addresses[executor_id]
+        if not _can_bind(address):
+            moved = f"tcp://{HOST}:{free_port(HOST)}"
+            log.warning("%s: %s is taken by another process, moving to %s", executor_id, address, moved)
+            address = self.addresses[executor_id] = moved
+        argv = [sys.executable, "-m", "executor.cli", "executor", "--executor-id", executor_id]
+        argv += ["--bind", address, "--redis-url", self.redis_url, *self.plan.flags]
+        return start_executor(argv, self.plan.count, self.plan.device, self.plan.niceness)
+
+    def _forget_executor(self, name: str) -> None:
+        """A dead executor's registration goes at once, not when its heartbeat would have expired: gateways
+        stop routing to it, and requests waiting on it are retried elsewhere, before it is back."""
+        if name not in self.addresses or self._client is None:
+            return
+        try:
+            pipe = self._client.pipeline()
+            pipe.delete(*redis_keys.executor_keys(name))
+            pipe.srem(redis_keys.EXECUTORS, name)
+            pipe.execute()
+        except redis.RedisError as error:
+            log.warning(
+                "%s: could not remove its registration (it expires with its heartbeat): %s", name, error
+            )
+
+    def _wait_for_executors(self) -> None:
+        deadline = time.monotonic() + EXECUTOR_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for name, child in self.supervisor.children.items():
+                if child.process.poll() is not None:
+                    how = describe_exit(child.process.returncode)
+                    raise StackError(
+                        f"{name} exited while the stack started ({how}); its log lines are above"
+                    )
+            if all(self._client.exists(redis_keys.executor_key(i)) for i in self.addresses):
+                return
+            time.sleep(0.2)
+        raise StackError(f"executors did not register within {EXECUTOR_START_TIMEOUT_S} s")
+
+
+def start_executor(argv: list[str], num_executors: int, device: str, niceness: int) -> subprocess.Popen:
+    """One executor child process. CPU executors split this machine's cores between them (oversubscribed
+    OpenMP threads spin against each other: two executors with two threads each on two cores ran several
+    times slower) unless OMP_NUM_THREADS is set, and run `niceness` below the gateway."""
+    env = dict(os.environ)
+    on_cpu = device != "cuda"
+    if on_cpu:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // num_executors)))
+    process = subprocess.Popen(argv, env=env, process_group=0)
+    if on_cpu and niceness:
+        # set from here, not in the child before exec: the supervisor's thread starts executors, and a
+        # preexec_fn is unsafe in a process with threads. Threads the child starts later inherit it.
+        with contextlib.suppress(ProcessLookupError):  # it may have died already: the supervisor will see
+            nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
+            os.setpriority(os.PRIO_PROCESS, process.pid, nice)
+    return process
+
+
+def _can_bind(address: str) -> bool:
+    """Whether a listener could take this tcp:// address now (as ZeroMQ binds: SO_REUSEADDR, so the TIME_WAIT
+    connections a killed executor leaves do not count)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
