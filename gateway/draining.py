@@ -26,9 +26,8 @@ from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, error_response
 log = logging.getLogger("kvserve.gateway")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-CUT_OFF_S = (
-    1.0  # once the grace period is over, what uvicorn still gives requests in flight before cancelling
-)
+# once the grace period is over, what uvicorn still gives requests in flight before cancelling them
+CUT_OFF_S = 1.0
 STILL_SERVED = frozenset({"/metrics"})  # a scrape during the drain sees it happen
 
 

@@ -45,8 +45,11 @@ def gateways(tiny_models, tmp_path_factory):
         )
         started.append(GatewayProcess(model, server.url, logs / "without.log", "--require-api-key"))
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        # the metrics listener starts with the app, before the public port listens: wait for both
         assert eventually(lambda: _answers(metrics_url), timeout=60), started[0].log_path.read_text()
-        assert eventually(lambda: _answers(f"{started[1].base}/health"), 60), started[1].log_path.read_text()
+        for gateway in started:
+            health = f"{gateway.base}/health"
+            assert eventually(lambda url=health: _answers(url), 60), gateway.log_path.read_text()
         yield started[0], metrics_url, started[1], server, key
     finally:
         for gateway in started:
