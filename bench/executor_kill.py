@@ -1,13 +1,14 @@
 """An executor killed with SIGKILL under load, beside `kvserve bench`'s streaming load (bench/executor_kill.sh).
 
 While the streams run, this sends a closed loop of non-streaming requests, kills one executor of `kvserve up`
-(found among its children by --executor-id) after --kill-after seconds, once it runs --min-running requests,
-and watches /health for the executor to go and come back. When the streaming run's --output JSON is there, it
-classifies every request: a stream that had received tokens from the killed executor and ended "stopped
-answering mid-stream" is the one failure allowed; any other failure, streaming or not, is not. The requests the
-killed executor had in flight are the ones the gateway logged it "stopped answering" (--gateway-log), found by
-their x-request-id: each must have completed elsewhere or be such a stream. Also reported: when /health listed
-the executor again, and when a non-streaming request sent after the kill was first answered by it.
+(found among its children by --executor-id) --kill-after seconds after the streams arrived (--streams), once
+it runs --min-running requests, and watches /health for the executor to go and come back. When the streaming
+run's --output JSON is there, it classifies every request: a stream that had received tokens from the killed
+executor and ended "stopped answering mid-stream" is the one failure allowed; any other failure, streaming or
+not, is not. The requests the killed executor had in flight are the ones the gateway logged it "stopped
+answering" (--gateway-log), found by their x-request-id: each must have completed elsewhere or be such a
+stream. Also reported: when /health listed the executor again, when its published stats showed it at work
+again, and when a non-streaming request sent after the kill was first answered by it.
 
     python -m bench.executor_kill --url http://127.0.0.1:8350 --up-pid PID --stream-results run.json \\
         --output bench/results/executor-kill
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fuzz import executor_load
 from bench.stream import EXECUTOR_HEADER, REQUEST_ID_HEADER
@@ -92,6 +94,24 @@ async def whole_load(
     return results
 
 
+def routed(metrics_text: str) -> float:
+    """How many routing decisions the gateway has made: requests that reached it, whoever sent them."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name == "kvserve_route_decisions_total"
+    )
+
+
+async def streams_under_way(client: httpx.AsyncClient, streams: int, timeout: float) -> None:
+    """Returns once the gateway has routed `streams` requests (before this run sends any): `kvserve bench`
+    takes seconds to start, and a kill before its streams arrive would test no stream."""
+    deadline = time.monotonic() + timeout
+    while routed((await client.get("/metrics")).text) < streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+
+
 async def victim_busy(client: httpx.AsyncClient, victim: str, running: int, timeout: float) -> None:
     """Returns once the victim's published load shows `running` requests (or after timeout): a kill of an idle
     executor would test nothing."""
@@ -113,24 +133,47 @@ def lost_on(gateway_log: Path, victim: str) -> set[str]:
     }
 
 
+def started_work(metrics_text: str, executor_id: str) -> bool:
+    """Whether the executor's published stats show it running a request or having admitted one since it
+    started (its counters begin at 0 with each start)."""
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.labels.get("executor") != executor_id or not sample.value:
+                continue
+            if (
+                sample.name == "kvserve_running_requests"
+                or family.name == "kvserve_prefix_cache_queried_tokens"
+            ):
+                return True
+    return False
+
+
 async def watch_health(
     client: httpx.AsyncClient, victim: str, killed: asyncio.Event, until: float, start: float
-):
-    """(seconds when /health first left the victim out after the kill, when it listed it again)."""
-    gone = back = None
-    while time.monotonic() < until and back is None:
+) -> tuple[float | None, float | None, float | None]:
+    """Seconds when /health first left the victim out after the kill, when it listed it again, and when its
+    stats first showed it at work again."""
+    gone = back = serving = None
+    while time.monotonic() < until and serving is None:
         try:
-            listed = victim in (await client.get("/health")).json().get("executors", [])
+            if back is None:
+                listed = victim in (await client.get("/health")).json().get("executors", [])
+            else:
+                serving = (
+                    time.monotonic() - start
+                    if started_work((await client.get("/metrics")).text, victim)
+                    else None
+                )
         except (httpx.HTTPError, ValueError):
             listed = False
         now = time.monotonic() - start
-        if killed.is_set():
+        if killed.is_set() and back is None:
             if not listed and gone is None:
                 gone = now
             elif listed and gone is not None:
                 back = now
         await asyncio.sleep(0.1)
-    return gone, back
+    return gone, back, serving
 
 
 def outcome(request: dict, victim: str, ok: bool) -> str:
@@ -147,12 +190,13 @@ def outcome(request: dict, victim: str, ok: bool) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    start = time.monotonic()
-    until = start + args.duration
     killed = asyncio.Event()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await streams_under_way(client, args.streams, timeout=60)
+        start = time.monotonic()
+        until = start + args.duration
 
         async def kill() -> float:
             await asyncio.sleep(args.kill_after)
@@ -162,7 +206,7 @@ async def run(args: argparse.Namespace) -> dict:
             return time.monotonic() - start
 
         load = whole_load(client, model, args.concurrency, args.max_tokens, until, start)
-        killed_at, (gone, back), whole = await asyncio.gather(
+        killed_at, (gone, back, serving), whole = await asyncio.gather(
             kill(), watch_health(client, args.executor_id, killed, until, start), load
         )
     served_again = [
@@ -173,7 +217,8 @@ async def run(args: argparse.Namespace) -> dict:
         "killed_at_s": killed_at,
         "health_dropped_s": None if gone is None else gone - killed_at,
         "health_back_s": None if back is None else back - killed_at,
-        "served_again_s": min(served_again) - killed_at if served_again else None,
+        "serving_again_s": None if serving is None else serving - killed_at,
+        "whole_answered_by_it_again_s": min(served_again) - killed_at if served_again else None,
         "whole": [asdict(r) for r in whole],
     }
 
@@ -215,13 +260,13 @@ def report(killed: dict, streams: dict, lost: set[str]) -> tuple[dict, str]:
         "in_flight_completed_elsewhere": count(in_flight, None, "ok"),
         "in_flight_mid_stream_errors": count(in_flight, None, "mid_stream_on_killed"),
         "in_flight_other_errors": count(in_flight, None, "failed"),
-        **{k: killed[k] for k in ("killed_at_s", "health_dropped_s", "health_back_s", "served_again_s")},
+        **{k: v for k, v in killed.items() if k.endswith("_s")},
     }
     summary["target_met"] = (
         summary["stream_errors_other"] == 0
         and summary["whole_errors"] == 0
         and summary["in_flight_other_errors"] == 0
-        and killed["served_again_s"] is not None
+        and killed["serving_again_s"] is not None
     )
     lines = [f"{k}: {round(v, 2) if isinstance(v, float) else v}" for k, v in summary.items()]
     lines += [
@@ -240,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executor-id", default="executor-0")
     parser.add_argument("--kill-after", type=float, default=5.0, help="seconds into the load")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of non-streaming load")
+    parser.add_argument("--streams", type=int, default=1, help="start once the gateway has routed this many")
     parser.add_argument("--min-running", type=int, default=2, help="kill once the victim runs this many")
     parser.add_argument("--concurrency", type=int, default=2, help="non-streaming clients")
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Issue 13's kill -9 target: `kvserve up --executors 2` (small KV pools) under a streaming load (`kvserve bench`, 4 prefix groups: both executors stream)
-# and a non-streaming one (bench/executor_kill.py); KILL_AFTER (8) seconds in, once executor-0 runs a request, it gets SIGKILL and the
-# load goes on. Reports requests, errors classified (a stream that had tokens from the killed executor may end
-# "stopped answering mid-stream"; nothing else may fail), and when /health lists the executor again and it
-# serves again (kvserve up restarts it). Exit 0 when the target is met.
+# Issue 13's kill -9 target: `kvserve up --executors 2` (small KV pools, 2 running per executor) under a
+# streaming load (`kvserve bench`, 4 prefix groups, so both executors stream) and a non-streaming one
+# (bench/executor_kill.py); KILL_AFTER (8) seconds after the streams arrive, once executor-0 runs MIN_RUNNING
+# requests, it gets SIGKILL and the load goes on. Reports requests, errors classified (a stream that had tokens
+# from the killed executor may end "stopped answering mid-stream"; nothing else may fail), what became of each
+# request the killed executor had in flight, and when /health lists it again and it serves again (kvserve up
+# restarts it). Exit 0 when the target is met.
 # Results: bench/results/executor-kill.{json,txt}, the streaming run in executor-kill-stream.json, the stack's
 # log in executor-kill.log.
-# usage: [PY=.venv/bin/python] [MODEL=dir] [DURATION=60] [KILL_AFTER=8] [MIN_RUNNING=2] [STREAMS=6] [WHOLE=3] [MAX_TOKENS=32]
-#        [KV_CACHE_MEMORY=256MiB] bench/executor_kill.sh
+# usage: [PY=.venv/bin/python] [MODEL=dir] [DURATION=60] [KILL_AFTER=8] [MIN_RUNNING=2] [STREAMS=6] [WHOLE=3]
+#        [MAX_TOKENS=32] [KV_CACHE_MEMORY=256MiB] [MAX_NUM_SEQS=2] bench/executor_kill.sh
+#   MAX_NUM_SEQS: 2 running per executor, so that 9 clients leave requests queued on the killed executor, not
+#   yet started: those must complete elsewhere
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${PORT:-8350}
@@ -19,7 +23,7 @@ rm -f "$OUT-stream.json"
 MODEL_ARGS=()
 if [[ -n "${MODEL:-}" ]]; then MODEL_ARGS=(--model "$MODEL" --served-model-name bench); fi
 "$PY" -m executor.cli up --port "$PORT" --executors 2 --kv-cache-memory "${KV_CACHE_MEMORY:-256MiB}" \
-  --max-model-len 2048 --log-format text "${MODEL_ARGS[@]}" > "$OUT.log" 2>&1 &
+  --max-num-seqs "${MAX_NUM_SEQS:-2}" --max-model-len 2048 --log-format text "${MODEL_ARGS[@]}" > "$OUT.log" 2>&1 &
 up=$!
 streams=
 trap 'if [[ -n "$streams" ]]; then kill -INT $streams 2>/dev/null; wait $streams || true; fi; kill -INT $up 2>/dev/null; wait $up || true' EXIT
@@ -30,7 +34,7 @@ nice -n "${CLIENT_NICENESS:-10}" "$PY" -m executor.cli bench --url "http://127.0
 streams=$!
 status=0
 nice -n "${CLIENT_NICENESS:-10}" "$PY" -m bench.executor_kill --url "http://127.0.0.1:$PORT" --up-pid "$up" \
-  --kill-after "${KILL_AFTER:-8}" --min-running "${MIN_RUNNING:-2}" --duration "$DURATION" --concurrency "${WHOLE:-3}" --max-tokens "${MAX_TOKENS:-32}" \
+  --streams "${STREAMS:-6}" --kill-after "${KILL_AFTER:-8}" --min-running "${MIN_RUNNING:-2}" --duration "$DURATION" --concurrency "${WHOLE:-3}" --max-tokens "${MAX_TOKENS:-32}" \
   --stream-results "$OUT-stream.json" --gateway-log "$OUT.log" --output "$OUT" || status=$?
 wait $streams || true
 streams=
