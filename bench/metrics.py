@@ -28,6 +28,7 @@ class RequestResult:
     prompt_tokens: int | None = None  # None: the server sent no usage
     cached_tokens: int | None = None  # None: the server does not report prefix-cache hits
     executor: str | None = None  # the x-kvserve-executor header, when the server sends it
+    request_id: str | None = None  # the x-request-id header: the id in the server's log lines
     error: str | None = None
 
     @property
@@ -61,6 +62,7 @@ class RequestResult:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "executor": self.executor,
+            "request_id": self.request_id,
             "error": self.error,
         }
 

@@ -10,6 +10,7 @@ import httpx
 from bench.metrics import RequestResult
 
 EXECUTOR_HEADER = "x-kvserve-executor"
+REQUEST_ID_HEADER = "x-request-id"
 
 
 def _error_text(body: str) -> str:
@@ -41,6 +42,7 @@ async def stream_request(
     try:
         async with client.stream("POST", path, json=body) as response:
             result.executor = response.headers.get(EXECUTOR_HEADER)
+            result.request_id = response.headers.get(REQUEST_ID_HEADER)
             if response.status_code >= 400:
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {_error_text(text)}"

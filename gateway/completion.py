@@ -83,18 +83,24 @@ def error_response(error: APIError, request_id: str, executor_id: str = NO_EXECU
 
 
 class ReleasingStreamingResponse(StreamingResponse):
-    """Runs `release` however the response ends, even when the client left before the first event (then the
-    body generator never started, and its own cleanup never runs)."""
+    """Runs `release(completed)` however the response ends, even when the client left before the first event
+    (then the body generator never started, and its own cleanup never runs); `completed` says whether the
+    whole stream went out, as against a client that left (Starlette then cancels the stream quietly)."""
 
-    def __init__(self, content, release: Callable[[], Awaitable[None]], **kwargs) -> None:
+    def __init__(self, content, release: Callable[[bool], Awaitable[None]], **kwargs) -> None:
         super().__init__(content, **kwargs)
         self.release = release
+        self.completed = False
+
+    async def stream_response(self, send) -> None:
+        await super().stream_response(send)
+        self.completed = True
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.release()
+            await self.release(self.completed)
 
 
 class ClientGone(Exception):
@@ -221,7 +227,7 @@ class Completions:
         if routed.stream:
             return ReleasingStreamingResponse(
                 self._events(routed),
-                release=lambda: self._end(routed),
+                release=lambda completed: self._end_stream(routed, completed),
                 media_type="text/event-stream",
                 headers={
                     EXECUTOR_HEADER: routed.executor.executor_id,
@@ -254,6 +260,11 @@ class Completions:
             await self.directory.add_inflight(executor_id, delta)
         except Exception as error:  # a routing hint only: the request goes on, the count's TTL heals it
             log.warning("in-flight count of %s not updated: %s", executor_id, error)
+
+    async def _end_stream(self, routed: Routed, completed: bool) -> None:
+        if not completed and routed.status == 200:  # the client left: a 499, though it had a 200 status line
+            routed.status = 499
+        await self._end(routed)
 
     async def _end(self, routed: Routed) -> None:
         """However the request ended: free it on the executor, settle the caller's budget, record it."""

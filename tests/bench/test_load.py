@@ -61,7 +61,7 @@ async def _generate(request: Request) -> JSONResponse | StreamingResponse:
     number = int(text.split()[-1])
     if chat and number in (3, 7):
         return JSONResponse({"error": {"message": f"max_tokens too large ({number})"}}, status_code=400)
-    headers = {"x-kvserve-executor": f"ex-{'ab'[number % 2]}"} if chat else {}
+    headers = {"x-kvserve-executor": f"ex-{'ab'[number % 2]}", "x-request-id": f"r{number}"} if chat else {}
     events = _events(chat, fail_mid_stream=chat and number == 10, kvserve_like=chat)
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
@@ -124,6 +124,9 @@ def test_closed_loop_against_kvserve_like_server(fake_server, numbered_prompts, 
     assert report["ttft_ms"]["p50"] >= FIRST_DELAY * 1000
     requests = {r["index"]: r for r in report["requests"]}
     assert sorted(requests) == list(range(12))
+    # the server's id for each request, to find it in the server's log (bench/executor_kill.py does)
+    streamed = [i for i in range(12) if i not in (3, 7)]  # the two 400s carry no headers
+    assert [requests[i]["request_id"] for i in streamed] == [f"r{i}" for i in streamed]
     for i in ok:
         assert requests[i]["ttft_s"] >= FIRST_DELAY
         assert len(requests[i]["itl_s"]) == TOKENS - 1
