@@ -11,6 +11,7 @@ deadline (--queue-timeout after arrival) the request gets 503 with Retry-After.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import itertools
 import time
@@ -56,6 +57,7 @@ class Backlog:
             except Saturated:
                 pass
         deadline = arrival + self.timeout_s
+        held_since = time.monotonic()
         turn = asyncio.get_running_loop().create_future()
         entry = (arrival, next(self._order), turn)
         heapq.heappush(self._waiters, entry)
@@ -63,7 +65,8 @@ class Backlog:
             turn.set_result(None)
         try:
             await asyncio.wait_for(asyncio.shield(turn), max(0.0, deadline - time.monotonic()))
-            return await self._poll(ids, cache_salt, exclude, deadline)
+            choice = await self._poll(ids, cache_salt, exclude, deadline)
+            return dataclasses.replace(choice, held_s=time.monotonic() - held_since)
         except TimeoutError:
             raise _saturated(self.timeout_s) from None
         finally:

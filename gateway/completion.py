@@ -71,6 +71,7 @@ class Routed:
     prefill_estimate: int = 0  # prompt tokens the chosen executor has to prefill, by its cached blocks
     counted_on: str | None = None  # the executor whose in-flight count in Redis includes this request
     last_token_at: float | None = None  # time.monotonic() of the last update with tokens
+    held_s: float = 0.0  # time it waited at the gateway for an executor with room (gateway.backlog)
     status: int = 200  # what the request's metrics and span report at its end
     error: str | None = None
 
@@ -346,6 +347,7 @@ class Completions:
             span,
             reserved_tokens=len(ids) + params.max_tokens,
             prefill_estimate=choice.prefill_estimate,
+            held_s=choice.held_s,
         )
 
     def _record_route(self, span: RequestSpan, started_ns: int, choice: Choice) -> None:
@@ -356,6 +358,7 @@ class Completions:
             "kvserve.route.executor": choice.executor.executor_id,
             "kvserve.route.cached_blocks": choice.cached_blocks,
             "kvserve.route.cost": choice.cost,
+            "kvserve.route.held_s": choice.held_s,
         }
         span.child("route", started_ns, attributes)
 
@@ -418,6 +421,7 @@ class Completions:
         )
         self._record_route(routed.span, started, choice)
         routed.executor, routed.prefill_estimate = choice.executor, choice.prefill_estimate
+        routed.held_s += choice.held_s
         await self._submit(routed)
 
     async def _events(self, routed: Routed):
@@ -445,7 +449,7 @@ class Completions:
             return
         now = time.monotonic()
         if routed.last_token_at is None:
-            self.metrics.first_token(now - routed.arrival, routed.timing.executor_ttft)
+            self.metrics.first_token(now - routed.arrival, routed.timing.executor_ttft, routed.held_s)
             gap = None
         else:
             gap = now - routed.last_token_at

@@ -130,8 +130,16 @@ class GatewayMetrics:
         self.added_latency = Histogram(
             "kvserve_gateway_added_latency_seconds",
             "The gateway's own share of time to first token: its TTFT minus the span from handing the request "
-            "to ZeroMQ to the first token coming back.",
+            "to ZeroMQ to the first token coming back, and minus any time it was held waiting for an executor "
+            "with room (kvserve_gateway_queue_time_seconds).",
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "kvserve_gateway_queue_time_seconds",
+            "Time a request was held at the gateway because every executor's queue was full (back-pressure), "
+            "observed for every routed request (0 when it was not held).",
+            buckets=_REQUEST_BUCKETS,
             registry=self.registry,
         )
         self.route_decisions = Counter(
@@ -149,10 +157,13 @@ class GatewayMetrics:
         self.executors = ExecutorStatsCollector()
         self.registry.register(self.executors)
 
-    def first_token(self, gateway_ttft_s: float, executor_ttft_s: float | None) -> None:
+    def first_token(self, gateway_ttft_s: float, executor_ttft_s: float | None, held_s: float = 0.0) -> None:
+        """held_s: time the request waited at the gateway for an executor with room, a queue rather than the
+        gateway's own work, so it is left out of the added latency."""
         self.ttft.observe(gateway_ttft_s)
+        self.queue_time.observe(held_s)
         if executor_ttft_s is not None:
-            self.added_latency.observe(max(0.0, gateway_ttft_s - executor_ttft_s))
+            self.added_latency.observe(max(0.0, gateway_ttft_s - executor_ttft_s - held_s))
 
     def tokens_arrived(self, tenant: str, count: int, gap_s: float | None) -> None:
         """count new tokens in one update, gap_s after the previous update (None for the first)."""

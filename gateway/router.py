@@ -30,6 +30,7 @@ class Choice:
     cached_blocks: int
     cost: float  # the cache_aware cost of this executor, whatever the policy
     reason: str  # prefix_hit | least_loaded | round_robin | random | retry
+    held_s: float = 0.0  # how long the request waited at the gateway (gateway.backlog) for this choice
 
 
 class Saturated(Exception):

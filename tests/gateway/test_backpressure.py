@@ -105,12 +105,22 @@ def disconnected(base: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in counts)
 
 
+def series(base: str, name: str) -> float:
+    """One unlabelled series' value on the gateway's /metrics page."""
+    line = next(
+        line for line in httpx.get(f"{base}/metrics").text.splitlines() if line.startswith(f"{name} ")
+    )
+    return float(line.rsplit(" ", 1)[1])
+
+
 def full(executors: list[ExecutorProcess]) -> bool:
     return all(e.redis.hget(keys.load_key(e.id), "queue_full") == "1" for e in executors)
 
 
 def test_requests_beyond_every_queue_wait_at_the_gateway_and_complete_when_room_frees(stack):
     patient, _, executors = stack
+    held, added = "kvserve_gateway_queue_time_seconds_sum", "kvserve_gateway_added_latency_seconds_sum"
+    held_before, added_before = series(patient, held), series(patient, added)
     with LoadSampler(executors) as sampler:
         responses = post_all(patient, [body(f"burst {i}", 40) for i in range(10)])
     assert [r.status_code for r in responses] == [200] * 10, [r.text for r in responses]
@@ -118,6 +128,9 @@ def test_requests_beyond_every_queue_wait_at_the_gateway_and_complete_when_room_
     assert {r.headers["x-kvserve-executor"] for r in responses} == {e.id for e in executors}
     # ten requests, room for four: the rest waited at the gateway, never in an executor's queue
     assert sampler.most_waiting() <= 1
+    # the wait is the queue's, not the gateway's own work: counted apart, left out of the added latency
+    held_s, added_s = series(patient, held) - held_before, series(patient, added) - added_before
+    assert held_s > 1.0 and added_s < held_s / 4, (held_s, added_s)
 
 
 @pytest.mark.slow  # ~30 s: the executors must stay full well past the held requests' waits
