@@ -160,10 +160,14 @@ class Gateway:
 
 
 def _last_resort(metrics: GatewayMetrics) -> Middleware:
-    endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/models": "models"}
-    return Middleware(
-        LastResort, metrics=metrics, endpoints={**endpoints, "/health": "health", "/metrics": "metrics"}
-    )
+    endpoints = {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "completion",
+        "/v1/models": "models",
+        "/health": "health",
+        "/metrics": "metrics",
+    }
+    return Middleware(LastResort, metrics=metrics, endpoints=endpoints)
 
 
 def build_app(config: GatewayConfig) -> Starlette:

@@ -135,7 +135,7 @@ class ExecutorDirectory:
                         kv_usage=float(load.get("kv_usage", 0.0)),
                         prefill_tokens=int(load.get("prefill_tokens", 0)),
                         inflight_tokens=max(0, int(inflight or 0)),
-                        queue_full=load.get("queue_full", "0") not in ("0", "0.0"),
+                        queue_full=load.get("queue_full") == "1",
                     ),
                 )
             )

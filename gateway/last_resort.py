@@ -46,7 +46,6 @@ class LastResort:
             self.metrics.requests.labels(
                 "unauthenticated", self.endpoints.get(scope["path"], "other"), "500"
             ).inc()
-            if (
-                not started
-            ):  # else the status is out: uvicorn closes the connection, telling the client it was cut
+            # once the status is out, uvicorn closes the connection instead, telling the client it was cut
+            if not started:
                 await error_response(internal_error(request_id), request_id)(scope, receive, send)
