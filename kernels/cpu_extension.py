@@ -17,6 +17,7 @@ log = logging.getLogger("kvserve.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("bindings.cpp", "decode_attention_cpu.cpp", "fused_cpu.cpp"))
+HEADERS = (_CSRC / "cpu_vec.h",)  # included by the sources: part of the build's name, not compiled alone
 # no fused multiply-add contraction: the fused operations then round exactly as torch's separate ones do
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
@@ -46,7 +47,7 @@ def cpu_kernels():
         from torch.utils.cpp_extension import load
 
         return load(
-            name=build_name(SOURCES, _CFLAGS, _LDFLAGS),
+            name=build_name(SOURCES + HEADERS, _CFLAGS, _LDFLAGS),
             sources=[str(s) for s in SOURCES],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=list(_LDFLAGS),

@@ -9,14 +9,7 @@
 // (a horizontal sum per position cost more than the dot product), exponentials vectorized (Sleef, as torch),
 // and each query head's output kept in registers while the values stream past (accumulating into memory cost
 // three memory operations per multiply-add).
-#if defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
+#include "cpu_vec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

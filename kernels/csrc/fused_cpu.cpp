@@ -5,14 +5,7 @@
 // The arithmetic is torch's own, operation for operation (at::vec's Vectorized<float>, whose exp is the Sleef
 // function torch's kernels call, and the build turns off fused multiply-add contraction), so results match the
 // torch path bit for bit.
-#if defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
+#include "cpu_vec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
