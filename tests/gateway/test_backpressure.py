@@ -204,7 +204,7 @@ def test_a_request_queued_behind_a_long_one_moves_to_the_executor_that_went_idle
 
         async def scenario() -> tuple[list[httpx.Response], float, bool]:
             async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-                long = asyncio.ensure_future(client.post("/v1/completions", json=body("long", 150)))
+                long = asyncio.ensure_future(client.post("/v1/completions", json=body("long", 600)))
                 while not any(map(running, executors)):
                     await asyncio.sleep(0.01)
                 short = asyncio.ensure_future(client.post("/v1/completions", json=body("short", 8)))
