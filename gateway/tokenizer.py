@@ -42,7 +42,13 @@ class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, config: dict, chat_template: str | dict | None) -> None:
         self.backend_tokenizer = backend
         self.chat_template = chat_template
-        self.special_tokens_map = _add_config_tokens(backend, config)
+        self.special_tokens_map = _special_tokens_map(config)
+        _add_config_tokens(
+            backend, config, [*self.special_tokens_map.values(), *_extra_special_tokens(config)]
+        )
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        backend.no_truncation()  # transformers' encode neither truncates nor pads unless asked
+        backend.no_padding()
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
             # transformers skips the clean-up for BPE: it would strip real spaces before punctuation
             type(backend.model).__name__ != "BPE"
@@ -156,46 +162,51 @@ def _chat_template(model_dir: Path, config: dict) -> str | dict | None:
 
 
 def _token_content(value: object) -> str | None:
-    """A config's special token: a string, or a serialized AddedToken ({"content": ...})."""
-    if isinstance(value, dict):
+    """A config's special token: a string, or a serialized AddedToken ({"__type": "AddedToken", "content": ...})."""
+    if isinstance(value, dict) and value.get("__type", "AddedToken") == "AddedToken":
         return value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _add_config_tokens(backend: tokenizers.Tokenizer, config: dict) -> dict[str, str]:
-    """What transformers adds to tokenizer.json from tokenizer_config.json: its added_tokens_decoder and the
-    named special tokens the file lacks (as special). Returns the named tokens the chat template sees."""
-    present = {token.content for token in backend.get_added_tokens_decoder().values()}
-    missing = [
-        tokenizers.AddedToken(**{k: v for k, v in entry.items() if k != "__type"})
-        for _, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0]))
-        if entry["content"] not in present
-    ]
-    if missing:
-        backend.add_tokens(missing)
-    named = {name: _token_content(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
-    # transformers also names any other "*_token" string and the extra_special_tokens given as a dict
-    named |= {
-        key: value for key, value in config.items() if key.endswith("_token") and isinstance(value, str)
-    }
+def _special_tokens_map(config: dict) -> dict[str, str]:
+    """The named special tokens, which transformers passes to the chat template: bos_token ... mask_token, any
+    other "*_token" of the config, and extra_special_tokens when it names them."""
+    named = {name: config.get(name) for name in SPECIAL_TOKEN_NAMES}
+    named |= {key: value for key, value in config.items() if key.endswith("_token") and key not in named}
     if isinstance(extra := config.get("extra_special_tokens"), dict):
-        named |= {key: _token_content(value) for key, value in extra.items()}
-    special_tokens_map = {name: content for name, content in named.items() if content is not None}
-    extra_list = extra if isinstance(extra, list) else config.get("additional_special_tokens") or []
-    present = {token.content for token in backend.get_added_tokens_decoder().values()}
-    new_special = [
-        content
-        for content in dict.fromkeys([*special_tokens_map.values(), *map(_token_content, extra_list)])
-        if content is not None and content not in present
+        named |= extra
+    contents = {name: _token_content(value) for name, value in named.items()}
+    return {name: content for name, content in contents.items() if content is not None}
+
+
+def _extra_special_tokens(config: dict) -> list[str]:
+    """The unnamed special tokens: extra_special_tokens as a list, or transformers 4's additional_special_tokens."""
+    extra = config.get("extra_special_tokens")
+    listed = extra if isinstance(extra, list) else config.get("additional_special_tokens") or []
+    return [content for content in map(_token_content, listed) if content is not None]
+
+
+def _add_config_tokens(backend: tokenizers.Tokenizer, config: dict, special: list[str]) -> None:
+    """What transformers adds to tokenizer.json from tokenizer_config.json: its added_tokens_decoder, then the
+    special tokens the file still lacks (as special, so skip_special_tokens drops them)."""
+
+    def present() -> set[str]:
+        return {token.content for token in backend.get_added_tokens_decoder().values()}
+
+    decoder = sorted(config.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0]))
+    known = present()
+    added = [
+        tokenizers.AddedToken(**{k: v for k, v in entry.items() if k != "__type"})
+        for _, entry in decoder
+        if entry["content"] not in known
     ]
-    if new_special:
+    if added:
+        backend.add_tokens(added)
+    known = present()
+    if missing := [content for content in dict.fromkeys(special) if content not in known]:
         backend.add_special_tokens(
-            [tokenizers.AddedToken(c, special=True, normalized=False) for c in new_special]
+            [tokenizers.AddedToken(c, special=True, normalized=False) for c in missing]
         )
-    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-    backend.no_truncation()  # transformers' encode neither truncates nor pads unless asked
-    backend.no_padding()
-    return special_tokens_map
 
 
 def _clean_up_tokenization(text: str) -> str:
