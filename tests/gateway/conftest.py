@@ -7,6 +7,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model):
-    from transformers import AutoTokenizer
+    from gateway.tokenizer import Tokenizer
 
-    return AutoTokenizer.from_pretrained(default_model, local_files_only=True)
+    return Tokenizer.from_dir(default_model)

@@ -19,10 +19,9 @@ import pytest
 from bench import fuzz
 from bench.bad_requests import BODY_MUTATIONS, ENDPOINTS, bad_requests
 from gateway.openai_protocol import MAX_BODY_BYTES
-from shared.redis_server import start_redis_server
 from tests.gateway.http_wire import pipelined, request
 from tests.gateway.test_http_stack import _samples
-from tests.processes import ExecutorProcess, GatewayProcess, eventually
+from tests.processes import GatewayProcess, eventually, one_executor_stack
 
 GOOD = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
 PROMPT = b'{"model": "tiny", "max_tokens": 2, "prompt": '
@@ -31,19 +30,8 @@ FUZZ_REQUESTS = 400
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("bad-input-logs")
-    server = start_redis_server()
-    model = tiny_models["llama"]
-    executor = ExecutorProcess(model, server.url, logs / "executor.log")
-    gateway = GatewayProcess(model, server.url, logs / "gateway.log")
-    try:
-        executor.wait_registered()
-        gateway.wait_healthy()
-        yield gateway, executor
-    finally:
-        gateway.stop()
-        executor.stop()
-        server.stop()
+    with one_executor_stack(tiny_models["llama"], tmp_path_factory.mktemp("bad-input-logs")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
