@@ -1,0 +1,80 @@
+"""Where a model's directory is, from its name, without reading it: the engine converts and loads what lies there
+(executor/model_files.py), the gateway reads only its tokenizer, and neither needs torch to find it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from shared.defaults import DEFAULT_MODEL
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be found, fetched or converted; the message names the file or the feature."""
+
+
+def cache_dir() -> Path:
+    """$KVSERVE_CACHE_DIR, else the XDG cache folder, so users and CI can move the large files."""
+    if explicit := os.environ.get("KVSERVE_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvserve"
+
+
+def is_default(model: str | None) -> bool:
+    return model is None or model == DEFAULT_MODEL
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL
+
+
+def is_gguf(model: str) -> bool:
+    path = Path(model).expanduser()
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def gguf_converted_dir(gguf_path: Path) -> Path:
+    """Where a .gguf file's conversion goes: named by the file's path, size and mtime, so a changed file converts
+    anew."""
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return cache_dir() / "models" / f"gguf-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def model_dir(model: str | None) -> Path:
+    """The directory `model` (the default name, a .gguf file or a model directory) is served from; the first two
+    exist only once pulled. A given directory is checked here, so a bad one fails at start naming the file."""
+    if is_default(model):
+        return default_model_dir()
+    if is_gguf(model):
+        return gguf_converted_dir(Path(model).expanduser())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        check_model_dir(path)
+        return path.resolve()
+    raise ModelLoadError(f"model {model!r}: expected {DEFAULT_MODEL!r}, a .gguf file or a model directory")
+
+
+def pulled_model_dir(model: str | None) -> Path:
+    """`model_dir`, which must exist already: for processes that cannot fetch or convert (the gateway)."""
+    path = model_dir(model)
+    if not path.is_dir():
+        name = "" if model is None else f" {model}"
+        raise ModelLoadError(
+            f"model {model or DEFAULT_MODEL!r} is not pulled: run `kvserve model pull{name}` first"
+        )
+    return path
+
+
+def check_model_dir(path: Path) -> None:
+    """Fail at startup naming the missing file, not later inside transformers."""
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path / 'config.json'} is missing: {path} is not a model directory")
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{path} has no tokenizer (expected {' or '.join(TOKENIZER_FILES)})")
