@@ -38,7 +38,7 @@ class ServiceProcess:
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "executor.cli", *args],
+            [sys.executable, "-m", "kvserve.cli", *args],
             cwd=REPO,
             stdout=self.log,
             stderr=subprocess.STDOUT,
