@@ -77,3 +77,15 @@ def test_engine_commands_without_the_extra_name_what_is_missing_in_one_line(redi
             f"kvserve {args[0]}: error: needs torch, which is not installed here: "
             "install the executor extra (pip install 'kvserve[executor]')"
         ], done.stderr
+
+
+def test_up_pulls_the_model_in_a_child_and_names_what_is_wrong_with_it(tmp_path):
+    """`kvserve up` is the gateway's process: a model that cannot be pulled is reported from the pull's child,
+    and the parent has not loaded the engine's libraries to find that out."""
+    missing = tmp_path / "nowhere"
+    done = kvserve("up", "--model", str(missing), "--log-format", "text")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"kvserve up: error: model {str(missing)!r}: expected 'SmolLM2-135M-Instruct', a .gguf file or a model directory"
+    )
+    assert heavy_modules(done) == []
