@@ -1,23 +1,39 @@
-# kvserve: one image for the gateway and the executors (compose.yaml picks the command).
-FROM python:3.11-slim
+# kvserve: two images from one file. `gateway` holds the base install only (no torch: a small image for the
+# stateless gateways, and `kvserve keys`); `executor` adds the engine's libraries (the `executor` extra) and a
+# C++ compiler. compose.yaml picks the target and the command of each service.
 
-# a C++ compiler builds the CPU decode-attention kernel on first use; curl-free health checks use python
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends build-essential \
-    && rm -rf /var/lib/apt/lists/*
-
+# the project's source, copied once for both targets
+FROM python:3.11-slim AS source
 WORKDIR /app
-# PyPI's Linux torch wheel carries CUDA: the same image serves GPUs and CPUs
-RUN pip install --no-cache-dir "torch>=2.5,<=2.14.1"
 COPY pyproject.toml README.md ./
 COPY executor executor
 COPY gateway gateway
 COPY kernels kernels
 COPY shared shared
 COPY bench bench
-RUN pip install --no-cache-dir .
+COPY kvserve kvserve
 
-# models are pulled and converted into this volume once (compose's `model` service)
+FROM python:3.11-slim AS gateway
+WORKDIR /app
+COPY --from=source /app /app
+RUN pip install --no-cache-dir .
+# models are pulled and converted into this volume once (compose's `model` service); the gateway reads tokenizers
+ENV KVSERVE_CACHE_DIR=/models
+VOLUME /models
+ENTRYPOINT []
+CMD ["kvserve", "--help"]
+
+FROM python:3.11-slim AS executor
+# a C++ compiler builds the CPU decode-attention kernel on first use; curl-free health checks use python
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+# PyPI's Linux torch wheel carries CUDA: the same image serves GPUs and CPUs; installed before the source is
+# copied, so a code change rebuilds only the last layers
+RUN pip install --no-cache-dir "torch>=2.5,<=2.14.1"
+COPY --from=source /app /app
+RUN pip install --no-cache-dir ".[executor]"
 ENV KVSERVE_CACHE_DIR=/models
 VOLUME /models
 ENTRYPOINT []

@@ -22,13 +22,13 @@ mkdir -p bench/results
 rm -f "$OUT-stream.json"
 MODEL_ARGS=()
 if [[ -n "${MODEL:-}" ]]; then MODEL_ARGS=(--model "$MODEL" --served-model-name bench); fi
-"$PY" -m executor.cli up --port "$PORT" --executors 2 --kv-cache-memory "${KV_CACHE_MEMORY:-256MiB}" \
+"$PY" -m kvserve.cli up --port "$PORT" --executors 2 --kv-cache-memory "${KV_CACHE_MEMORY:-256MiB}" \
   --max-num-seqs "${MAX_NUM_SEQS:-2}" --max-model-len 2048 --log-format text "${MODEL_ARGS[@]}" > "$OUT.log" 2>&1 &
 up=$!
 streams=
 trap 'if [[ -n "$streams" ]]; then kill -INT $streams 2>/dev/null; wait $streams || true; fi; kill -INT $up 2>/dev/null; wait $up || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" | grep -q executor-1; do sleep 1; done
-nice -n "${CLIENT_NICENESS:-10}" "$PY" -m executor.cli bench --url "http://127.0.0.1:$PORT" --endpoint completions \
+nice -n "${CLIENT_NICENESS:-10}" "$PY" -m kvserve.cli bench --url "http://127.0.0.1:$PORT" --endpoint completions \
   --concurrency "${STREAMS:-6}" --duration "$DURATION" --prefix-groups 4 --prefix-tokens 48 --question-tokens 16 \
   --max-tokens "${MAX_TOKENS:-32}" --ignore-eos --no-progress --output "$OUT-stream.json" > "$OUT-stream.txt" &
 streams=$!

@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def split_backend(backend: str) -> tuple[str, bool]:
     """'triton-eager' -> ('triton', True): the attention backend, and whether CUDA graphs are off."""
-    from executor.config import ATTENTION_BACKENDS
+    from shared.engine_config import ATTENTION_BACKENDS
 
     name, _, mode = backend.partition("-")
     if name not in ATTENTION_BACKENDS or mode not in ("", "eager"):

@@ -32,7 +32,7 @@ INIT_STD = 0.1
 
 def pack(dest: Path) -> list[str]:
     """Copy the default model's small files into dest; returns their names."""
-    from executor.model_files import resolve_model
+    from executor import resolve_model
 
     source = resolve_model(None)
     dest.mkdir(parents=True, exist_ok=True)

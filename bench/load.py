@@ -224,10 +224,7 @@ async def _open_loop(
     await asyncio.gather(*tasks)
 
 
-def add_bench_command(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser(
-        "bench", help="load-test an OpenAI-compatible server and report TTFT, ITL, TPOT and throughput"
-    )
+def add_bench_args(bench: argparse.ArgumentParser) -> None:
     target = bench.add_argument_group("target")
     target.add_argument("--url", default="http://127.0.0.1:8000", help="base URL (default: %(default)s)")
     target.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
@@ -354,10 +351,10 @@ def bench_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.load ...`, for use before the subcommand is wired into `kvserve`."""
-    parser = argparse.ArgumentParser(prog="kvserve")
-    add_bench_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    """`python -m bench.load ...`, the same as `kvserve bench ...`."""
+    parser = argparse.ArgumentParser(prog="kvserve bench")
+    add_bench_args(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return args.handler(args)
 
 

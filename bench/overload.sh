@@ -15,7 +15,7 @@ PY=${PY:-.venv/bin/python}  # python -m: this checkout's code, whichever checkou
 mkdir -p bench/results
 MODEL_ARGS=()
 if [[ -n "${MODEL:-}" ]]; then MODEL_ARGS=(--model "$MODEL" --served-model-name bench); fi
-"$PY" -m executor.cli up --port "$PORT" --executors 2 --kv-cache-memory "${KV_CACHE_MEMORY:-512MiB}" \
+"$PY" -m kvserve.cli up --port "$PORT" --executors 2 --kv-cache-memory "${KV_CACHE_MEMORY:-512MiB}" \
   --max-model-len 2048 --queue-timeout "${QUEUE_TIMEOUT:-600}" --log-format text "${MODEL_ARGS[@]}" > "$OUT.log" 2>&1 &
 up=$!
 sampler=
@@ -24,7 +24,7 @@ until curl -sf "http://127.0.0.1:$PORT/health" | grep -q executor-1; do sleep 1;
 redis_url=$(grep -o 'embedded Redis at redis://[0-9.:/]*' "$OUT.log" | head -1 | awk '{print $4}')
 "$PY" -m bench.balance --redis-url "$redis_url" --output "$OUT-balance.json" > /dev/null &
 sampler=$!
-nice -n "${CLIENT_NICENESS:-10}" "$PY" -m executor.cli bench --url "http://127.0.0.1:$PORT" --endpoint completions \
+nice -n "${CLIENT_NICENESS:-10}" "$PY" -m kvserve.cli bench --url "http://127.0.0.1:$PORT" --endpoint completions \
   --request-rate inf --num-requests "$REQUESTS" --prompt "Write a short story about a robot who learns to paint." \
   --max-tokens "${MAX_TOKENS:-16}" --ignore-eos --no-progress --output "$OUT.json" | tee "$OUT.txt"
 kill -INT $sampler

@@ -14,8 +14,7 @@ import statistics
 import time
 
 from bench.workload import token_pool
-from executor import LLM, SamplingParams
-from executor.model_files import resolve_model
+from executor import LLM, SamplingParams, resolve_model
 
 
 def time_to_first_token(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, int]:

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", default="bench/results/redis-restart.log")
     args = parser.parse_args(argv)
 
-    from executor.model_files import resolve_model
+    from executor import resolve_model
 
     model = str(resolve_model(args.model))
     workload = PrefixWorkload(args.groups, args.prefix_tokens, 32, count_tokens=tokenizer_counter(model))
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-    up_argv = [sys.executable, "-m", "executor.cli", "up", "--redis-url", server.url, "--port", str(port)]
+    up_argv = [sys.executable, "-m", "kvserve.cli", "up", "--redis-url", server.url, "--port", str(port)]
     up_argv += ["--executors", "2", "--model", model, "--served-model-name", "default"]
     up_argv += ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048"]
     with open(args.log, "wb") as log:

@@ -17,8 +17,7 @@ import time
 import torch
 
 from bench.workload import token_pool
-from executor import LLM, SamplingParams
-from executor.model_files import resolve_model
+from executor import LLM, SamplingParams, resolve_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from executor import LLM, SamplingParams
-from executor.model_files import resolve_model
+from executor import LLM, SamplingParams, resolve_model
 
 CODE = """def load_config(path):
     with open(path) as handle:

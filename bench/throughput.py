@@ -12,8 +12,7 @@ import time
 import torch
 
 from bench.workload import spread_prompts
-from executor import LLM, SamplingParams
-from executor.model_files import resolve_model
+from executor import LLM, SamplingParams, resolve_model
 
 
 def run_kvserve(model_dir: str, prompts: list[list[int]], output_len: int, max_model_len: int, args) -> dict:

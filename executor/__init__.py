@@ -1,8 +1,8 @@
 """The executor: engine (scheduler, block pool, model runner, sampler), model loading, offline LLM API."""
 
-from executor.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "resolve_model"]
 
 
 def __getattr__(name: str):
@@ -11,4 +11,10 @@ def __getattr__(name: str):
         from executor import llm
 
         return getattr(llm, name)
+    if (
+        name == "resolve_model"
+    ):  # a model name, .gguf file or directory -> a ready directory (pulled, converted)
+        from executor.model_files import resolve_model
+
+        return resolve_model
     raise AttributeError(f"module 'executor' has no attribute {name!r}")

@@ -1,24 +1,24 @@
-"""The `kvserve` command: one subcommand per job, each added to the parser by its own function."""
+"""The executor's own commands: `kvserve executor` (one engine behind ZeroMQ), `kvserve generate` (one prompt,
+offline) and `kvserve model pull`. `kvserve` (kvserve/cli.py) imports this module for them alone; it imports
+only argparse and shared/ here, the engine and its torch inside the handlers, so `--help` answers at once."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
 
-from bench.load import add_bench_command
-from executor.config import add_engine_args, config_from_args
-from executor.model_files import DEFAULT_MODEL, ModelLoadError, resolve_model
-from executor.service import add_executor_command
-from gateway.cli import add_gateway_commands
-from gateway.keys_cli import add_keys_commands
+from shared import logs
+from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
+from shared.engine_config import add_engine_args, config_from_args
+from shared.model_paths import ModelLoadError
 
-Handler = Callable[[argparse.Namespace], int]
+log = logging.getLogger("kvserve.executor")
 
 
-def add_model_commands(commands: argparse._SubParsersAction) -> None:
-    model = commands.add_parser("model", help="manage local model files")
+def add_model_args(model: argparse.ArgumentParser) -> None:
     actions = model.add_subparsers(dest="action", required=True, metavar="ACTION")
     pull = actions.add_parser("pull", help="make a model ready locally and print its directory")
     pull.add_argument(
@@ -31,6 +31,8 @@ def add_model_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def model_pull(args: argparse.Namespace) -> int:
+    from executor.model_files import resolve_model
+
     try:
         print(resolve_model(args.name))
     except ModelLoadError as error:
@@ -39,10 +41,7 @@ def model_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_generate_command(commands: argparse._SubParsersAction) -> None:
-    generate = commands.add_parser(
-        "generate", help="run the engine offline on one prompt and print the answer"
-    )
+def add_generate_args(generate: argparse.ArgumentParser) -> None:
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument("--max-tokens", type=int, default=128)
@@ -53,7 +52,7 @@ def add_generate_command(commands: argparse._SubParsersAction) -> None:
 
 def generate_once(args: argparse.Namespace) -> int:
     from executor.llm import LLM
-    from executor.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -74,30 +73,103 @@ def generate_once(args: argparse.Namespace) -> int:
     return 0
 
 
-# Each function adds one top-level subcommand and sets `handler` on its parsers; a new command is one more entry.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_model_commands,
-    add_generate_command,
-    add_executor_command,
-    add_gateway_commands,
-    add_keys_commands,
-    add_bench_command,
-]
+def add_executor_args(executor: argparse.ArgumentParser) -> None:
+    executor.add_argument("--executor-id", required=True, help="unique name; its Redis keys carry it")
+    executor.add_argument(
+        "--bind", required=True, help="ZeroMQ address to listen on, e.g. tcp://127.0.0.1:5600"
+    )
+    executor.add_argument(
+        "--advertise-address", default=None, help="address gateways connect to (default: --bind)"
+    )
+    executor.add_argument(
+        "--redis-url",
+        default=os.environ.get("KVSERVE_REDIS_URL"),
+        help="Redis URL (default: the KVSERVE_REDIS_URL environment variable)",
+    )
+    executor.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=SHUTDOWN_GRACE_PERIOD_S,
+        help="seconds SIGTERM waits for running requests before aborting them",
+    )
+    executor.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=None,
+        help="log lines as JSON objects or plain text (default: KVSERVE_LOG_FORMAT, else json)",
+    )
+    add_engine_args(executor)
+    executor.set_defaults(handler=serve)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="LLM serving with a paged KV cache")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_commands in SUBCOMMANDS:
-        add_commands(commands)
-    return parser
+def serve(args: argparse.Namespace) -> int:
+    """Start-up, then the service loop (executor/service.py) until drained."""
+    import redis
+    import zmq
 
+    from executor.registry import Registry, connect
+    from shared import tracing
+    from shared.redis_keys import check_executor_id
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler: Handler = args.handler
-    return handler(args)
+    def fail(message: str, code: int = 2) -> int:
+        print(f"kvserve executor: error: {message}", file=sys.stderr)
+        return code
 
+    try:
+        logs.configure("kvserve-executor", args.log_format)
+    except ValueError as error:
+        return fail(f"KVSERVE_LOG_FORMAT: {error}")
+    if not args.redis_url:
+        return fail("--redis-url: not given and KVSERVE_REDIS_URL is not set")
+    try:
+        executor_id = check_executor_id(args.executor_id)
+        config = config_from_args(args)
+        client = connect(args.redis_url)
+        client.ping()
+    except ValueError as error:
+        return fail(str(error))
+    except redis.RedisError as error:
+        return fail(f"--redis-url: cannot reach {args.redis_url}: {error}", 1)
 
-if __name__ == "__main__":
-    sys.exit(main())
+    from executor.engine import Engine
+    from executor.service import ExecutorService
+
+    # SIGTERM during the model load has nothing to drain: it just ends the process
+    engine = Engine(config)
+    engine.pool.start_recording_events()
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    try:
+        socket.bind(args.bind)
+    except zmq.ZMQError as error:
+        context.destroy(linger=0)
+        return fail(f"--bind: cannot listen on {args.bind}: {error}", 1)
+    registry = Registry(client, executor_id, cached_hashes=engine.pool.cached_hashes)
+    service = ExecutorService(engine, socket, registry, args.shutdown_grace_period)
+    signal.signal(signal.SIGTERM, service.drain)
+    signal.signal(signal.SIGINT, service.drain)
+    registry.register(
+        {
+            "address": args.advertise_address or args.bind,
+            "model": str(engine.model_path),
+            "block_size": engine.block_size,
+            "kv_blocks_total": engine.pool.num_blocks,
+            "max_model_len": engine.max_model_len,
+            "max_waiting_seqs": engine.config.max_waiting_seqs,
+        }
+    )
+    registry.start_heartbeat()
+    tracing.configure("kvserve-executor")
+    log.info("executor %s serving %s on %s", executor_id, engine.model_path, args.bind)
+    try:
+        service.run()
+    finally:
+        try:
+            registry.deregister()
+        except redis.RedisError as error:
+            log.warning("deregistering from Redis failed (its keys expire with the heartbeat): %s", error)
+        socket.close(linger=1000)  # let the last StepBatch messages leave
+        context.term()
+        tracing.shutdown()
+    log.info("executor %s stopped", executor_id)
+    return 0

@@ -11,7 +11,6 @@ import torch
 from transformers import AutoTokenizer
 
 from executor.block_pool import BlockPool
-from executor.config import EngineConfig
 from executor.kv_cache_manager import KVCacheManager
 from executor.kv_sizing import kv_cache_bytes, pick_device_and_dtype
 from executor.model_files import load_weights, read_config, resolve_model
@@ -19,11 +18,12 @@ from executor.model_runner import ModelRunner
 from executor.models import build_model, decoder_spec
 from executor.request import Request, RequestStatus
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs
-from executor.sampling_params import SamplingParams
 from executor.scheduler import Scheduler
 from executor.spec_decode import NgramProposer, SpecBackoff, verify
 from executor.spec_decode.draft import DraftProposer, load_draft_model
 from kernels.backend import choose_attention_backend
+from shared.engine_config import EngineConfig
+from shared.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.engine")
 

@@ -26,7 +26,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from executor.model_files import ModelLoadError
+from shared.model_paths import ModelLoadError
 
 # GGUF architecture -> the HF config class that describes it.
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {

@@ -7,9 +7,9 @@ import logging
 
 import torch
 
-from executor.config import EngineConfig
 from executor.models import AttentionBatch, DecoderLM
 from kernels.backend import AttentionBackend
+from shared.engine_config import EngineConfig
 
 log = logging.getLogger("kvserve.engine")
 

@@ -6,11 +6,11 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from executor.config import EngineConfig
 from executor.engine import Engine, StepOutput
 from executor.sampler import TokenLogprobs
-from executor.sampling_params import SamplingParams
 from shared.detokenize import IncrementalDetokenizer
+from shared.engine_config import EngineConfig
+from shared.sampling_params import SamplingParams
 from shared.stop_strings import find_stop
 
 

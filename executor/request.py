@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

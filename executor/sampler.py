@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

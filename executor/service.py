@@ -1,4 +1,5 @@
-"""`kvserve executor`: the engine behind a ZeroMQ ROUTER socket, streaming tokens and publishing itself to Redis.
+"""`kvserve executor`'s service loop: the engine behind a ZeroMQ ROUTER socket, streaming tokens and publishing
+itself to Redis (its command line and start-up: executor/cli.py).
 
 One loop: take every waiting message, run one engine step, send each gateway one StepBatch with all of its
 requests' new tokens, publish cache changes, load and stats to Redis. Bad input is answered and logged, never
@@ -7,28 +8,21 @@ fatal. With tracing on, a request the gateway traced gets its spans when it ends
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
-import os
-import signal
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import redis
 import zmq
 
-from executor.config import add_engine_args, config_from_args
-from executor.registry import Registry, connect
+from executor.registry import Registry
 from executor.request_spans import record_request_spans
-from executor.sampling_params import SamplingParams
-from shared import logs, protocol, tracing
-from shared.defaults import SHUTDOWN_GRACE_PERIOD_S
+from shared import protocol, tracing
 from shared.executor_stats import ExecutorStats
-from shared.redis_keys import HEARTBEAT_INTERVAL_S, check_executor_id
+from shared.redis_keys import HEARTBEAT_INTERVAL_S
+from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch and transformers: `kvserve --help` should not wait for them
     from opentelemetry.context import Context
@@ -331,100 +325,3 @@ def _wire_logprobs(lp: TokenLogprobs | None) -> list | None:
     if lp is None:
         return None
     return [lp.token_id, lp.logprob, lp.rank, [[t, p] for t, p in lp.top]]
-
-
-# -- the command ------------------------------------------------------------------------------------------
-
-
-def add_executor_command(commands: argparse._SubParsersAction) -> None:
-    executor = commands.add_parser("executor", help="serve one engine over ZeroMQ, registered in Redis")
-    executor.add_argument("--executor-id", required=True, help="unique name; its Redis keys carry it")
-    executor.add_argument(
-        "--bind", required=True, help="ZeroMQ address to listen on, e.g. tcp://127.0.0.1:5600"
-    )
-    executor.add_argument(
-        "--advertise-address", default=None, help="address gateways connect to (default: --bind)"
-    )
-    executor.add_argument(
-        "--redis-url",
-        default=os.environ.get("KVSERVE_REDIS_URL"),
-        help="Redis URL (default: the KVSERVE_REDIS_URL environment variable)",
-    )
-    executor.add_argument(
-        "--shutdown-grace-period",
-        type=float,
-        default=SHUTDOWN_GRACE_PERIOD_S,
-        help="seconds SIGTERM waits for running requests before aborting them",
-    )
-    executor.add_argument(
-        "--log-format",
-        choices=logs.FORMATS,
-        default=None,
-        help="log lines as JSON objects or plain text (default: KVSERVE_LOG_FORMAT, else json)",
-    )
-    add_engine_args(executor)
-    executor.set_defaults(handler=serve)
-
-
-def serve(args: argparse.Namespace) -> int:
-    def fail(message: str, code: int = 2) -> int:
-        print(f"kvserve executor: error: {message}", file=sys.stderr)
-        return code
-
-    try:
-        logs.configure("kvserve-executor", args.log_format)
-    except ValueError as error:
-        return fail(f"KVSERVE_LOG_FORMAT: {error}")
-    if not args.redis_url:
-        return fail("--redis-url: not given and KVSERVE_REDIS_URL is not set")
-    try:
-        executor_id = check_executor_id(args.executor_id)
-        config = config_from_args(args)
-        client = connect(args.redis_url)
-        client.ping()
-    except ValueError as error:
-        return fail(str(error))
-    except redis.RedisError as error:
-        return fail(f"--redis-url: cannot reach {args.redis_url}: {error}", 1)
-
-    from executor.engine import Engine
-
-    # SIGTERM during the model load has nothing to drain: it just ends the process
-    engine = Engine(config)
-    engine.pool.start_recording_events()
-    context = zmq.Context()
-    socket = context.socket(zmq.ROUTER)
-    try:
-        socket.bind(args.bind)
-    except zmq.ZMQError as error:
-        context.destroy(linger=0)
-        return fail(f"--bind: cannot listen on {args.bind}: {error}", 1)
-    registry = Registry(client, executor_id, cached_hashes=engine.pool.cached_hashes)
-    service = ExecutorService(engine, socket, registry, args.shutdown_grace_period)
-    signal.signal(signal.SIGTERM, service.drain)
-    signal.signal(signal.SIGINT, service.drain)
-    registry.register(
-        {
-            "address": args.advertise_address or args.bind,
-            "model": str(engine.model_path),
-            "block_size": engine.block_size,
-            "kv_blocks_total": engine.pool.num_blocks,
-            "max_model_len": engine.max_model_len,
-            "max_waiting_seqs": engine.config.max_waiting_seqs,
-        }
-    )
-    registry.start_heartbeat()
-    tracing.configure("kvserve-executor")
-    log.info("executor %s serving %s on %s", executor_id, engine.model_path, args.bind)
-    try:
-        service.run()
-    finally:
-        try:
-            registry.deregister()
-        except redis.RedisError as error:
-            log.warning("deregistering from Redis failed (its keys expire with the heartbeat): %s", error)
-        socket.close(linger=1000)  # let the last StepBatch messages leave
-        context.term()
-        tracing.shutdown()
-    log.info("executor %s stopped", executor_id)
-    return 0

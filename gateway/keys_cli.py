@@ -15,8 +15,7 @@ from shared.api_keys import KeyRecord, KeyStore, key_id_of, parse_models
 USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "rejected")
 
 
-def add_keys_commands(commands: argparse._SubParsersAction) -> None:
-    keys = commands.add_parser("keys", help="tenants' API keys: create, list, revoke, usage")
+def add_keys_args(keys: argparse.ArgumentParser) -> None:
     actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     create = actions.add_parser("create", help="create a key for a tenant and print it (shown only once)")

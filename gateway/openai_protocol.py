@@ -8,9 +8,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
-from executor.sampling_params import SamplingParams
 from gateway.api_error import APIError, invalid_request
 from gateway.chat_template import ChatMessage, parse_messages
+from shared.sampling_params import SamplingParams
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # larger bodies get 413 before any parsing
 MAX_JSON_DEPTH = 64  # levels of arrays and objects; OpenAI's own bodies need a handful

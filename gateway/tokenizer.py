@@ -17,7 +17,7 @@ import tokenizers
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.model_dir import ModelDirError, tokenizer_dir
+from shared.model_paths import ModelLoadError, pulled_model_dir
 
 # the named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKEN_NAMES = (
@@ -31,7 +31,7 @@ SPECIAL_TOKEN_NAMES = (
 )
 
 
-class TokenizerLoadError(ModelDirError):
+class TokenizerLoadError(ModelLoadError):
     """Tokenizer files that are missing or unreadable; the message names the file."""
 
 
@@ -128,7 +128,7 @@ class Tokenizer:
 
 def load_tokenizer(model: str | None) -> Tokenizer:
     """The tokenizer of `kvserve gateway --model`: a directory, the default name or a .gguf file's conversion."""
-    return Tokenizer.from_dir(tokenizer_dir(model))
+    return Tokenizer.from_dir(pulled_model_dir(model))
 
 
 def _read_json(path: Path) -> dict:

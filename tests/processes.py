@@ -37,7 +37,7 @@ def eventually(check, timeout: float = 2.0) -> bool:
 class ServiceProcess:
     """A `kvserve` command as a child process logging to a file; stop() ends exactly that process."""
 
-    entry = [sys.executable, "-m", "executor.cli"]  # the `kvserve` command
+    entry = [sys.executable, "-m", "kvserve.cli"]  # the `kvserve` command
 
     def start(self, args: list[str], log_path: Path, env: dict | None) -> None:
         self.log_path = log_path

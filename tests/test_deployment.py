@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from executor.cli import build_parser
+from kvserve.cli import EXECUTOR_EXTRA, build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,12 +32,10 @@ def test_every_service_runs_a_real_kvserve_command(compose):
         command = shlex.split(command) if isinstance(command, str) else [str(part) for part in command]
         assert command[0] == "kvserve", name
         try:
-            build_parser().parse_args(command[1:])
+            build_parser(command[1]).parse_args(command[1:])
         except SystemExit as exit_:
             pytest.fail(f"service {name}: `{shlex.join(command)}` does not parse (exit {exit_.code})")
-        assert service["build"] == "." and service["environment"]["KVSERVE_REDIS_URL"].startswith(
-            "redis://redis:"
-        )
+        assert service["environment"]["KVSERVE_REDIS_URL"].startswith("redis://redis:")
         assert "models:/models" in service["volumes"], f"{name} lacks the model volume"
 
 
@@ -61,10 +61,85 @@ def test_topology_gateways_behind_one_port_executors_on_gpus_health_checks(compo
 
 def test_dockerfile_installs_the_project_and_copies_every_package():
     dockerfile = (REPO / "Dockerfile").read_text()
-    for package in ("executor", "gateway", "kernels", "shared"):
+    for package in ("executor", "gateway", "kernels", "shared", "bench", "kvserve"):
         assert f"COPY {package} {package}" in dockerfile
         assert (REPO / package / "__init__.py").exists()
-    assert "pip install --no-cache-dir ." in dockerfile and "KVSERVE_CACHE_DIR=/models" in dockerfile
+    for stage in ("gateway", "executor"):  # each installs the project itself
+        assert any(arg.startswith(".") for args in pip_installs(stages(dockerfile)[stage]) for arg in args), (
+            stage
+        )
+    assert "KVSERVE_CACHE_DIR=/models" in dockerfile
+
+
+def stages(dockerfile: str) -> dict[str, list[str]]:
+    """Each build stage's instructions (continuation lines joined, `RUN ` dropped from pip lines), a stage built
+    FROM another taking that one's first."""
+    text = dockerfile.replace("\\\n", " ")
+    found: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in (raw.strip() for raw in text.splitlines()):
+        if line.startswith("FROM "):
+            words = line.split()
+            parent = found.get(words[1], [])
+            current = found.setdefault(
+                words[3] if len(words) > 3 and words[2].upper() == "AS" else words[1], []
+            )
+            current.extend(parent)
+        elif line and not line.startswith("#"):
+            current.append(line.removeprefix("RUN ").strip())
+    return found
+
+
+def pip_installs(lines: list[str]) -> list[list[str]]:
+    """What each `pip install` line installs, as its arguments without options."""
+    installs = []
+    for line in lines:
+        for command in line.split("&&"):
+            words = shlex.split(command)
+            if words[:2] == ["pip", "install"] or words[1:4] == ["-m", "pip", "install"]:
+                installs.append(
+                    [word for word in words[words.index("install") + 1 :] if not word.startswith("-")]
+                )
+    return installs
+
+
+def test_the_gateway_target_installs_no_torch_and_the_executor_target_the_engine(compose):
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def pulls_torch(requirements: list[str]) -> bool:
+        return any(
+            req.split(";")[0].strip().lower().startswith(("torch", "transformers")) for req in requirements
+        )
+
+    assert not pulls_torch(project["dependencies"]), "the base install (the gateway's) must not pull torch"
+    assert pulls_torch(extras["executor"])
+    built = stages((REPO / "Dockerfile").read_text())
+    gateway_installs = pip_installs(built["gateway"])
+    assert gateway_installs, "the gateway target installs nothing"
+    for arguments in gateway_installs:
+        for argument in arguments:
+            assert "torch" not in argument, argument
+            named = argument.partition("[")[2].rstrip("]")
+            for extra in filter(None, named.split(",")):
+                assert not pulls_torch(extras[extra]), (
+                    f"the gateway target installs extra {extra!r}, with torch"
+                )
+    assert [".[executor]"] in pip_installs(built["executor"])
+    targets = {name: svc["build"]["target"] for name, svc in kvserve_services(compose).items()}
+    assert targets == {"model": "executor", "executor-0": "executor", "gateway": "gateway"}
+    for service in kvserve_services(compose).values():
+        assert service["build"]["context"] == "."
+        assert service["build"]["target"] in built
+
+
+def test_the_missing_dependency_error_names_the_executor_extra():
+    """`kvserve executor` without torch names the extra to install: the list it checks is the extra's own."""
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "executor"
+    ]
+    names = {re.split(r"[<>=;\[ ]", requirement, maxsplit=1)[0] for requirement in extra}
+    assert names == set(EXECUTOR_EXTRA)
 
 
 def test_keys_required_and_traces_exported_to_the_viewer(compose):

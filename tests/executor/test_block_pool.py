@@ -3,7 +3,7 @@ import pytest
 from executor.block_pool import BlockPool
 from executor.kv_cache_manager import KVCacheManager
 from executor.request import Request
-from executor.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 def make_request(rid, tokens, salt=None):

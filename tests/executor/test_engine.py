@@ -188,7 +188,7 @@ def test_load_counts_the_prompt_tokens_still_to_prefill(llm):
 
 def test_a_steps_token_budget_defaults_by_device(tiny_models):
     """512 on a CPU, where a 2,048-token step would take seconds; an explicit budget is kept."""
-    from executor.config import EngineConfig
+    from shared.engine_config import EngineConfig
 
     assert LLM(tiny_models["llama"], kv_cache_memory="1MiB").engine.scheduler.max_num_batched_tokens == 512
     assert EngineConfig().batched_tokens_for("cuda") == 2048

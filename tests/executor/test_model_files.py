@@ -25,18 +25,18 @@ from transformers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from executor import gguf_convert, model_files
-from executor.cli import main
+from executor import gguf_convert
 from executor.gguf_convert import convert_gguf
 from executor.model_files import (
-    DEFAULT_MODEL,
-    ModelLoadError,
     default_gguf,
     load_weights,
     pull_default_model,
     read_config,
     resolve_model,
 )
+from kvserve.cli import main
+from shared.defaults import DEFAULT_MODEL
+from shared.model_paths import ModelLoadError
 
 CHAT = [
     {"role": "user", "content": "Explain in two sentences why a paged KV cache wastes less memory."},
@@ -309,11 +309,3 @@ def test_model_directory_errors_name_the_missing_file(sharded_llama) -> None:
         resolve_model(str(model_dir))
     with pytest.raises(ModelLoadError, match="expected"):
         resolve_model(str(model_dir / "nowhere"))
-
-
-def test_cache_dir_follows_the_environment(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("KVSERVE_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert model_files.cache_dir() == tmp_path / "kvserve"
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "elsewhere"))
-    assert model_files.cache_dir() == tmp_path / "elsewhere"

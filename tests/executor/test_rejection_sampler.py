@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from executor.sampler import SamplingRow, sampling_probs
-from executor.sampling_params import SamplingParams
 from executor.spec_decode import rejection_sample, verify
+from shared.sampling_params import SamplingParams
 
 NUM_SAMPLES = 20_000
 SIGNIFICANCE = 1e-3  # a correct sampler fails one run in a thousand

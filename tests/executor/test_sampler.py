@@ -5,7 +5,7 @@ import torch
 
 from executor import sampler as sampler_module
 from executor.sampler import Sampler, SamplingRow, apply_penalties, draw, sampling_probs
-from executor.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # Probabilities 0.5, 0.3, 0.15, 0.05: every filter case below has a clear margin to its threshold.

@@ -1,8 +1,8 @@
 from executor.block_pool import BlockPool
 from executor.kv_cache_manager import KVCacheManager
 from executor.request import Request, RequestStatus
-from executor.sampling_params import SamplingParams
 from executor.scheduler import Scheduler
+from shared.sampling_params import SamplingParams
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, caching=True):

@@ -6,7 +6,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from executor.cli import main
+from kvserve.cli import main
 from shared import redis_keys
 from shared.api_keys import authenticate
 
@@ -114,6 +114,6 @@ def test_usage(db_url, capsys):
 
 def test_the_key_is_stdouts_first_line_alone(db_url):
     """`KEY=$(kvserve keys create --tenant t | head -1)` must capture the key."""
-    command = [sys.executable, "-m", "executor.cli", "keys", "create", "--tenant", "t", "--redis-url", db_url]
+    command = [sys.executable, "-m", "kvserve.cli", "keys", "create", "--tenant", "t", "--redis-url", db_url]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     assert _authenticates(db_url, done.stdout.splitlines()[0])

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import redis
 
-from executor.cli import build_parser
+from kvserve.cli import build_parser
 from shared.api_keys import KeyStore
 from shared.redis_server import start_redis_server
 from tests.processes import GatewayProcess, eventually, free_port
@@ -95,5 +95,5 @@ def test_metrics_without_redis_show_the_gateways_own_series(gateways):
 
 
 def test_up_takes_the_metrics_flags():
-    args = build_parser().parse_args(["up", "--metrics-port", "9100", "--metrics-host", "10.0.0.5"])
+    args = build_parser("up").parse_args(["up", "--metrics-port", "9100", "--metrics-host", "10.0.0.5"])
     assert (args.metrics_port, args.metrics_host) == (9100, "10.0.0.5")

@@ -35,7 +35,7 @@ def tenancy_stack(tiny_models, tmp_path_factory):
     try:
         # a gateway that must not run open refuses to start while no key exists
         refused = subprocess.run(
-            [sys.executable, "-m", "executor.cli", "gateway", "--require-api-key", "--redis-url", server.url],
+            [sys.executable, "-m", "kvserve.cli", "gateway", "--require-api-key", "--redis-url", server.url],
             cwd=REPO,
             capture_output=True,
             text=True,

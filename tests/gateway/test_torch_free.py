@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,25 +14,8 @@ from tests.processes import REPO, GatewayProcess, one_executor_stack
 
 post = functools.partial(httpx.post, timeout=60)
 
-# `kvserve gateway` built from gateway/cli.py's own parser: today's `kvserve` entry point (executor/cli.py)
-# imports the executor's modules for its other subcommands, so it would load torch before the gateway runs
-GATEWAY_ONLY_ENTRY = [
-    sys.executable,
-    "-c",
-    "import argparse, sys\n"
-    "from gateway.cli import add_gateway_commands\n"
-    "parser = argparse.ArgumentParser(prog='kvserve')\n"
-    "add_gateway_commands(parser.add_subparsers(required=True))\n"
-    "args = parser.parse_args()\n"
-    "sys.exit(args.handler(args))\n",
-]
-
 TORCH_LIBRARIES = ("libtorch", "torch/_C")
 GATEWAY_RSS_LIMIT_MIB = 200
-
-
-class GatewayOnlyProcess(GatewayProcess):
-    entry = GATEWAY_ONLY_ENTRY
 
 
 def torch_mappings(pid: int) -> list[str]:
@@ -50,7 +32,7 @@ def resident_mib(pid: int) -> float:
 
 @pytest.mark.slow
 def test_gateway_serves_a_chat_without_loading_torch(tiny_models, tmp_path):
-    with one_executor_stack(tiny_models["llama"], tmp_path, GatewayOnlyProcess) as (gateway, executor):
+    with one_executor_stack(tiny_models["llama"], tmp_path, GatewayProcess) as (gateway, executor):
         chat = [{"role": "user", "content": "Hi 😀"}]
         body = {"model": "tiny", "messages": chat, "max_tokens": 4, "ignore_eos": True}
         response = post(f"{gateway.base}/v1/chat/completions", json=body)
@@ -64,7 +46,7 @@ def test_gateway_serves_a_chat_without_loading_torch(tiny_models, tmp_path):
 
 def test_bad_model_directory_is_refused_at_start_naming_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    gateway = GatewayOnlyProcess(str(tmp_path), "redis://127.0.0.1:1/0", tmp_path / "gateway.log")
+    gateway = GatewayProcess(str(tmp_path), "redis://127.0.0.1:1/0", tmp_path / "gateway.log")
     try:
         assert gateway.process.wait(30) == 2
     finally:

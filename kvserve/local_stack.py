@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import redis
 
-from gateway.supervisor import Supervisor, describe_exit, stop_processes
+from kvserve.supervisor import Supervisor, describe_exit, stop_processes
 from shared import redis_keys
 from shared.redis_server import EmbeddedRedis, free_port, start_redis_server
 
@@ -95,7 +95,7 @@ class LocalStack:
             moved = f"tcp://{HOST}:{free_port(HOST)}"
             log.warning("%s: %s is taken by another process, moving to %s", executor_id, address, moved)
             address = self.addresses[executor_id] = moved
-        argv = [sys.executable, "-m", "executor.cli", "executor", "--executor-id", executor_id]
+        argv = [sys.executable, "-m", "kvserve.cli", "executor", "--executor-id", executor_id]
         argv += ["--bind", address, "--redis-url", self.redis_url, *self.plan.flags]
         return start_executor(argv, self.plan.count, self.plan.device, self.plan.niceness)
 

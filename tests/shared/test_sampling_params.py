@@ -1,6 +1,6 @@
 import pytest
 
-from executor.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm() -> None:

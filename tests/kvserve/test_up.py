@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from gateway.supervisor import RESTART_LIMIT
+from kvserve.supervisor import RESTART_LIMIT
 from tests.processes import REPO, eventually, free_port
 
 
@@ -54,7 +54,7 @@ class Up:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        args = [sys.executable, "-m", "executor.cli", "up", "--model", model, "--executors", str(executors)]
+        args = [sys.executable, "-m", "kvserve.cli", "up", "--model", model, "--executors", str(executors)]
         args += ["--port", str(self.port), "--kv-cache-memory", "8MiB", "--served-model-name", "tiny"]
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(

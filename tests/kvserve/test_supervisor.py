@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S, Supervisor, stop_processes
+from kvserve.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S, Supervisor, stop_processes
 from tests.processes import eventually
 
 

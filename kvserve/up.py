@@ -1,0 +1,111 @@
+"""`kvserve up`: Redis (embedded unless --redis-url), N executors as supervised child processes, and the gateway
+in this process. It imports neither side's engine: the model is pulled by a `kvserve model pull` child, so this
+process, the gateway's, never loads torch."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from gateway.cli import add_http_args, run_gateway
+from kvserve.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S
+from shared.defaults import DEFAULT_MODEL
+from shared.engine_config import add_engine_args, config_from_args, engine_argv
+from shared.model_paths import check_model_dir, pulled_model_dir
+
+# CPU executors run below the gateway's priority: the gateway's work per request is small but sits on every
+# request's path, and behind busy OpenMP threads it waited for a core (bench/soak.sh: added latency p50
+# 15 ms -> 4 ms with the gateway first)
+EXECUTOR_NICENESS = 10
+
+UP_DESCRIPTION = (
+    "Redis (embedded unless --redis-url), executors and a gateway on this machine. A child that dies is "
+    f"restarted after {FIRST_BACKOFF_S} s, the wait doubling with each death within {RESTART_WINDOW_S:.0f} s; "
+    f"{RESTART_LIMIT} deaths of one child within {RESTART_WINDOW_S:.0f} s end kvserve up with exit code 1, "
+    "naming it. SIGTERM or Ctrl-C drains: new requests get 503 while those in flight finish (at most "
+    "--shutdown-grace-period), then everything stops; a second signal stops at once."
+)
+
+
+def add_up_args(up: argparse.ArgumentParser) -> None:
+    up.description = UP_DESCRIPTION
+    add_http_args(up)
+    up.add_argument("--executors", type=int, default=1, help="how many executor processes")
+    up.add_argument(
+        "--executor-niceness",
+        type=int,
+        default=EXECUTOR_NICENESS,
+        help="CPU executors run this much below the gateway's priority (default: %(default)s; 0: same)",
+    )
+    add_engine_args(up)
+    up.set_defaults(handler=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Start what is missing (Redis unless --redis-url), N executors as supervised child processes, then the
+    gateway here; on exit stop exactly the processes it started."""
+    from kvserve.local_stack import ExecutorPlan, LocalStack, StackError
+    from shared import logs
+    from shared.redis_server import RedisServerError
+
+    logs.configure("kvserve-up", args.log_format)
+
+    if args.executors < 1:
+        print("kvserve up: error: --executors must be at least 1", file=sys.stderr)
+        return 2
+    if not 0 <= args.executor_niceness <= 19:
+        print("kvserve up: error: --executor-niceness must be 0-19", file=sys.stderr)
+        return 2
+    if args.shutdown_grace_period < 0:
+        print("kvserve up: error: --shutdown-grace-period must be at least 0", file=sys.stderr)
+        return 2
+    try:
+        config = config_from_args(args)
+        # pulled once here (by a child: this process must not load torch), not in every executor at once
+        model_dir = str(pulled_model_dir(config.model))
+        check_model_dir(Path(model_dir))
+    except ValueError as error:
+        print(f"kvserve up: error: {error}", file=sys.stderr)
+        return 2
+    config.model = model_dir
+    flags = ["--log-format", args.log_format, "--shutdown-grace-period", str(args.shutdown_grace_period)]
+    plan = ExecutorPlan(args.executors, [*flags, *engine_argv(config)], config.device, args.executor_niceness)
+    stack = LocalStack(plan, args.redis_url)
+
+    def supervise(server) -> None:
+        # a child that keeps dying drains the gateway like a SIGTERM, and kvserve up then exits 1
+        server.on_drain.append(stack.hold)
+        stack.watch(on_failure=server.begin_drain)
+
+    # until the gateway serves (and drains on these itself), a signal unwinds through the cleanup below
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+    try:
+        stack.start()
+        args.redis_url = stack.redis_url
+        args.model = model_dir
+        if args.served_model_name is None and _is_default(model_dir):
+            args.served_model_name = DEFAULT_MODEL
+        code = run_gateway(args, supervise)
+    except (StackError, RedisServerError) as error:
+        print(f"kvserve up: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # stopping the children is bounded; let it finish
+        stack.stop()
+    if stack.failure is not None:
+        print(f"kvserve up: error: {stack.failure}", file=sys.stderr)
+        return 1
+    return code
+
+
+def _exit_on_signal(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _is_default(model_dir: str) -> bool:
+    return os.path.basename(model_dir.rstrip("/")) == DEFAULT_MODEL
