@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shared.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
@@ -77,6 +79,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # added to the logits before penalties; normalised to a dict
+    # the output must match this (shared/structured_outputs.py); a dict (the wire's form) is read into one
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if _integer("max_tokens", self.max_tokens) < 1:
@@ -117,6 +121,8 @@ class SamplingParams:
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}"
             )
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_wire(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
