@@ -11,7 +11,7 @@ import numpy as np
 
 from executor.block_pool import Block, BlockPool
 from executor.request import Request
-from shared.block_hash import hash_blocks
+from shared.block_hash import hash_blocks, max_cached_blocks
 
 
 class KVCacheManager:
@@ -39,9 +39,8 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return []
         self._update_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
         hit = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in request.block_hashes[: max_cached_blocks(request.num_tokens, self.block_size)]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
