@@ -1,5 +1,7 @@
 """Block tables per request: prefix-cache lookups, on-demand allocation, caching of full blocks, freeing.
 
+It reads a request's num_computed_tokens but never moves it: that is the scheduler's bookkeeping.
+
 Besides each request's list of Block objects (what ref counts and the prefix cache work on), the ids live in
 one int32 array, a row per request holding blocks, written when blocks are added: a step's batch copies rows
 out of it instead of rebuilding every request's table from Python objects each step.
@@ -48,7 +50,8 @@ class KVCacheManager:
         return hit
 
     def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = ()) -> bool:
-        """Make room for num_new_tokens more tokens (after the cached prefix); False if the pool is short."""
+        """Make room for num_new_tokens more tokens past the computed ones and the cached prefix, which joins
+        the table; False if the pool is short. The caller counts the prefix as computed."""
         table = self.tables.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - len(table) - len(cached_prefix)
@@ -60,7 +63,6 @@ class KVCacheManager:
         if cached_prefix:
             self.pool.touch(list(cached_prefix))
             table = table + list(cached_prefix)
-            request.num_computed_tokens += len(cached_prefix) * self.block_size
             self._num_cached[request.request_id] = len(cached_prefix)
         if num_needed > 0:
             table = table + self.pool.allocate(num_needed)
