@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,11 @@ from executor.sampler import Sampler, SamplingRow, TokenLogprobs
 from executor.sampling_params import SamplingParams
 from executor.spec_decode import SpecBackoff, verify
 from kernels.backend import choose_attention_backend
+from shared.block_hash import hash_blocks
 
 log = logging.getLogger("kvserve.engine")
+
+HASHES_CHECKED = 4  # leading blocks of a prompt whose gateway hashes are compared with the engine's
 
 
 @dataclass(slots=True)
@@ -66,6 +70,7 @@ class Engine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.first_scheduled: list[Request] = []  # requests the last step scheduled for the first time
+        self.block_hash_mismatches = 0  # requests whose gateway hashed their prompt otherwise
         log_kv_capacity(num_blocks, block_bytes, self.block_size, self.dtype, self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------------
@@ -76,8 +81,10 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        block_hashes: Sequence[bytes] = (),
     ) -> Request:
-        """Validate and queue; a bad request raises ValueError naming the field and touches nothing else."""
+        """Validate and queue; a bad request raises ValueError naming the field and touches nothing else.
+        block_hashes: the prompt's chain as the gateway hashed it, checked against this engine's own."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -103,9 +110,31 @@ class Engine:
         request = Request(
             request_id, token_ids, params, self.eos_token_ids, cache_salt=cache_salt, generator=generator
         )
+        if block_hashes:
+            self._check_block_hashes(request, block_hashes)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def _check_block_hashes(self, request: Request, sent: Sequence[bytes]) -> None:
+        """Compare the gateway's first block hashes with this engine's chain: where they disagree, routing by
+        cached prefix finds nothing here, and the hit rate drops to 0 without a word otherwise."""
+        n = min(len(sent), HASHES_CHECKED)
+        request.block_hashes = hash_blocks(
+            request.token_ids[: n * self.block_size], self.block_size, request.cache_salt
+        )
+        if list(sent[:n]) == request.block_hashes:
+            return
+        self.block_hash_mismatches += 1
+        if self.block_hash_mismatches == 1:
+            log.warning(
+                "request %s: the gateway's block hashes differ from this executor's (block size %d): likely a "
+                "gateway and executor that disagree on block size, cache salt or hash function; prefix-cache "
+                "routing to this executor will miss (counted in kvserve_block_hash_mismatches_total, this "
+                "warning once)",
+                request.request_id,
+                self.block_size,
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already finished."""
@@ -259,6 +288,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "spec_draft_tokens": self.scheduler.spec_draft_tokens,
             "spec_accepted_tokens": self.scheduler.spec_accepted_tokens,
+            "block_hash_mismatches": self.block_hash_mismatches,
         }
 
     def stats(self) -> dict[str, float]:

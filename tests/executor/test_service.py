@@ -167,6 +167,32 @@ def test_stats_hash_counts_prefix_cache_hits_and_queue_times(executor, gateway):
     assert after.gauges == {"kv_blocks_used": 0, "kv_blocks_total": total, "running": 0, "waiting": 0}
 
 
+def test_block_hashes_that_disagree_with_the_executors_are_counted_and_warned_about_once(executor, gateway):
+    def mismatches() -> float:
+        stats = ExecutorStats.from_hash(executor.redis.hgetall(keys.stats_key(executor.id)))
+        return stats.counters["block_hash_mismatches"]
+
+    def warnings() -> int:
+        return executor.log_path.read_text().count("block hashes differ from this executor's")
+
+    prompt = list(range(500, 540))
+    before = mismatches()
+    gateway.generate("h-agrees", prompt, max_tokens=1, temperature=0.0)  # hashed as the executor hashes
+    gateway.collect({"h-agrees"})
+    salted = protocol.GenerateRequest("h-salt", prompt, hash_blocks(prompt, 16), {"max_tokens": 1}, None, "t")
+    eight = protocol.GenerateRequest("h-size", prompt, hash_blocks(prompt, 8), {"max_tokens": 1})
+    for msg in (salted, eight):  # a gateway that forgot the salt, one with another block size
+        gateway.send(msg)
+        _, reasons, errors, _ = gateway.collect({msg.request_id})
+        assert reasons == {msg.request_id: "length"} and not errors  # served all the same
+    assert eventually(lambda: mismatches() - before == 2, timeout=2.0)
+    assert warnings() == 1
+    gateway.generate("h-agrees-again", prompt, max_tokens=1, temperature=0.0)
+    gateway.collect({"h-agrees-again"})
+    time.sleep(0.5)  # the stats go out when the engine is idle again
+    assert mismatches() - before == 2 and warnings() == 1
+
+
 def test_abort_stops_a_request(executor, gateway):
     gateway.generate("long", PROMPT_B, max_tokens=500, temperature=0.0, ignore_eos=True)
     tokens, reasons, _, _ = gateway.collect({"long"}, until_tokens=1)
