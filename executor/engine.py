@@ -23,6 +23,7 @@ from executor.kv_sizing import pick_device_and_dtype
 from executor.request import Request
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs
 from executor.sampling_params import SamplingParams
+from executor.scheduler import NewTokens
 from executor.spec_decode import SpecBackoff, verify
 from kernels.backend import choose_attention_backend
 from shared.block_hash import hash_blocks
@@ -200,28 +201,28 @@ class Engine:
         token_ids, logprobs = self._sample(step)
         news = self.scheduler.update_from_output(sched, step.requests, token_ids)
         now = time.time_ns()
-        outputs = []
-        for new, new_logprobs in zip(news, logprobs, strict=True):
-            request = new.request
-            request.first_token_ns = request.first_token_ns or now
-            if new.num_proposed:
-                self.backoff.record(request.request_id, new.num_proposed, new.num_accepted)
-            if request.finish_reason is not None:
-                self.requests.pop(request.request_id, None)
-                self.backoff.forget(request.request_id)
-            outputs.append(
-                StepOutput(
-                    request.request_id,
-                    new.token_ids,
-                    new_logprobs[: len(new.token_ids)],
-                    request.finish_reason,
-                    request.num_cached_tokens,
-                    request.num_accepted_tokens,
-                )
-            )
+        outputs = [self._output(new, lp, now) for new, lp in zip(news, logprobs, strict=True)]
         if self.ngram is not None or self.draft is not None:
             self._propose([new.request for new in news if new.request.finish_reason is None])
         return outputs
+
+    def _output(self, new: NewTokens, logprobs: list[TokenLogprobs | None], now: int) -> StepOutput:
+        """A sampled request's StepOutput; what the scheduler booked also feeds the back-off rule."""
+        request = new.request
+        request.first_token_ns = request.first_token_ns or now
+        if new.num_proposed:
+            self.backoff.record(request.request_id, new.num_proposed, new.num_accepted)
+        if request.finish_reason is not None:
+            self.requests.pop(request.request_id, None)
+            self.backoff.forget(request.request_id)
+        return StepOutput(
+            request.request_id,
+            new.token_ids,
+            logprobs[: len(new.token_ids)],
+            request.finish_reason,
+            request.num_cached_tokens,
+            request.num_accepted_tokens,
+        )
 
     def _sample(self, step) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """Each request's new tokens: one sampled, or its accepted proposals and one more when it verifies."""
@@ -292,17 +293,11 @@ class Engine:
         }
 
     def stats(self) -> dict[str, float]:
-        filled: dict[int, int] = {}
-        for request in self.scheduler.running:
-            table = self.kv.tables.get(request.request_id, [])
-            for i, block in enumerate(table):
-                n = min(self.block_size, max(0, request.num_computed_tokens - i * self.block_size))
-                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
         return {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.num_used_blocks,
             "block_size": self.block_size,
-            "kv_tokens_stored": sum(filled.values()),
+            "kv_tokens_stored": self.kv.num_tokens_stored(self.scheduler.running),
             **self.counters(),
             "spec_acceptance_rate": self.scheduler.spec_accepted_tokens / self.scheduler.spec_draft_tokens
             if self.scheduler.spec_draft_tokens

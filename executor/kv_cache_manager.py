@@ -107,6 +107,15 @@ class KVCacheManager:
         # tail first, so the blocks least likely to be shared are evicted first
         self.pool.free(table[::-1])
 
+    def num_tokens_stored(self, requests: list[Request]) -> int:
+        """Tokens whose KV these requests' blocks hold, a block shared by several counted once."""
+        filled: dict[int, int] = {}
+        for request in requests:
+            for i, block in enumerate(self.tables.get(request.request_id, [])):
+                n = min(self.block_size, max(0, request.num_computed_tokens - i * self.block_size))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+        return sum(filled.values())
+
     def _update_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             request.block_hashes = hash_blocks(
