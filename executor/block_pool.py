@@ -83,10 +83,6 @@ class BlockPool:
         if self._events is not None:
             self._events.setdefault(block_hash, False)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
     def cached_hashes(self) -> list[bytes]:
         """Every hash the prefix cache holds now: what a publisher writes again when its copy was lost."""
         return list(self._cached)

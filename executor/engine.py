@@ -5,29 +5,32 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer
 
-from executor.block_pool import BlockPool
-from executor.kv_cache_manager import KVCacheManager
-from executor.kv_sizing import kv_cache_bytes, pick_device_and_dtype
-from executor.model_files import load_weights, read_config, resolve_model
-from executor.model_runner import ModelRunner
-from executor.models import build_model, decoder_spec
-from executor.request import Request, RequestStatus
+from executor.engine_setup import (
+    build_proposers,
+    build_runner,
+    build_scheduler,
+    load_models,
+    log_kv_capacity,
+    num_kv_blocks,
+)
+from executor.kv_sizing import pick_device_and_dtype
+from executor.request import Request
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs
-from executor.scheduler import Scheduler
-from executor.spec_decode import NgramProposer, SpecBackoff, verify
-from executor.spec_decode.draft import DraftProposer, load_draft_model
+from executor.scheduler import NewTokens
+from executor.spec_decode import SpecBackoff, verify
 from kernels.backend import choose_attention_backend
+from shared.block_hash import hash_blocks
 from shared.engine_config import EngineConfig
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.engine")
 
-NGRAM = "ngram"  # --speculative-model ngram: prompt lookup instead of a draft model
+HASHES_CHECKED = 4  # leading blocks of a prompt whose gateway hashes are compared with the engine's
 
 
 @dataclass(slots=True)
@@ -50,79 +53,26 @@ class Engine:
         )
         self.config = config
         self.attention = choose_attention_backend(config.attention_backend, self.device)
-        self.model_path = resolve_model(config.model)
-        hf_config = read_config(self.model_path)
-        spec = decoder_spec(hf_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-        self.eos_token_ids = _eos_token_ids(hf_config, self.model_path, self.tokenizer)
-        self.max_model_len = _max_model_len(config.max_model_len, spec)
-        torch.manual_seed(config.seed)
-        model = build_model(spec, load_weights(self.model_path), self.dtype, self.device)
-        self.vocab_size = spec.vocab_size
+        models = load_models(config, self.device, self.dtype)
+        self.model_path, self.tokenizer = models.path, models.tokenizer
+        self.eos_token_ids, self.vocab_size = models.eos_token_ids, models.vocab_size
+        self.max_model_len = models.max_model_len
         self.block_size = config.block_size
-        draft_model = None
-        if config.speculative_model not in (None, NGRAM):
-            draft_model = load_draft_model(
-                config.speculative_model,
-                self.tokenizer,
-                self.vocab_size,
-                self.max_model_len,
-                self.dtype,
-                self.device,
-            )
-        # a draft's KV blocks mirror the target's, so each block costs both
-        block_bytes = sum(
-            ModelRunner.bytes_per_block(m, self.block_size, self.dtype) for m in (model, draft_model) if m
+        num_blocks, block_bytes = num_kv_blocks(config, models, self.device, self.dtype, self.attention)
+        self.scheduler = build_scheduler(config, num_blocks, self.max_model_len, self.device)
+        self.kv, self.pool = self.scheduler.kv, self.scheduler.kv.pool
+        self.runner = build_runner(
+            config, models.target, num_blocks, self.max_model_len, self.device, self.dtype, self.attention
         )
-        num_blocks = kv_cache_bytes(config, model, self.device, self.dtype, self.attention) // block_bytes
-        if num_blocks < 1:
-            raise ValueError("kv_cache_memory: too small for even one KV block")
-        max_batched = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:
-            max_batched = max(max_batched, self.max_model_len)  # a whole prompt must fit one step
-        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.kv = KVCacheManager(
-            self.pool, self.block_size, -(-self.max_model_len // self.block_size) + 1, config.max_num_seqs
+        self.ngram, self.draft = build_proposers(
+            config, models.draft, num_blocks, self.device, self.dtype, self.attention
         )
-        self.scheduler = Scheduler(
-            self.kv,
-            config.max_num_seqs,
-            max_batched,
-            config.enable_chunked_prefill,
-            config.max_waiting_seqs,
-            config.waiting_tokens_for(self.device.type),
-        )
-        self.runner = ModelRunner(model, num_blocks, self.block_size, self.device, self.dtype, self.attention)
-        self.attention.prepare(self.device, self.dtype)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            if self.attention.graph_safe:
-                self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len)
-            else:
-                log.info("no CUDA graphs: the %s attention backend cannot be captured", self.attention.name)
+        self.backoff = SpecBackoff(config.speculative_disable_by_batch_size)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self.ngram = self.draft = None
-        if config.speculative_model == NGRAM:
-            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        elif draft_model is not None:
-            self.draft = DraftProposer(
-                draft_model, num_blocks, self.block_size, self.device, self.dtype, self.attention
-            )
-        self.backoff = SpecBackoff(config.speculative_disable_by_batch_size)
-        self.num_draft_tokens = 0  # proposals verified, all requests
-        self.num_accepted_tokens = 0  # of which accepted
         self.first_scheduled: list[Request] = []  # requests the last step scheduled for the first time
-        capacity = num_blocks * self.block_size
-        log.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens; %.1f requests of max_model_len %d fit",
-            num_blocks,
-            self.block_size,
-            num_blocks * block_bytes / 2**30,
-            self.dtype,
-            capacity,
-            capacity / self.max_model_len,
-            self.max_model_len,
-        )
+        self.block_hash_mismatches = 0  # requests whose gateway hashed their prompt otherwise
+        log_kv_capacity(num_blocks, block_bytes, self.block_size, self.dtype, self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -132,8 +82,10 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        block_hashes: Sequence[bytes] = (),
     ) -> Request:
-        """Validate and queue; a bad request raises ValueError naming the field and touches nothing else."""
+        """Validate and queue; a bad request raises ValueError naming the field and touches nothing else.
+        block_hashes: the prompt's chain as the gateway hashed it, checked against this engine's own."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -159,16 +111,39 @@ class Engine:
         request = Request(
             request_id, token_ids, params, self.eos_token_ids, cache_salt=cache_salt, generator=generator
         )
+        if block_hashes:
+            self._check_block_hashes(request, block_hashes)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def _check_block_hashes(self, request: Request, sent: Sequence[bytes]) -> None:
+        """Compare the gateway's first block hashes with this engine's chain: where they disagree, routing by
+        cached prefix finds nothing here, and the hit rate drops to 0 without a word otherwise."""
+        n = min(len(sent), HASHES_CHECKED)
+        request.block_hashes = hash_blocks(
+            request.token_ids[: n * self.block_size], self.block_size, request.cache_salt
+        )
+        if list(sent[:n]) == request.block_hashes:
+            return
+        self.block_hash_mismatches += 1
+        if self.block_hash_mismatches == 1:
+            log.warning(
+                "request %s: the gateway's block hashes differ from this executor's (block size %d): likely a "
+                "gateway and executor that disagree on block size, cache salt or hash function; prefix-cache "
+                "routing to this executor will miss (counted in kvserve_block_hash_mismatches_total, this "
+                "warning once)",
+                request.request_id,
+                self.block_size,
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already finished."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self._finish(request, "abort")
+        self.scheduler.finish(request, "abort")
+        self.backoff.forget(request_id)
         return True
 
     @property
@@ -209,6 +184,7 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """Schedule, run the model (sample, verify proposals), let the scheduler book it, propose for the next."""
         sched = self.scheduler.schedule()
         now = time.time_ns()
         self.first_scheduled = [r for r, _ in sched.scheduled if not r.first_scheduled_ns]
@@ -222,25 +198,31 @@ class Engine:
             return []
         self._zero_fresh_blocks()
         step = self.runner.execute(sched.scheduled, self.kv)
-        for request, n in sched.scheduled:
-            request.num_computed_tokens += n
-        outputs, finished = [], []
-        sampled = self._sample(step)
+        token_ids, logprobs = self._sample(step)
+        news = self.scheduler.update_from_output(sched, step.requests, token_ids)
         now = time.time_ns()
-        for request, token_ids, logprobs in zip(step.requests, *sampled, strict=True):
-            request.first_token_ns = request.first_token_ns or now
-            out = self._advance(request, token_ids, logprobs)
-            outputs.append(out)
-            if out.finish_reason is not None:
-                finished.append(request)
+        outputs = [self._output(new, lp, now) for new, lp in zip(news, logprobs, strict=True)]
         if self.ngram is not None or self.draft is not None:
-            self._propose(step.requests, finished)
-        for request, _ in sched.scheduled:
-            self.kv.cache_full_blocks(request)
-        for request in finished:
-            self.requests.pop(request.request_id, None)
-            self._finish(request, request.finish_reason)
+            self._propose([new.request for new in news if new.request.finish_reason is None])
         return outputs
+
+    def _output(self, new: NewTokens, logprobs: list[TokenLogprobs | None], now: int) -> StepOutput:
+        """A sampled request's StepOutput; what the scheduler booked also feeds the back-off rule."""
+        request = new.request
+        request.first_token_ns = request.first_token_ns or now
+        if new.num_proposed:
+            self.backoff.record(request.request_id, new.num_proposed, new.num_accepted)
+        if request.finish_reason is not None:
+            self.requests.pop(request.request_id, None)
+            self.backoff.forget(request.request_id)
+        return StepOutput(
+            request.request_id,
+            new.token_ids,
+            logprobs[: len(new.token_ids)],
+            request.finish_reason,
+            request.num_cached_tokens,
+            request.num_accepted_tokens,
+        )
 
     def _sample(self, step) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """Each request's new tokens: one sampled, or its accepted proposals and one more when it verifies."""
@@ -256,47 +238,14 @@ class Engine:
         verified = verify(step.logits, rows, drafts, [r.draft_probs for r in step.requests])
         return verified.token_ids, verified.logprobs
 
-    def _advance(self, request: Request, token_ids: list[int], logprobs: list) -> StepOutput:
-        """Append the step's tokens up to a stop; give back the KV positions of rejected proposals."""
-        num_proposed, num_accepted = len(request.spec_token_ids), len(token_ids) - 1
-        if num_proposed:
-            request.num_draft_tokens += num_proposed
-            request.num_accepted_tokens += num_accepted
-            self.num_draft_tokens += num_proposed
-            self.num_accepted_tokens += num_accepted
-            self.backoff.record(request.request_id, num_proposed, num_accepted)
-            # the draft wrote KV for all its proposals but the last while proposing
-            request.num_draft_computed += min(num_accepted, num_proposed - 1)
-            # the rejected positions' KV is garbage: forget it (later tokens overwrite those slots)
-            request.num_computed_tokens -= num_proposed - num_accepted
-            request.set_spec_tokens([])
-        reason, kept = None, 0
-        while reason is None and kept < len(token_ids):  # a stop inside an accepted run ends it there
-            request.append_token(token_ids[kept])
-            kept += 1
-            reason = request.check_stop(self.max_model_len)
-        del token_ids[kept:], logprobs[kept:]
-        # all but the newest token have KV (fewer when a stop cut the run short)
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        request.finish_reason = reason
-        return StepOutput(
-            request.request_id,
-            token_ids,
-            logprobs,
-            reason,
-            request.num_cached_tokens,
-            request.num_accepted_tokens,
-        )
-
-    def _propose(self, sampled: list[Request], finished: list[Request]) -> None:
+    def _propose(self, sampled: list[Request]) -> None:
         """Proposals for the next step, from requests the back-off rule lets speculate (spec_decode/backoff.py)."""
-        done = set(finished)
-        if not self.backoff.batch_allows(len(self.scheduler.running) - len(done)):
+        if not self.backoff.batch_allows(len(self.scheduler.running)):
             return
         k_max = self.config.num_speculative_tokens
         work = []
         for request in sampled:
-            if request in done or not self.backoff.request_allows(request.request_id):
+            if not self.backoff.request_allows(request.request_id):
                 continue
             # the run it emits (accepted proposals + one) must fit max_tokens and max_model_len
             k = min(k_max, request.num_tokens_left(self.max_model_len) - 1)
@@ -318,13 +267,6 @@ class Engine:
         if self.draft is not None:
             self.draft.runner.zero_blocks(fresh)
 
-    def _finish(self, request: Request, reason: str) -> None:
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.finished_ns = time.time_ns()
-        self.scheduler.remove(request)
-        self.backoff.forget(request.request_id)
-
     # -- introspection ----------------------------------------------------------------------------
 
     def load(self) -> dict[str, float]:
@@ -345,57 +287,21 @@ class Engine:
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            "spec_draft_tokens": self.num_draft_tokens,
-            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_draft_tokens": self.scheduler.spec_draft_tokens,
+            "spec_accepted_tokens": self.scheduler.spec_accepted_tokens,
+            "block_hash_mismatches": self.block_hash_mismatches,
         }
 
     def stats(self) -> dict[str, float]:
-        filled: dict[int, int] = {}
-        for request in self.scheduler.running:
-            table = self.kv.tables.get(request.request_id, [])
-            for i, block in enumerate(table):
-                n = min(self.block_size, max(0, request.num_computed_tokens - i * self.block_size))
-                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
         return {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.num_used_blocks,
             "block_size": self.block_size,
-            "kv_tokens_stored": sum(filled.values()),
+            "kv_tokens_stored": self.kv.num_tokens_stored(self.scheduler.running),
             **self.counters(),
-            "spec_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens
-            if self.num_draft_tokens
+            "spec_acceptance_rate": self.scheduler.spec_accepted_tokens / self.scheduler.spec_draft_tokens
+            if self.scheduler.spec_draft_tokens
             else 0.0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
-
-
-def _max_model_len(asked: int | None, spec) -> int:
-    """The model's context length, kept within a sliding window: attention here always sees the whole context,
-    which equals sliding-window attention only while the context fits the window."""
-    limit, what = spec.max_position, "context length"
-    if spec.sliding_window is not None and spec.sliding_window < limit:
-        limit, what = spec.sliding_window, "sliding window"
-    if asked is None:
-        return limit
-    if asked > limit:
-        raise ValueError(f"max_model_len {asked} exceeds the model's {what} {limit}")
-    return asked
-
-
-def _eos_token_ids(hf_config, model_path, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list):
-            ids.update(source)
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(model_path, local_files_only=True)
-        eos = gen.eos_token_id
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-    except OSError:
-        pass  # no generation_config.json
-    return frozenset(ids)

@@ -1,5 +1,7 @@
 """Block tables per request: prefix-cache lookups, on-demand allocation, caching of full blocks, freeing.
 
+It reads a request's num_computed_tokens but never moves it: that is the scheduler's bookkeeping.
+
 Besides each request's list of Block objects (what ref counts and the prefix cache work on), the ids live in
 one int32 array, a row per request holding blocks, written when blocks are added: a step's batch copies rows
 out of it instead of rebuilding every request's table from Python objects each step.
@@ -11,7 +13,7 @@ import numpy as np
 
 from executor.block_pool import Block, BlockPool
 from executor.request import Request
-from shared.block_hash import hash_blocks
+from shared.block_hash import hash_blocks, max_cached_blocks
 
 
 class KVCacheManager:
@@ -39,9 +41,8 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return []
         self._update_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
         hit = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in request.block_hashes[: max_cached_blocks(request.num_tokens, self.block_size)]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -49,7 +50,8 @@ class KVCacheManager:
         return hit
 
     def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = ()) -> bool:
-        """Make room for num_new_tokens more tokens (after the cached prefix); False if the pool is short."""
+        """Make room for num_new_tokens more tokens past the computed ones and the cached prefix, which joins
+        the table; False if the pool is short. The caller counts the prefix as computed."""
         table = self.tables.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - len(table) - len(cached_prefix)
@@ -61,7 +63,6 @@ class KVCacheManager:
         if cached_prefix:
             self.pool.touch(list(cached_prefix))
             table = table + list(cached_prefix)
-            request.num_computed_tokens += len(cached_prefix) * self.block_size
             self._num_cached[request.request_id] = len(cached_prefix)
         if num_needed > 0:
             table = table + self.pool.allocate(num_needed)
@@ -105,6 +106,15 @@ class KVCacheManager:
             self._free_rows.append(row)
         # tail first, so the blocks least likely to be shared are evicted first
         self.pool.free(table[::-1])
+
+    def num_tokens_stored(self, requests: list[Request]) -> int:
+        """Tokens whose KV these requests' blocks hold, a block shared by several counted once."""
+        filled: dict[int, int] = {}
+        for request in requests:
+            for i, block in enumerate(self.tables.get(request.request_id, [])):
+                n = min(self.block_size, max(0, request.num_computed_tokens - i * self.block_size))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+        return sum(filled.values())
 
     def _update_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 
 from executor.engine import Engine, StepOutput
 from executor.sampler import TokenLogprobs
-from shared.detokenize import IncrementalDetokenizer
 from shared.engine_config import EngineConfig
 from shared.sampling_params import SamplingParams
-from shared.stop_strings import find_stop
+from shared.stop_strings import CompletionText
 
 
 @dataclass
@@ -41,7 +40,7 @@ class _Tracked:
 
     output: RequestOutput
     params: SamplingParams
-    detok: IncrementalDetokenizer
+    text: CompletionText
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
@@ -101,8 +100,8 @@ class LLM:
             request.prompt_token_ids,
             [CompletionOutput(0, "", [])],
         )
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        self._tracked[request_id] = _Tracked(output, params, detok)
+        text = CompletionText(self.tokenizer, request.prompt_token_ids, params.stop)
+        self._tracked[request_id] = _Tracked(output, params, text)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -124,27 +123,14 @@ class LLM:
         output.num_cached_tokens = step_out.num_cached_tokens
         output.num_accepted_tokens = step_out.num_accepted_tokens
         token_ids, reason = step_out.new_token_ids, step_out.finish_reason
-        # a step can bring several tokens (speculative decoding): with stop strings, add them one at a time so
-        # the output ends at the token that completes one
-        pieces = [[t] for t in token_ids] if tracked.params.stop else [token_ids]
-        kept, hit = 0, None
-        for i, piece in enumerate(pieces):
-            new_text = tracked.detok.add(piece)
-            kept += len(piece)
-            if i == len(pieces) - 1 and reason is not None:
-                new_text += tracked.detok.flush()
-            if tracked.params.stop and new_text:
-                hit = find_stop(tracked.detok.text, len(new_text), tracked.params.stop)
-                if hit is not None:
-                    break
+        kept = tracked.text.add(token_ids, finished=reason is not None)
         completion.token_ids.extend(token_ids[:kept])
         if tracked.params.logprobs is not None:
             completion.logprobs = completion.logprobs or []
             completion.logprobs.extend(step_out.new_logprobs[:kept])
-        completion.text = tracked.detok.text
-        if hit is not None:
-            completion.text = completion.text[: hit[0]]
-            completion.stop_reason = hit[1]
+        completion.text = tracked.text.text
+        if tracked.text.stopped:
+            completion.stop_reason = tracked.text.stop_reason
             reason = "stop"
             if step_out.finish_reason is None:
                 self.engine.abort(output.request_id)

@@ -1,7 +1,13 @@
-"""Continuous batching under one token budget per step: decodes first, then prefill chunks."""
+"""Continuous batching under one token budget per step: decodes first, then prefill chunks.
+
+A step has two halves here: schedule() decides what runs, and update_from_output() books what the model made of
+it (computed tokens, accepted proposals, full blocks published, finished requests freed). The scheduler is the one
+place that moves a request's num_computed_tokens.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -20,12 +26,23 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+@dataclass(slots=True)
+class NewTokens:
+    """What a step added to one request: the tokens it kept, and how its proposals fared."""
+
+    request: Request
+    token_ids: list[int]  # accepted proposals and one more, cut at a stop
+    num_proposed: int = 0  # proposals this step verified
+    num_accepted: int = 0  # of which the target accepted
+
+
 class Scheduler:
     def __init__(
         self,
         kv: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
         enable_chunked_prefill: bool = True,
         max_waiting_seqs: int | None = None,
         max_waiting_tokens: int | None = None,
@@ -35,18 +52,24 @@ class Scheduler:
         self.max_waiting_tokens = max_waiting_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first; the newest is preempted first
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which were found
+        self.spec_draft_tokens = 0  # proposals verified, all requests
+        self.spec_accepted_tokens = 0  # of which accepted
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def remove(self, request: Request) -> None:
-        """Take a finished or aborted request out of the queues and give back its blocks."""
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (stopped, or aborted by its owner): out of the queues, its blocks given back."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_ns = time.time_ns()
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -113,6 +136,7 @@ class Scheduler:
             if not self.kv.allocate(request, num_new, cached):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = len(cached) * self.kv.block_size
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = len(cached) * self.kv.block_size
                 self.prefix_cache_queries += request.num_prompt_tokens
@@ -134,3 +158,43 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
         out.scheduled = [(r, n) for r, n in out.scheduled if r is not request]
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[Request], token_ids: list[list[int]]
+    ) -> list[NewTokens]:
+        """Book a step the model ran: out's tokens now have KV; each sampled request gets its new tokens
+        (token_ids, aligned with sampled), its rejected proposals rolled back. Full blocks are published and
+        finished requests freed; what each sampled request kept comes back, in order."""
+        for request, n in out.scheduled:
+            request.num_computed_tokens += n
+        news = [self._append(request, ids) for request, ids in zip(sampled, token_ids, strict=True)]
+        for request, _ in out.scheduled:
+            self.kv.cache_full_blocks(request)
+        for new in news:
+            if new.request.finish_reason is not None:
+                self.finish(new.request, new.request.finish_reason)
+        return news
+
+    def _append(self, request: Request, token_ids: list[int]) -> NewTokens:
+        """Append the step's tokens up to a stop; give back the KV positions of rejected proposals."""
+        new = NewTokens(request, token_ids, len(request.spec_token_ids), len(token_ids) - 1)
+        if new.num_proposed:
+            request.num_draft_tokens += new.num_proposed
+            request.num_accepted_tokens += new.num_accepted
+            self.spec_draft_tokens += new.num_proposed
+            self.spec_accepted_tokens += new.num_accepted
+            # the draft wrote KV for all its proposals but the last while proposing
+            request.num_draft_computed += min(new.num_accepted, new.num_proposed - 1)
+            # the rejected positions' KV is garbage: forget it (later tokens overwrite those slots)
+            request.num_computed_tokens -= new.num_proposed - new.num_accepted
+            request.set_spec_tokens([])
+        reason, kept = None, 0
+        while reason is None and kept < len(token_ids):  # a stop inside an accepted run ends it there
+            request.append_token(token_ids[kept])
+            kept += 1
+            reason = request.check_stop(self.max_model_len)
+        del token_ids[kept:]
+        # all but the newest token have KV (fewer when a stop cut the run short)
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        request.finish_reason = reason
+        return new

@@ -159,7 +159,9 @@ class ExecutorService:
             if unknown:
                 raise ValueError(f"sampling: unknown parameter {unknown[0]!r}")
             params = SamplingParams(**msg.sampling)
-            request = self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
+            request = self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, params, msg.cache_salt, msg.block_hashes
+            )
         except ValueError as error:
             self._send_error(identity, msg.request_id, str(error), 400, trace_id)
             return
@@ -306,6 +308,7 @@ class ExecutorService:
             preemptions=counters["num_preemptions"],
             spec_draft_tokens=counters["spec_draft_tokens"],
             spec_accepted_tokens=counters["spec_accepted_tokens"],
+            block_hash_mismatches=counters["block_hash_mismatches"],
         )
         self.stats.gauges.update(
             kv_blocks_used=self.engine.pool.num_used_blocks,

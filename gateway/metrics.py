@@ -56,6 +56,10 @@ _EXECUTOR_COUNTERS = {
         "kvserve_spec_decode_accepted_tokens",
         "Speculative tokens each executor's verification accepted.",
     ),
+    "block_hash_mismatches": (
+        "kvserve_block_hash_mismatches",
+        "Requests whose gateway's block hashes differed from each executor's own (block size, salt, hashing).",
+    ),
 }
 _EXECUTOR_GAUGES = {
     "kv_blocks_used": ("kvserve_kv_blocks_used", "KV cache blocks in use on each executor."),

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.detokenize import IncrementalDetokenizer
-from shared.stop_strings import find_stop
+from shared.stop_strings import CompletionText
 
 
 class OutputText:
@@ -13,32 +12,34 @@ class OutputText:
     never taken back; OpenAI's output excludes the stop string itself."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._completion = CompletionText(tokenizer, prompt_token_ids, stop)
         self._stops = list(stop)
         self.text = ""  # released so far
-        self.num_tokens = 0  # completion tokens up to (and including) the one that completed a stop string
-        self.stop_reason: str | None = None  # the stop string matched
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens up to (and including) the one that completed a stop string."""
+        return self._completion.num_tokens
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string matched."""
+        return self._completion.stop_reason
 
     @property
     def stopped(self) -> bool:
         """True once a stop string matched: the caller should abort the executor request."""
-        return self.stop_reason is not None
+        return self._completion.stopped
 
     def add(self, token_ids: Sequence[int], finished: bool = False) -> str:
         """Feed new tokens (finished: the last ones); return the text they released, possibly empty."""
         if self.stopped:  # tokens the executor made before our abort reached it are not output
             return ""
-        self.num_tokens += len(token_ids)
-        new = self._detok.add(token_ids)
-        if finished:
-            new += self._detok.flush()
-        full = self._detok.text
-        if self._stops and new:
-            hit = find_stop(full, len(new), self._stops)
-            if hit is not None:
-                self.stop_reason = hit[1]
-                return self._release(hit[0])
-        return self._release(len(full) if finished else len(full) - self._held_back(full))
+        self._completion.add(token_ids, finished)
+        full = self._completion.text
+        if finished or self.stopped:
+            return self._release(full)
+        return self._release(full[: len(full) - self._held_back(full)])
 
     def _held_back(self, full: str) -> int:
         """Length of the longest unreleased tail that is a proper prefix of some stop string."""
@@ -50,7 +51,7 @@ class OutputText:
                     break
         return longest
 
-    def _release(self, end: int) -> str:
-        new = self._detok.text[len(self.text) : end] if end > len(self.text) else ""
+    def _release(self, upto: str) -> str:
+        new = upto[len(self.text) :]
         self.text += new
         return new

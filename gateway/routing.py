@@ -13,6 +13,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shared.block_hash import max_cached_blocks
+
 # one running request delays a new one about as much as this many prompt tokens of prefill
 TOKENS_PER_RUNNING_REQUEST = 64
 # at a full KV pool, an executor looks this many tokens more expensive
@@ -41,8 +43,11 @@ def leading_run(held: Sequence[bool]) -> int:
 
 
 def prefill_tokens(candidate: Candidate, prompt_tokens: int, block_size: int) -> int:
-    """The prompt tokens this executor would compute; a hit never covers the last one, as in the engine."""
-    return prompt_tokens - min(candidate.cached_blocks * block_size, prompt_tokens - 1)
+    """The prompt tokens this executor would compute: what its cached leading blocks leave, by the engine's rule."""
+    return (
+        prompt_tokens
+        - min(candidate.cached_blocks, max_cached_blocks(prompt_tokens, block_size)) * block_size
+    )
 
 
 def route_cost(candidate: Candidate, prompt_tokens: int, block_size: int) -> float:

@@ -41,3 +41,8 @@ def hash_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def max_cached_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading blocks a prefix-cache hit may cover: never the last token, whose logits are needed."""
+    return (num_tokens - 1) // block_size

@@ -17,6 +17,7 @@ COUNTERS = (
     "preemptions",
     "spec_draft_tokens",
     "spec_accepted_tokens",
+    "block_hash_mismatches",  # requests whose gateway's block hashes differ from the executor's own
 )
 GAUGES = ("kv_blocks_used", "kv_blocks_total", "running", "waiting")
 

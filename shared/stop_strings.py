@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shared.detokenize import IncrementalDetokenizer
+
 
 def find_stop(text: str, num_new_chars: int, stops: Sequence[str]) -> tuple[int, str] | None:
     """The earliest stop string that the last num_new_chars characters completed: (its index in text, it)."""
@@ -15,3 +17,44 @@ def find_stop(text: str, num_new_chars: int, stops: Sequence[str]) -> tuple[int,
         if index != -1 and (best is None or index < best[0]):
             best = (index, stop)
     return best
+
+
+class CompletionText:
+    """A completion's text as its tokens arrive: decoded incrementally and ended before its first stop string.
+    With stop strings, a run of tokens (speculative decoding brings several a step) goes in one at a time, so
+    the match is the one the earliest token completes, wherever the steps split the run."""
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stops: Sequence[str] = ()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stops = list(stops)
+        self._end: int | None = None  # where the matched stop string starts
+        self.stop_reason: str | None = None  # the stop string matched
+        self.num_tokens = 0  # completion tokens up to (and including) the one that completed a stop string
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The decoded text so far, without the stop string and anything after it."""
+        return self._detok.text if self._end is None else self._detok.text[: self._end]
+
+    def add(self, token_ids: Sequence[int], finished: bool = False) -> int:
+        """Feed new tokens (finished: the last ones); how many of them count, all but those after a stop
+        string's match (none once stopped)."""
+        if self.stopped:
+            return 0
+        pieces = [[t] for t in token_ids] if self._stops and len(token_ids) > 1 else [token_ids]
+        kept = 0
+        for i, piece in enumerate(pieces):
+            new = self._detok.add(piece)
+            kept += len(piece)
+            if finished and i == len(pieces) - 1:
+                new += self._detok.flush()
+            hit = find_stop(self._detok.text, len(new), self._stops) if self._stops and new else None
+            if hit is not None:
+                self._end, self.stop_reason = hit
+                break
+        self.num_tokens += kept
+        return kept

@@ -69,7 +69,8 @@ def test_shared_prefix_blocks_are_shared_and_last_token_never_hit():
     hit = kv.find_cached_prefix(second)
     assert [b.block_id for b in hit] == kv.block_ids(first).tolist()
     assert kv.allocate(second, 14 - 12, hit)
-    assert second.num_computed_tokens == 12
+    # the hit joins the table, one new block after it; counting it as computed is the scheduler's job
+    assert kv.tables["b"][:3] == hit and len(kv.tables["b"]) == 4 and second.num_computed_tokens == 0
     assert all(b.ref_count == 2 for b in hit)
     # exactly the cached prompt again: the last block is not reused, its last token must be computed
     third = make_request("c", range(12))
@@ -160,3 +161,18 @@ def test_the_block_table_rows_follow_allocation_and_are_reused_after_free():
     assert kv.allocate(c, 3)
     assert kv.block_ids(c).tolist() == [blk.block_id for blk in kv.tables["c"]]
     assert len(kv.block_ids(a)) == 0
+
+
+def test_tokens_stored_count_a_block_shared_by_several_requests_once():
+    kv = KVCacheManager(BlockPool(16), 4)
+    a = make_request("a", range(12))
+    assert kv.allocate(a, 12)
+    a.num_computed_tokens = 12
+    kv.cache_full_blocks(a)
+    b = make_request("b", list(range(12)) + [50, 51])
+    hit = kv.find_cached_prefix(b)
+    assert len(hit) == 3 and kv.allocate(b, 2, hit)
+    b.num_computed_tokens = 12  # the hit, as the scheduler counts it
+    assert kv.num_tokens_stored([a, b]) == 12
+    b.num_computed_tokens = 14
+    assert kv.num_tokens_stored([a, b]) == 14 and kv.num_tokens_stored([a]) == 12

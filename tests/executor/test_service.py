@@ -167,6 +167,32 @@ def test_stats_hash_counts_prefix_cache_hits_and_queue_times(executor, gateway):
     assert after.gauges == {"kv_blocks_used": 0, "kv_blocks_total": total, "running": 0, "waiting": 0}
 
 
+def test_block_hashes_that_disagree_with_the_executors_are_counted_and_warned_about_once(executor, gateway):
+    def mismatches() -> float:
+        stats = ExecutorStats.from_hash(executor.redis.hgetall(keys.stats_key(executor.id)))
+        return stats.counters["block_hash_mismatches"]
+
+    def warnings() -> int:
+        return executor.log_path.read_text().count("block hashes differ from this executor's")
+
+    prompt = list(range(500, 540))
+    before = mismatches()
+    gateway.generate("h-agrees", prompt, max_tokens=1, temperature=0.0)  # hashed as the executor hashes
+    gateway.collect({"h-agrees"})
+    salted = protocol.GenerateRequest("h-salt", prompt, hash_blocks(prompt, 16), {"max_tokens": 1}, None, "t")
+    eight = protocol.GenerateRequest("h-size", prompt, hash_blocks(prompt, 8), {"max_tokens": 1})
+    for msg in (salted, eight):  # a gateway that forgot the salt, one with another block size
+        gateway.send(msg)
+        _, reasons, errors, _ = gateway.collect({msg.request_id})
+        assert reasons == {msg.request_id: "length"} and not errors  # served all the same
+    assert eventually(lambda: mismatches() - before == 2, timeout=2.0)
+    assert warnings() == 1
+    gateway.generate("h-agrees-again", prompt, max_tokens=1, temperature=0.0)
+    gateway.collect({"h-agrees-again"})
+    time.sleep(0.5)  # the stats go out when the engine is idle again
+    assert mismatches() - before == 2 and warnings() == 1
+
+
 def test_abort_stops_a_request(executor, gateway):
     gateway.generate("long", PROMPT_B, max_tokens=500, temperature=0.0, ignore_eos=True)
     tokens, reasons, _, _ = gateway.collect({"long"}, until_tokens=1)
@@ -389,11 +415,14 @@ def test_a_failing_engine_step_ends_its_requests_with_500_and_the_loop_goes_on(l
 
 def test_at_its_queue_bound_the_executor_refuses_new_work_as_busy_before_any_work(tiny_models):
     with _local_service(tiny_models["llama"], max_num_seqs=1, max_waiting_seqs=1) as (service, client, _):
-        # one message batch: "first" waits (the queue is at its bound of one), "second" is refused at once
+        # "long" holds the one running slot, so "first" waits (the queue is at its bound of one) and "second" is
+        # refused at once, whichever steps the messages arrive between
+        client.generate("long", PROMPT_B, max_tokens=900, temperature=0.0, ignore_eos=True)
+        client.collect({"long"}, until_tokens=1)
         client.generate("first", PROMPT_B, max_tokens=3, temperature=0.0)
         client.generate("second", PROMPT_B, max_tokens=3, temperature=0.0)
-        _, reasons, errors, _ = client.collect({"first", "second"})
-        assert reasons == {"first": "length"} and set(errors) == {"second"}
+        _, reasons, errors, _ = client.collect({"long", "first", "second"})
+        assert reasons == {"long": "length", "first": "length"} and set(errors) == {"second"}
         assert errors["second"].code == protocol.BUSY and "busy" in errors["second"].message
         assert not service.engine.has_unfinished()
         client.generate("later", PROMPT_B, max_tokens=3, temperature=0.0)  # room again

@@ -95,3 +95,22 @@ def test_nothing_after_the_stop(tokenizer):
     output.add(tokenizer.encode("a cat sat"))
     assert output.add(tokenizer.encode(" more"), finished=True) == ""
     assert output.text == "a "
+
+
+def test_a_run_of_tokens_in_one_update_stops_where_one_by_one_would(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog"
+    ids, i, stop = straddling_stop(tokenizer, text)
+    output = OutputText(tokenizer, [], [stop])
+    output.add(ids)  # speculative decoding delivers several tokens in one update
+    assert (output.text, output.stop_reason) == (text[: text.index(stop)], stop)
+    assert output.num_tokens == i + 1  # the tokens after the one completing it are not counted
+
+
+def test_the_stop_string_completed_first_wins_however_the_tokens_arrive(tokenizer):
+    ids = tokenizer.encode("the quick brown fox jumps")
+    one_update = OutputText(tokenizer, [], ["fox", "quick brown fox jumps"])
+    one_update.add(ids)
+    one_by_one = OutputText(tokenizer, [], ["fox", "quick brown fox jumps"])
+    feed_one_by_one(one_by_one, ids)
+    assert (one_update.text, one_update.stop_reason) == ("the quick brown ", "fox")
+    assert (one_by_one.text, one_by_one.stop_reason) == ("the quick brown ", "fox")

@@ -3,13 +3,22 @@ from collections import Counter
 
 import pytest
 
-from gateway.routing import Candidate, leading_run, route_request
+from gateway.routing import Candidate, leading_run, prefill_tokens, route_request
 
 
 def test_leading_run_stops_at_the_first_gap():
     assert leading_run([True, True, False, True]) == 2
     assert leading_run([False, True]) == 0
     assert leading_run([True] * 3) == 3 and leading_run([]) == 0
+
+
+def test_prefill_tokens_follow_the_engines_rule_that_a_hit_never_covers_the_last_token():
+    # a 32-token prompt whose two blocks are both cached: the engine reuses only the first (the last token's
+    # logits are needed), so it computes the whole second block, not just one token
+    assert prefill_tokens(Candidate("a", "tcp://a", cached_blocks=2), 32, 16) == 16
+    assert prefill_tokens(Candidate("a", "tcp://a", cached_blocks=2), 33, 16) == 1
+    assert prefill_tokens(Candidate("a", "tcp://a", cached_blocks=1), 33, 16) == 17
+    assert prefill_tokens(Candidate("a", "tcp://a", cached_blocks=0), 5, 16) == 5
 
 
 def test_the_executor_holding_the_prefix_wins_when_loads_are_equal():

@@ -1,4 +1,4 @@
-from shared.block_hash import hash_block, hash_blocks, root_hash
+from shared.block_hash import hash_block, hash_blocks, max_cached_blocks, root_hash
 
 
 def test_equal_prefixes_give_equal_chains():
@@ -41,3 +41,7 @@ def test_hash_is_stable_across_processes():
 def test_extras_separate_otherwise_equal_blocks():
     parent = root_hash()
     assert hash_block(parent, [1, 2], b"img:1") != hash_block(parent, [1, 2], b"img:2")
+
+
+def test_a_prefix_hit_never_covers_the_last_token():
+    assert [max_cached_blocks(n, 16) for n in (1, 16, 17, 32, 33)] == [0, 0, 1, 1, 2]

@@ -1,0 +1,176 @@
+"""The parts an Engine is built from, one function each: the models, the KV pool's size, the scheduler over
+that pool, the model runner, the proposers of speculative decoding."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from executor.block_pool import BlockPool
+from executor.kv_cache_manager import KVCacheManager
+from executor.kv_sizing import kv_cache_bytes
+from executor.model_files import load_weights, read_config, resolve_model
+from executor.model_runner import ModelRunner
+from executor.models import DecoderLM, build_model, decoder_spec
+from executor.scheduler import Scheduler
+from executor.spec_decode import NgramProposer
+from executor.spec_decode.draft import DraftProposer, load_draft_model
+from kernels.backend import AttentionBackend
+from shared.engine_config import EngineConfig
+
+log = logging.getLogger("kvserve.engine")
+
+NGRAM = "ngram"  # --speculative-model ngram: prompt lookup instead of a draft model
+
+
+@dataclass(slots=True)
+class Models:
+    """The target model and what comes with it: tokenizer, stop tokens, context length, the draft if any."""
+
+    path: Path
+    tokenizer: object  # the HF tokenizer
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    max_model_len: int
+    target: DecoderLM
+    draft: DecoderLM | None
+
+
+def load_models(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Models:
+    path = resolve_model(config.model)
+    hf_config = read_config(path)
+    spec = decoder_spec(hf_config)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    eos_token_ids = _eos_token_ids(hf_config, path, tokenizer)
+    max_model_len = _max_model_len(config.max_model_len, spec)
+    torch.manual_seed(config.seed)
+    target = build_model(spec, load_weights(path), dtype, device)
+    draft = None
+    if config.speculative_model not in (None, NGRAM):
+        draft = load_draft_model(
+            config.speculative_model, tokenizer, spec.vocab_size, max_model_len, dtype, device
+        )
+    return Models(path, tokenizer, eos_token_ids, spec.vocab_size, max_model_len, target, draft)
+
+
+def num_kv_blocks(
+    config: EngineConfig,
+    models: Models,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionBackend,
+) -> tuple[int, int]:
+    """How many KV blocks the memory holds, and the bytes of one; a draft's blocks mirror the target's, so
+    each block costs both."""
+    block_bytes = sum(
+        ModelRunner.bytes_per_block(m, config.block_size, dtype) for m in (models.target, models.draft) if m
+    )
+    num_blocks = kv_cache_bytes(config, models.target, device, dtype, attention) // block_bytes
+    if num_blocks < 1:
+        raise ValueError("kv_cache_memory: too small for even one KV block")
+    return num_blocks, block_bytes
+
+
+def build_scheduler(
+    config: EngineConfig, num_blocks: int, max_model_len: int, device: torch.device
+) -> Scheduler:
+    """The scheduler over a KV cache manager over a pool of num_blocks blocks."""
+    max_batched = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:
+        max_batched = max(max_batched, max_model_len)  # a whole prompt must fit one step
+    pool = BlockPool(num_blocks, config.enable_prefix_caching)
+    kv = KVCacheManager(
+        pool, config.block_size, -(-max_model_len // config.block_size) + 1, config.max_num_seqs
+    )
+    return Scheduler(
+        kv,
+        config.max_num_seqs,
+        max_batched,
+        max_model_len,
+        config.enable_chunked_prefill,
+        config.max_waiting_seqs,
+        config.waiting_tokens_for(device.type),
+    )
+
+
+def build_runner(
+    config: EngineConfig,
+    model: DecoderLM,
+    num_blocks: int,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionBackend,
+) -> ModelRunner:
+    """The target's runner, its attention kernels ready, with CUDA graphs for decodes where they can run."""
+    runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, attention)
+    attention.prepare(device, dtype)
+    if device.type == "cuda" and not config.enforce_eager:
+        if attention.graph_safe:
+            runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
+        else:
+            log.info("no CUDA graphs: the %s attention backend cannot be captured", attention.name)
+    return runner
+
+
+def build_proposers(
+    config: EngineConfig,
+    draft_model: DecoderLM | None,
+    num_blocks: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionBackend,
+) -> tuple[NgramProposer | None, DraftProposer | None]:
+    """Speculative decoding's proposer, n-gram lookup or a draft model: at most one of the two."""
+    if config.speculative_model == NGRAM:
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), None
+    if draft_model is not None:
+        return None, DraftProposer(draft_model, num_blocks, config.block_size, device, dtype, attention)
+    return None, None
+
+
+def log_kv_capacity(num_blocks: int, block_bytes: int, block_size: int, dtype, max_model_len: int) -> None:
+    capacity = num_blocks * block_size
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens; %.1f requests of max_model_len %d fit",
+        num_blocks,
+        block_size,
+        num_blocks * block_bytes / 2**30,
+        dtype,
+        capacity,
+        capacity / max_model_len,
+        max_model_len,
+    )
+
+
+def _max_model_len(asked: int | None, spec) -> int:
+    """The model's context length, kept within a sliding window: attention here always sees the whole context,
+    which equals sliding-window attention only while the context fits the window."""
+    limit, what = spec.max_position, "context length"
+    if spec.sliding_window is not None and spec.sliding_window < limit:
+        limit, what = spec.sliding_window, "sliding window"
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(f"max_model_len {asked} exceeds the model's {what} {limit}")
+    return asked
+
+
+def _eos_token_ids(hf_config, model_path, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(source)
+    try:
+        gen = GenerationConfig.from_pretrained(model_path, local_files_only=True)
+        eos = gen.eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    except OSError:
+        pass  # no generation_config.json
+    return frozenset(ids)
