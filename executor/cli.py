@@ -107,7 +107,7 @@ def serve(args: argparse.Namespace) -> int:
     import redis
     import zmq
 
-    from executor.registry import Registry, connect
+    from executor.index_writer import IndexWriter, connect
     from shared import tracing
     from shared.redis_keys import check_executor_id
 
@@ -144,11 +144,11 @@ def serve(args: argparse.Namespace) -> int:
     except zmq.ZMQError as error:
         context.destroy(linger=0)
         return fail(f"--bind: cannot listen on {args.bind}: {error}", 1)
-    registry = Registry(client, executor_id, cached_hashes=engine.pool.cached_hashes)
-    service = ExecutorService(engine, socket, registry, args.shutdown_grace_period)
+    index = IndexWriter(client, executor_id, cached_hashes=engine.pool.cached_hashes)
+    service = ExecutorService(engine, socket, index, args.shutdown_grace_period)
     signal.signal(signal.SIGTERM, service.drain)
     signal.signal(signal.SIGINT, service.drain)
-    registry.register(
+    index.register(
         {
             "address": args.advertise_address or args.bind,
             "model": str(engine.model_path),
@@ -158,14 +158,14 @@ def serve(args: argparse.Namespace) -> int:
             "max_waiting_seqs": engine.config.max_waiting_seqs,
         }
     )
-    registry.start_heartbeat()
+    index.start_heartbeat()
     tracing.configure("kvserve-executor")
     log.info("executor %s serving %s on %s", executor_id, engine.model_path, args.bind)
     try:
         service.run()
     finally:
         try:
-            registry.deregister()
+            index.deregister()
         except redis.RedisError as error:
             log.warning("deregistering from Redis failed (its keys expire with the heartbeat): %s", error)
         socket.close(linger=1000)  # let the last StepBatch messages leave

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from executor.registry import Registry
+from executor.index_writer import IndexWriter
 from executor.request_spans import record_request_spans
 from shared import protocol, tracing
 from shared.executor_stats import ExecutorStats
@@ -50,10 +50,10 @@ class Owned:
 
 
 class ExecutorService:
-    def __init__(self, engine: Engine, socket: zmq.Socket, registry: Registry, grace_s: float) -> None:
+    def __init__(self, engine: Engine, socket: zmq.Socket, index: IndexWriter, grace_s: float) -> None:
         self.engine = engine
         self.socket = socket
-        self.registry = registry
+        self.index = index
         self.grace_s = grace_s
         self.owners: dict[str, Owned] = {}  # by request id
         self.outbox: dict[bytes, list[protocol.RequestUpdate]] = defaultdict(list)
@@ -190,7 +190,7 @@ class ExecutorService:
             self.stats.observe_queue_time(max(0, request.first_scheduled_ns - request.arrival_ns) / 1e9)
         for out in outputs:
             self._queue(out)
-        if self.registry.peer_has_room:  # alone, a request handed back would only lose its place here
+        if self.index.peer_has_room:  # alone, a request handed back would only lose its place here
             self._hand_back_overdue()
         return True
 
@@ -238,7 +238,7 @@ class ExecutorService:
         )
         if owned.parent is not None:
             try:
-                record_request_spans(r, owned.parent, self.registry.executor_id, owned.tenant, reason)
+                record_request_spans(r, owned.parent, self.index.executor_id, owned.tenant, reason)
             except Exception:  # a tracing fault must not cost a request its answer
                 log.exception(
                     "recording the spans of request %s failed",
@@ -292,7 +292,7 @@ class ExecutorService:
         added, removed = self.engine.pool.drain_events()
         load = self.engine.load()
         self.stats_pending |= changed
-        self.registry.publish(added, removed, load, heartbeat, self._due_stats(load))
+        self.index.publish(added, removed, load, heartbeat, self._due_stats(load))
 
     def _due_stats(self, load: dict[str, float]) -> dict[str, float] | None:
         """The stats hash at most every STATS_INTERVAL_S while busy, and at once when the engine goes idle, so a

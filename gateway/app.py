@@ -1,6 +1,6 @@
 """The HTTP face of kvserve: OpenAI-compatible routes over executors found in Redis.
 
-The gateway's parts (executor directory, router, tenancy, ZeroMQ client, metrics) live here for the app's
+The gateway's parts (executor index reader, router, tenancy, ZeroMQ client, metrics) live here for the app's
 lifetime; each completion request is served by gateway.completion, which keeps nothing between requests.
 """
 
@@ -22,14 +22,14 @@ from gateway.api_error import APIError
 from gateway.backlog import Backlog
 from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, Completions, error_response
 from gateway.executor_client import ExecutorClient
-from gateway.executor_directory import ExecutorDirectory
+from gateway.index_reader import IndexReader
 from gateway.last_resort import LastResort
 from gateway.metrics import GatewayMetrics
 from gateway.metrics_listener import MetricsListener
-from gateway.router import ROUTING_POLICIES, Router
+from gateway.router import Router
 from gateway.tenancy import Tenancy
 
-__all__ = ["ROUTING_POLICIES", "GatewayConfig", "build_app"]
+__all__ = ["GatewayConfig", "build_app"]
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -53,9 +53,9 @@ class GatewayConfig:
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.directory = ExecutorDirectory(config.redis_url)
-        self.router = Router(self.directory, config.routing_policy)
-        self.tenancy = Tenancy(self.directory.redis, config.require_api_key)
+        self.index = IndexReader(config.redis_url)
+        self.router = Router(self.index, config.routing_policy)
+        self.tenancy = Tenancy(self.index.redis, config.require_api_key)
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics()
         self.completions: Completions | None = None
@@ -68,7 +68,7 @@ class Gateway:
         self.completions = Completions(
             self.config.model_name,
             self.config.tokenizer,
-            self.directory,
+            self.index,
             self.router,
             self.tenancy,
             self.client,
@@ -91,7 +91,7 @@ class Gateway:
         await self.tenancy.shutdown()
         if self.client is not None:
             await self.client.close()
-        await self.directory.close()
+        await self.index.close()
 
     # -- routes -------------------------------------------------------------------------------------
 
@@ -114,7 +114,7 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         try:
-            executors = await self.directory.live_executors()
+            executors = await self.index.live_executors()
         except Exception as error:  # Redis down: say so, with a 503
             return JSONResponse(
                 {"status": "unavailable", "reason": f"redis: {error}"},
@@ -152,7 +152,7 @@ class Gateway:
     async def _metrics_text(self) -> bytes:
         """The whole stack's series, or while Redis does not answer the gateway's own, saying what is missing."""
         try:
-            stats = await asyncio.wait_for(self.directory.executor_stats(), METRICS_REDIS_TIMEOUT_S)
+            stats = await asyncio.wait_for(self.index.executor_stats(), METRICS_REDIS_TIMEOUT_S)
         except Exception as error:
             log.warning("metrics without the executors' series: Redis did not answer: %r", error)
             return self.metrics.render(None)

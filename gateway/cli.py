@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gateway.routing_cost import ROUTING_POLICIES
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 
 if TYPE_CHECKING:
@@ -26,8 +27,8 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--routing-policy",
         default="cache_aware",
-        choices=["cache_aware", "round_robin", "random"],
-        help="cache_aware: least prefill still to compute plus load (gateway/routing.py); others for comparison",
+        choices=ROUTING_POLICIES,
+        help="cache_aware: least prefill still to compute plus load (gateway/routing_cost.py); others for comparison",
     )
     parser.add_argument(
         "--queue-timeout",

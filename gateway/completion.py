@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from gateway.api_error import APIError, internal_error
 from gateway.backlog import Backlog
 from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError, ExecutorTiming
-from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
+from gateway.index_reader import ExecutorInfo, IndexReader
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import (
     MAX_BODY_BYTES,
@@ -160,7 +160,7 @@ class Completions:
         self,
         model_name: str,
         tokenizer,
-        directory: ExecutorDirectory,
+        index: IndexReader,
         router: Router,
         tenancy: Tenancy,
         client: ExecutorClient,
@@ -169,7 +169,7 @@ class Completions:
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.directory = directory
+        self.index = index
         self.router = router
         self.tenancy = tenancy
         self.client = client
@@ -259,7 +259,7 @@ class Completions:
 
     async def _add_inflight(self, executor_id: str, delta: int) -> None:
         try:
-            await self.directory.add_inflight(executor_id, delta)
+            await self.index.add_inflight(executor_id, delta)
         except Exception as error:  # a routing hint only: the request goes on, the count's TTL heals it
             log.warning("in-flight count of %s not updated: %s", executor_id, error)
 
@@ -371,7 +371,7 @@ class Completions:
             executor = routed.executor
 
             # an unreachable Redis says nothing of the executor: is_alive then answers True
-            alive = functools.partial(self.directory.is_alive, executor.executor_id)
+            alive = functools.partial(self.index.is_alive, executor.executor_id)
             answered = False
             try:
                 async for update in self.client.updates(

@@ -1,6 +1,6 @@
 """The routing decision for one prompt: read the live executors from Redis, apply the policy, say why.
 
-gateway.routing holds the cost model as pure functions; this module feeds it what Redis says and reports the
+gateway.routing_cost holds the cost model as pure functions; this module feeds it what Redis says and reports the
 choice with what the trace and the metrics want to know (cached blocks, cost, reason).
 """
 
@@ -12,14 +12,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.api_error import APIError
-from gateway.executor_directory import ExecutorDirectory, ExecutorInfo
-from gateway.routing import Candidate, prefill_tokens, route_cost, route_request
+from gateway.index_reader import ExecutorInfo, IndexReader
+from gateway.routing_cost import ROUTING_POLICIES, Candidate, prefill_tokens, route_cost, route_request
 from shared.block_hash import hash_blocks
 from shared.defaults import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger("kvserve.gateway.router")
-
-ROUTING_POLICIES = ("cache_aware", "round_robin", "random")
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,10 +36,10 @@ class Saturated(Exception):
 
 
 class Router:
-    def __init__(self, directory: ExecutorDirectory, policy: str) -> None:
+    def __init__(self, index: IndexReader, policy: str) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy: {policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
-        self.directory = directory
+        self.index = index
         self.policy = policy
         # executor address -> requests this gateway sent there that have had no answer yet (ExecutorClient's)
         self.unanswered: Callable[[str], int] = lambda address: 0
@@ -68,7 +66,7 @@ class Router:
         if not view:
             raise Saturated
         if self.policy == "round_robin":
-            info, load = view[await self.directory.next_round_robin() % len(view)]
+            info, load = view[await self.index.next_round_robin() % len(view)]
         elif self.policy == "random":
             info, load = random.choice(view)
         else:
@@ -101,10 +99,10 @@ class Router:
 
     async def _view(self, hashes: list[bytes], exclude: set[str]) -> list[tuple[ExecutorInfo, Candidate]]:
         try:
-            view = await self.directory.routing_view(hashes)
+            view = await self.index.routing_view(hashes)
         except Exception as error:
             log.error("redis unreachable: %s", error)
-            raise APIError(503, "the executor directory (Redis) is unreachable", "server_error") from None
+            raise APIError(503, "the executor index (Redis) is unreachable", "server_error") from None
         view = [(info, load) for info, load in view if info.executor_id not in exclude]
         if not view:
             raise APIError(503, "no executor is available; try again shortly", "server_error")

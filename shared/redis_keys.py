@@ -1,4 +1,5 @@
-"""Every Redis key kvserve uses, in one place: executors write them, gateways read them.
+"""Every Redis key kvserve uses, in one place: the executor index (executor/index_writer.py writes it,
+gateway/index_reader.py reads it), tenants' API keys and usage.
 
 Layout (`<id>` is an executor id):
 - `kvserve:executors`                 set of executor ids that registered. A set member cannot expire on its own,

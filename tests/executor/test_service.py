@@ -338,7 +338,7 @@ def test_traced_requests_leave_spans_in_the_gateways_trace(tiny_models, redis_ur
 
 
 class _NoRedis:
-    """Stands in for the Registry where a test is about the loop alone."""
+    """Stands in for the IndexWriter where a test is about the loop alone."""
 
     peer_has_room = True  # as if another executor were idle: a request waiting too long may be handed back
 
@@ -367,9 +367,9 @@ def _local_service(model: str, peer_has_room: bool = True, **engine_flags):
     router = context.socket(zmq.ROUTER)
     address = f"tcp://127.0.0.1:{free_port()}"
     router.bind(address)
-    registry = _NoRedis()
-    registry.peer_has_room = peer_has_room
-    service = ExecutorService(engine, router, registry, grace_s=0.2)
+    index = _NoRedis()
+    index.peer_has_room = peer_has_room
+    service = ExecutorService(engine, router, index, grace_s=0.2)
     loop = threading.Thread(target=service.run)
     client = Gateway(address)
     loop.start()

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from shared.block_hash import max_cached_blocks
 
+# cache_aware routes by this module's cost; the other two are there to compare it with (gateway/router.py)
+ROUTING_POLICIES = ("cache_aware", "round_robin", "random")
+
 # one running request delays a new one about as much as this many prompt tokens of prefill
 TOKENS_PER_RUNNING_REQUEST = 64
 # at a full KV pool, an executor looks this many tokens more expensive

@@ -4,7 +4,7 @@ import pytest
 import redis
 
 from executor.block_pool import BlockPool
-from executor.registry import Registry, connect
+from executor.index_writer import IndexWriter, connect
 from shared import redis_keys as keys
 from shared.executor_stats import ExecutorStats
 from tests.processes import eventually
@@ -22,8 +22,8 @@ def held(client: redis.Redis, executor_id: str) -> set[str]:
 def test_register_publish_deregister(redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     client.sadd(keys.blocks_key("reg-a"), "left-by-an-earlier-run")
-    registry = Registry(client, "reg-a")
-    registry.register({"address": "tcp://127.0.0.1:1", "block_size": 16})
+    index = IndexWriter(client, "reg-a")
+    index.register({"address": "tcp://127.0.0.1:1", "block_size": 16})
     assert client.hget(keys.executor_key("reg-a"), "block_size") == "16"
     assert "reg-a" in client.smembers(keys.EXECUTORS)
     assert held(client, "reg-a") == set()  # what an earlier run left is gone
@@ -31,60 +31,60 @@ def test_register_publish_deregister(redis_url):
     assert ExecutorStats.from_hash(client.hgetall(keys.stats_key("reg-a"))) == ExecutorStats()
     assert 0 < client.ttl(keys.stats_key("reg-a")) <= keys.HEARTBEAT_TTL_S
 
-    registry.publish([b"\x01", b"\x02"], [], LOAD)
-    registry.publish([b"\x03"], [b"\x01"], LOAD)
+    index.publish([b"\x01", b"\x02"], [], LOAD)
+    index.publish([b"\x03"], [b"\x01"], LOAD)
     assert held(client, "reg-a") == {"02", "03"}
     assert client.hget(keys.load_key("reg-a"), "running") == "1"
     assert all(0 < client.ttl(k) <= keys.HEARTBEAT_TTL_S for k in keys.executor_keys("reg-a"))
 
     client.delete(keys.executor_key("reg-a"))  # expired during a stall: the next heartbeat brings it back
-    registry.publish([], [], LOAD, heartbeat=True)
+    index.publish([], [], LOAD, heartbeat=True)
     assert client.hget(keys.executor_key("reg-a"), "address") == "tcp://127.0.0.1:1"
 
-    registry.deregister()
+    index.deregister()
     assert "reg-a" not in client.smembers(keys.EXECUTORS)
     assert not any(client.exists(k) for k in keys.executor_keys("reg-a"))
 
 
 def test_stats_go_out_with_the_load_and_wait_out_a_failure(redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    registry = Registry(client, "reg-c")
-    registry.register({"address": "tcp://127.0.0.1:3"})
+    index = IndexWriter(client, "reg-c")
+    index.register({"address": "tcp://127.0.0.1:3"})
     stats = ExecutorStats()
     stats.counters["prefix_cache_hit_tokens"] = 32
     stats.observe_queue_time(0.02)
-    registry.publish([], [], LOAD, stats=stats.to_hash())
+    index.publish([], [], LOAD, stats=stats.to_hash())
     assert ExecutorStats.from_hash(client.hgetall(keys.stats_key("reg-c"))) == stats
 
-    registry.publish([], [], LOAD)  # no stats given: the last ones stay
+    index.publish([], [], LOAD)  # no stats given: the last ones stay
     assert ExecutorStats.from_hash(client.hgetall(keys.stats_key("reg-c"))) == stats
 
-    registry.client = connect("redis://127.0.0.1:1/0")  # Redis unreachable
+    index.client = connect("redis://127.0.0.1:1/0")  # Redis unreachable
     stats.counters["prefix_cache_hit_tokens"] = 64
-    registry.publish([], [], LOAD, stats=stats.to_hash())
-    registry.client = client
-    registry.publish([], [], LOAD, heartbeat=True)  # the newest stats that failed to go out go now
+    index.publish([], [], LOAD, stats=stats.to_hash())
+    index.client = client
+    index.publish([], [], LOAD, heartbeat=True)  # the newest stats that failed to go out go now
     assert client.hget(keys.stats_key("reg-c"), "prefix_cache_hit_tokens") == "64"
-    registry.deregister()
+    index.deregister()
     assert not client.exists(keys.stats_key("reg-c"))
 
 
 def test_changes_that_failed_to_publish_go_out_with_the_next_write(redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    registry = Registry(client, "reg-b")
-    registry.register({"address": "tcp://127.0.0.1:2"})
-    registry.publish([b"\x0a"], [], LOAD)
+    index = IndexWriter(client, "reg-b")
+    index.register({"address": "tcp://127.0.0.1:2"})
+    index.publish([b"\x0a"], [], LOAD)
 
-    registry.client = connect("redis://127.0.0.1:1/0")  # Redis unreachable
+    index.client = connect("redis://127.0.0.1:1/0")  # Redis unreachable
     started = time.monotonic()
-    registry.publish([b"\x0b"], [b"\x0a"], LOAD)  # logged, kept, not raised
+    index.publish([b"\x0b"], [b"\x0a"], LOAD)  # logged, kept, not raised
     assert time.monotonic() - started < 1  # no retries with backoff inside the engine loop
-    registry.client = client
-    registry.publish([b"\x0c"], [], LOAD)  # while failing, only heartbeats try Redis
+    index.client = client
+    index.publish([b"\x0c"], [], LOAD)  # while failing, only heartbeats try Redis
     assert held(client, "reg-b") == {"0a"}
-    registry.publish([], [], LOAD, heartbeat=True)
+    index.publish([], [], LOAD, heartbeat=True)
     assert held(client, "reg-b") == {"0b", "0c"}
-    registry.deregister()
+    index.deregister()
 
 
 def test_executor_ids_cannot_alias_other_keys():
@@ -105,62 +105,62 @@ def _cache(pool: BlockPool, hashes: list[bytes]) -> list:
 def test_blocks_redis_lost_are_republished_whole_from_the_pool(redis_url, loss):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     pool = BlockPool(3, record_events=True)
-    registry = Registry(client, f"reg-lost-{loss}", cached_hashes=pool.cached_hashes)
-    registry.register({"address": "tcp://127.0.0.1:4"})
+    index = IndexWriter(client, f"reg-lost-{loss}", cached_hashes=pool.cached_hashes)
+    index.register({"address": "tcp://127.0.0.1:4"})
     first = _cache(pool, [b"\x01", b"\x02", b"\x03"])
-    registry.publish(*pool.drain_events(), LOAD)
+    index.publish(*pool.drain_events(), LOAD)
     pool.free(first)
 
     if loss == "restart":  # what a Redis that restarted empty holds
         client.flushdb()
     else:
-        client.delete(keys.blocks_key(registry.executor_id))
+        client.delete(keys.blocks_key(index.executor_id))
     _cache(pool, [b"\x04", b"\x05"])  # evicts \x01 and \x02 (least recently freed) on the way
-    registry.publish(*pool.drain_events(), LOAD)  # only the changes: the rest stays lost
-    assert client.smembers(keys.blocks_key(registry.executor_id)) == {"04", "05"}
-    registry.publish(*pool.drain_events(), LOAD, heartbeat=True)  # notices the marker is gone
-    assert client.hget(keys.executor_key(registry.executor_id), "address") == "tcp://127.0.0.1:4"
-    registry.publish(*pool.drain_events(), LOAD)  # the whole pool's cache, as it is now
-    assert held(client, registry.executor_id) == {"03", "04", "05"}
-    assert ExecutorStats.from_hash(client.hgetall(keys.stats_key(registry.executor_id))) == ExecutorStats()
-    assert all(0 < client.ttl(k) <= keys.HEARTBEAT_TTL_S for k in keys.executor_keys(registry.executor_id))
+    index.publish(*pool.drain_events(), LOAD)  # only the changes: the rest stays lost
+    assert client.smembers(keys.blocks_key(index.executor_id)) == {"04", "05"}
+    index.publish(*pool.drain_events(), LOAD, heartbeat=True)  # notices the marker is gone
+    assert client.hget(keys.executor_key(index.executor_id), "address") == "tcp://127.0.0.1:4"
+    index.publish(*pool.drain_events(), LOAD)  # the whole pool's cache, as it is now
+    assert held(client, index.executor_id) == {"03", "04", "05"}
+    assert ExecutorStats.from_hash(client.hgetall(keys.stats_key(index.executor_id))) == ExecutorStats()
+    assert all(0 < client.ttl(k) <= keys.HEARTBEAT_TTL_S for k in keys.executor_keys(index.executor_id))
 
-    registry.publish(*pool.drain_events(), LOAD, heartbeat=True)  # whole again: nothing more to write
-    registry.publish([], [b"\x05"], LOAD)
-    assert held(client, registry.executor_id) == {"03", "04"}
-    registry.deregister()
+    index.publish(*pool.drain_events(), LOAD, heartbeat=True)  # whole again: nothing more to write
+    index.publish([], [b"\x05"], LOAD)
+    assert held(client, index.executor_id) == {"03", "04"}
+    index.deregister()
 
 
 def test_the_heartbeat_thread_notices_a_lost_set_for_the_engine_loop(redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     pool = BlockPool(4, record_events=True)
-    registry = Registry(client, "reg-thread", cached_hashes=pool.cached_hashes)
-    registry.register({"address": "tcp://127.0.0.1:5"})
+    index = IndexWriter(client, "reg-thread", cached_hashes=pool.cached_hashes)
+    index.register({"address": "tcp://127.0.0.1:5"})
     _cache(pool, [b"\x0a", b"\x0b"])
-    registry.publish(*pool.drain_events(), LOAD)
-    registry.start_heartbeat()
+    index.publish(*pool.drain_events(), LOAD)
+    index.start_heartbeat()
     try:
         client.flushdb()
-        registration = keys.executor_key(registry.executor_id)
+        registration = keys.executor_key(index.executor_id)
         assert eventually(lambda: client.exists(registration), timeout=3 * keys.HEARTBEAT_INTERVAL_S)
-        assert eventually(lambda: registry._lost.is_set(), timeout=1)
-        registry.publish(*pool.drain_events(), LOAD)  # the engine loop's next step
-        assert held(client, registry.executor_id) == {"0a", "0b"}
+        assert eventually(lambda: index._lost.is_set(), timeout=1)
+        index.publish(*pool.drain_events(), LOAD)  # the engine loop's next step
+        assert held(client, index.executor_id) == {"0a", "0b"}
     finally:
-        registry.deregister()
+        index.deregister()
 
 
 def test_writes_go_through_at_once_after_redis_dropped_every_connection(redis_url):
     """What a Redis restart leaves in the pool: connections the server closed. The first write on each used
     to fail, and a failed write waits for the next heartbeat."""
     client = connect(redis_url)
-    registry = Registry(client, "reg-stale")
-    registry.register({"address": "tcp://127.0.0.1:6"})
-    registry.publish([b"\x01"], [], LOAD)
+    index = IndexWriter(client, "reg-stale")
+    index.register({"address": "tcp://127.0.0.1:6"})
+    index.publish([b"\x01"], [], LOAD)
     redis.Redis.from_url(redis_url).client_kill_filter(_type="normal", skipme=True)
-    registry.publish([b"\x02"], [], LOAD)
+    index.publish([b"\x02"], [], LOAD)
     assert held(redis.Redis.from_url(redis_url, decode_responses=True), "reg-stale") == {"01", "02"}
-    registry.deregister()
+    index.deregister()
 
 
 def test_a_peer_has_room_only_when_another_live_executor_could_start_a_request_now():
@@ -168,7 +168,7 @@ def test_a_peer_has_room_only_when_another_live_executor_could_start_a_request_n
 
     server = start_redis_server()  # of its own: no other test's executor may count as a peer
     client = redis.Redis.from_url(server.url, decode_responses=True)
-    own, peer = Registry(client, "room-own"), Registry(client, "room-peer")
+    own, peer = IndexWriter(client, "room-own"), IndexWriter(client, "room-peer")
     own.register({"address": "tcp://127.0.0.1:1", "block_size": 16})
     try:
         assert not own.check_peers()  # alone: nowhere better to go

@@ -1,4 +1,5 @@
-"""The executor's published copy of itself in Redis: registration, heartbeat, cached block hashes, load, stats.
+"""The writing half of the executor index in Redis (gateway/index_reader.py reads it): the executor's published
+copy of itself: registration, heartbeat, cached block hashes, load, stats.
 
 Key names live in shared.redis_keys, which the gateway reads too. The block pool stays the truth; Redis is a
 copy, so a write that fails is kept and retried with the next one rather than lost, and a copy Redis lost (a
@@ -20,7 +21,7 @@ from redis.retry import Retry
 from shared import redis_keys as keys
 from shared.executor_stats import ExecutorStats
 
-log = logging.getLogger("kvserve.executor.registry")
+log = logging.getLogger("kvserve.executor.index_writer")
 
 # Redis sits in the engine loop: a write to an unreachable Redis must fail in well under a step, not retry
 # with backoff for seconds while every stream stalls
@@ -54,7 +55,7 @@ _PREFIX = keys.executor_key("")
 _LOAD_SUFFIX = keys.load_key("").removeprefix(_PREFIX)
 
 
-class Registry:
+class IndexWriter:
     """cached_hashes gives the block pool's cached hashes; publish() calls it, from the engine loop's thread,
     the only one that changes the pool, so the copy it writes matches the changes drained before it."""
 

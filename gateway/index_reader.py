@@ -1,4 +1,5 @@
-"""What the gateway knows of the executors, read fresh from Redis for each request (the gateway keeps none).
+"""The reading half of the executor index in Redis (executor/index_writer.py writes it): what the gateway knows
+of the executors, read fresh for each request (the gateway keeps none).
 
 One Lua script reads everything a routing decision needs in a single round trip: which registered executors
 are still alive, their registration, which of the prompt's block hashes each holds, and each one's load.
@@ -15,11 +16,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from gateway.routing import Candidate, leading_run
+from gateway.routing_cost import Candidate, leading_run
 from shared import redis_keys
 from shared.executor_stats import ExecutorStats
 
-log = logging.getLogger("kvserve.gateway.directory")
+log = logging.getLogger("kvserve.gateway.index_reader")
 
 # Every Redis command of a request is short (one round trip, well under a millisecond on a healthy Redis), so a
 # burst of requests larger than the pool waits a moment for a free connection instead of failing (redis-py's
@@ -99,7 +100,7 @@ def _as_dict(flat: list[bytes]) -> dict[str, str]:
     return {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
 
 
-class ExecutorDirectory:
+class IndexReader:
     def __init__(self, redis_url: str) -> None:
         self.redis = connect(redis_url)
         self._routing_view = self.redis.register_script(_ROUTING_VIEW)
