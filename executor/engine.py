@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from executor.sampler import Sampler, SamplingRow, TokenLogprobs
 from executor.scheduler import Scheduler
 from executor.spec_decode import NgramProposer, SpecBackoff, verify
 from executor.spec_decode.draft import DraftProposer, load_draft_model
+from executor.structured_output import Grammars, step_bitmask
 from kernels.backend import choose_attention_backend
 from shared.engine_config import EngineConfig
 from shared.sampling_params import SamplingParams
@@ -40,6 +42,7 @@ class StepOutput:
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     num_cached_tokens: int
     num_accepted_tokens: int = 0  # proposals of this request the target has accepted so far
+    error: str | None = None  # refused after it was queued (its grammar failed to compile): a 400's message
 
 
 class Engine:
@@ -112,6 +115,10 @@ class Engine:
         self.num_draft_tokens = 0  # proposals verified, all requests
         self.num_accepted_tokens = 0  # of which accepted
         self.first_scheduled: list[Request] = []  # requests the last step scheduled for the first time
+        # structured outputs: grammars compiled for this tokenizer (built on first use), and the requests
+        # queued while theirs compiles
+        self._grammars: Grammars | None = None
+        self.compiling: list[Request] = []
         capacity = num_blocks * self.block_size
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens; %.1f requests of max_model_len %d fit",
@@ -153,13 +160,24 @@ class Engine:
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        grammar = None
+        if params.structured_outputs is not None:  # structured outputs hook
+            grammar = self.grammars.start(params.structured_outputs)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         request = Request(
-            request_id, token_ids, params, self.eos_token_ids, cache_salt=cache_salt, generator=generator
+            request_id,
+            token_ids,
+            params,
+            self.eos_token_ids,
+            cache_salt=cache_salt,
+            generator=generator,
+            grammar=grammar,
         )
         self.requests[request_id] = request
+        if grammar is not None and not grammar.ready:
+            self.compiling.append(request)
         self.scheduler.add(request)
         return request
 
@@ -187,6 +205,29 @@ class Engine:
             self.abort(request_id)
         return overdue
 
+    @property
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = Grammars(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, self.config.num_speculative_tokens
+            )
+        return self._grammars
+
+    def _refuse_failed_grammars(self) -> list[StepOutput]:
+        """Structured outputs: requests whose grammar failed while they waited end with its error (a 400)."""
+        refused, still = [], []
+        for request in self.compiling:
+            if request.status is RequestStatus.FINISHED or request.grammar.ready:
+                continue
+            if request.grammar.error is None:
+                still.append(request)
+                continue
+            self.requests.pop(request.request_id, None)
+            self._finish(request, "error")
+            refused.append(StepOutput(request.request_id, [], [], "error", 0, error=request.grammar.error))
+        self.compiling = still
+        return refused
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -209,17 +250,20 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        refused = self._refuse_failed_grammars() if self.compiling else []
         sched = self.scheduler.schedule()
         now = time.time_ns()
         self.first_scheduled = [r for r, _ in sched.scheduled if not r.first_scheduled_ns]
         for request in self.first_scheduled:
             request.first_scheduled_ns = now
         if not sched.scheduled:
-            if self.scheduler.num_unfinished:
+            if self.compiling:  # nothing else to do until a grammar is ready: wait for one, briefly
+                wait([r.grammar.future for r in self.compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+            elif self.scheduler.num_unfinished:
                 raise RuntimeError(
                     "scheduler made no progress with requests waiting"
                 )  # admission forbids this
-            return []
+            return refused
         self._zero_fresh_blocks()
         step = self.runner.execute(sched.scheduled, self.kv)
         for request, n in sched.scheduled:
@@ -240,7 +284,7 @@ class Engine:
         for request in finished:
             self.requests.pop(request.request_id, None)
             self._finish(request, request.finish_reason)
-        return outputs
+        return refused + outputs
 
     def _sample(self, step) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """Each request's new tokens: one sampled, or its accepted proposals and one more when it verifies."""
@@ -249,10 +293,14 @@ class Engine:
         ]
         if not rows:
             return [], []
+        drafts = [r.spec_token_ids for r in step.requests]
+        # structured outputs: constrained rows' disallowed tokens to -inf, before sampling and logprobs
+        mask = step_bitmask([r.grammar for r in step.requests], drafts, self.vocab_size)
+        if mask is not None:
+            mask.apply(step.logits)
         if all(n == 1 for n in step.num_rows):
             result = self.sampler(step.logits, rows)
             return [[t] for t in result.token_ids], [[lp] for lp in result.logprobs]
-        drafts = [r.spec_token_ids for r in step.requests]
         verified = verify(step.logits, rows, drafts, [r.draft_probs for r in step.requests])
         return verified.token_ids, verified.logprobs
 
@@ -275,6 +323,8 @@ class Engine:
             request.append_token(token_ids[kept])
             kept += 1
             reason = request.check_stop(self.max_model_len)
+            if request.grammar is not None and request.grammar.accept(token_ids[kept - 1]):
+                reason = "stop"  # structured outputs: the grammar is complete
         del token_ids[kept:], logprobs[kept:]
         # all but the newest token have KV (fewer when a stop cut the run short)
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
@@ -311,6 +361,9 @@ class Engine:
         if work:
             self._zero_fresh_blocks()  # before the draft writes into blocks it just took
             self.draft.propose(work, self.kv)
+        for request in sampled:  # structured outputs: proposals stop where the grammar refuses one
+            if request.grammar is not None and request.spec_token_ids:
+                request.truncate_spec_tokens(request.grammar.valid_prefix(request.spec_token_ids))
 
     def _zero_fresh_blocks(self) -> None:
         fresh = self.pool.drain_fresh()

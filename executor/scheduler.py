@@ -103,8 +103,11 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if request.grammar is not None and not request.grammar.ready:
+                continue  # structured outputs: its grammar is still compiling; the ones behind it may start
             cached = self.kv.find_cached_prefix(request)
             num_new = request.num_tokens - len(cached) * self.kv.block_size
             if num_new > budget and not self.enable_chunked_prefill:
@@ -112,7 +115,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if not self.kv.allocate(request, num_new, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = len(cached) * self.kv.block_size
                 self.prefix_cache_queries += request.num_prompt_tokens
