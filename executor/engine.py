@@ -208,9 +208,7 @@ class Engine:
     @property
     def grammars(self) -> Grammars:
         if self._grammars is None:
-            self._grammars = Grammars(
-                self.tokenizer, self.vocab_size, self.eos_token_ids, self.config.num_speculative_tokens
-            )
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars
 
     def _refuse_failed_grammars(self) -> list[StepOutput]:

@@ -45,11 +45,9 @@ class Grammars:
         tokenizer,
         vocab_size: int,
         eos_token_ids: frozenset[int],
-        max_rollback_tokens: int = 0,
         max_cached: int = MAX_CACHED_GRAMMARS,
     ) -> None:
         self.vocab_size = vocab_size
-        self.max_rollback_tokens = max_rollback_tokens
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
         )
@@ -93,7 +91,7 @@ class Grammars:
 
     def start(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A request's grammar state; raises the ValueError at once when the spec is known to fail."""
-        grammar = RequestGrammar(self.compile(spec), self.max_rollback_tokens)
+        grammar = RequestGrammar(self.compile(spec))
         grammar.raise_if_failed()
         return grammar
 
@@ -104,12 +102,11 @@ class Grammars:
 class RequestGrammar:
     """One request's matcher, built when its grammar is ready; it has accepted exactly the emitted tokens."""
 
-    __slots__ = ("future", "matcher", "max_rollback_tokens")
+    __slots__ = ("future", "matcher")
 
-    def __init__(self, future: Future, max_rollback_tokens: int) -> None:
+    def __init__(self, future: Future) -> None:
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
-        self.max_rollback_tokens = max_rollback_tokens
 
     @property
     def ready(self) -> bool:
@@ -129,9 +126,7 @@ class RequestGrammar:
 
     def _matcher(self) -> xgr.GrammarMatcher:
         if self.matcher is None:
-            self.matcher = xgr.GrammarMatcher(
-                self.future.result(), max_rollback_tokens=self.max_rollback_tokens
-            )
+            self.matcher = xgr.GrammarMatcher(self.future.result())  # rollback is unbounded in xgrammar 0.2
         return self.matcher
 
     def accept(self, token_id: int) -> bool:
