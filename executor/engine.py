@@ -119,6 +119,7 @@ class Engine:
         # queued while theirs compiles
         self._grammars: Grammars | None = None
         self.compiling: list[Request] = []
+        self.mask_seconds = 0.0  # spent building and applying token masks, for bench/structured_outputs.py
         capacity = num_blocks * self.block_size
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens; %.1f requests of max_model_len %d fit",
@@ -293,9 +294,11 @@ class Engine:
             return [], []
         drafts = [r.spec_token_ids for r in step.requests]
         # structured outputs: constrained rows' disallowed tokens to -inf, before sampling and logprobs
+        started = time.perf_counter()
         mask = step_bitmask([r.grammar for r in step.requests], drafts, self.vocab_size)
         if mask is not None:
             mask.apply(step.logits)
+            self.mask_seconds += time.perf_counter() - started
         if all(n == 1 for n in step.num_rows):
             result = self.sampler(step.logits, rows)
             return [[t] for t in result.token_ids], [[lp] for lp in result.logprobs]
@@ -359,8 +362,9 @@ class Engine:
         if work:
             self._zero_fresh_blocks()  # before the draft writes into blocks it just took
             self.draft.propose(work, self.kv)
-        for request in sampled:  # structured outputs: proposals stop where the grammar refuses one
-            if request.grammar is not None and request.spec_token_ids:
+        for request in sampled:  # structured outputs: one-hot proposals stop where the grammar refuses one
+            # (cutting drawn ones by their value would bias rejection sampling; verification rejects them)
+            if request.grammar is not None and request.spec_token_ids and request.draft_probs is None:
                 request.truncate_spec_tokens(request.grammar.valid_prefix(request.spec_token_ids))
 
     def _zero_fresh_blocks(self) -> None:
@@ -398,6 +402,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
+            "structured_output_mask_seconds": self.mask_seconds,
         }
 
     def stats(self) -> dict[str, float]:

@@ -6,8 +6,9 @@ Grammars compile on a worker thread, once per (kind, spec), kept in a bounded LR
 until its grammar is ready (scheduler.py skips it), and one whose grammar fails is refused with a ValueError's
 message naming structured_outputs.<kind>. Rows without a grammar cost nothing: no mask exists when no row of the
 batch is constrained. The matcher advances only with emitted tokens, which survive preemption, so recompute
-needs nothing from here; speculative proposals are cut where the grammar refuses them and each verified position
-gets the mask of the state after the proposals before it (the matcher rolled back afterwards).
+needs nothing from here. Speculation: each verified position gets the mask of the state after the proposals
+before it (the matcher rolled back afterwards), so a proposal the grammar refuses is always rejected; one-hot
+proposals (n-gram, greedy draft) are also cut there before the step, which saves their verification.
 """
 
 from __future__ import annotations
@@ -146,15 +147,19 @@ class RequestGrammar:
         return n
 
     def fill(self, bitmask: torch.Tensor, row: int, proposals: list[int]) -> None:
-        """Rows row .. row + len(proposals): the masks after the emitted tokens and each prefix of proposals."""
-        matcher = self._matcher()
+        """Rows row .. row + len(proposals): the masks after the emitted tokens and each prefix of proposals.
+
+        A proposal the grammar refuses has probability 0 under its mask, so verification always rejects it:
+        the rows past it are never sampled from and stay unmasked."""
+        matcher, accepted = self._matcher(), 0
         matcher.fill_next_token_bitmask(bitmask, row)
-        for j, token_id in enumerate(proposals):
-            if not matcher.accept_token(token_id):  # valid_prefix cut these; only a bug lands here
-                raise RuntimeError(f"proposal {token_id} breaks the grammar")
-            matcher.fill_next_token_bitmask(bitmask, row + j + 1)
-        if proposals:
-            matcher.rollback(len(proposals))
+        for token_id in proposals:
+            if not matcher.accept_token(token_id):
+                break
+            accepted += 1
+            matcher.fill_next_token_bitmask(bitmask, row + accepted)
+        if accepted:
+            matcher.rollback(accepted)
 
 
 class TokenBitmask:
