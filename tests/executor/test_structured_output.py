@@ -172,6 +172,11 @@ def test_speculation_and_preemption_leave_constrained_tokens_unchanged(tiny):
     speculated, with_spec = _greedy_json(tiny, kv_cache_memory="4MiB", **SPEC)
     assert with_spec.stats()["spec_draft_tokens"] > 0
     assert speculated == reference
+    drafted, with_draft = _greedy_json(
+        tiny, kv_cache_memory="4MiB", **{**SPEC, "speculative_model": tiny, "num_speculative_tokens": 3}
+    )
+    assert with_draft.stats()["spec_accepted_tokens"] > 0  # the model drafting for itself
+    assert drafted == reference
     # 8 blocks of 16 tokens for four requests of 61 tokens: they preempt one another
     engine = plain.engine
     small = 8 * engine.runner.bytes_per_block(engine.runner.model, engine.block_size, engine.dtype)
@@ -194,3 +199,19 @@ def test_grammars_compile_once_per_spec_within_a_bounded_cache(llm):
 
 def test_a_batch_without_constraints_builds_no_mask():
     assert step_bitmask([None, None], [[], [1, 2]], 49152) is None
+
+
+def test_drawn_draft_proposals_the_grammar_refuses_are_rejected(tiny):
+    """A sampled draft's proposals are not cut by value (that would bias rejection sampling): the mask must make
+    verification reject the ones the grammar refuses."""
+    llm = LLM(tiny, kv_cache_memory="4MiB", max_model_len=512, **{**SPEC, "speculative_model": tiny})
+    params = [
+        SamplingParams(
+            max_tokens=24, temperature=1.0, seed=seed, structured_outputs=constrained(regex="(ab|cd)+")
+        )
+        for seed in range(3)
+    ]
+    outs = llm.generate([[10, 20, 30, 40] * 4] * 3, params)
+    assert llm.stats()["spec_draft_tokens"] > 0
+    for out in outs:
+        assert re.fullmatch("((ab|cd)+)?[ac]?", out.outputs[0].text), out.outputs[0].text

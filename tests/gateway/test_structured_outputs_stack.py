@@ -95,12 +95,13 @@ def test_openai_parse_gives_an_object_for_every_prompt(stack):
 
 def test_json_mode_outputs_parse_streamed_or_not(stack):
     fields = dict(
-        messages=[{"role": "user", "content": "Reply with a JSON object about a cat."}],
+        messages=[{"role": "user", "content": "Reply with a short JSON object giving a cat's name and age."}],
         response_format={"type": "json_object"},
-        max_tokens=64,
+        max_tokens=200,
     )
     plain = chat(stack, **fields)
     assert plain.status_code == 200, plain.text
+    assert plain.json()["choices"][0]["finish_reason"] == "stop"
     text = plain.json()["choices"][0]["message"]["content"]
     assert isinstance(json.loads(text), dict)
     streamed = chat(stack, stream=True, **fields)
