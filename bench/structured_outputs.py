@@ -108,22 +108,26 @@ def compile_times(llm: LLM) -> dict:
     return out
 
 
-def compliance(llm: LLM, n: int, max_tokens: int) -> dict:
+def compliance(llm: LLM, n: int, max_tokens: int, unconstrained: bool = True) -> dict:
     """n sampled outputs (seeds 0..n-1) constrained and not: the share that parse and validate."""
     out = {}
-    for name, spec in (("constrained", StructuredOutputsParams(json=PERSON)), ("unconstrained", None)):
+    kinds = [("constrained", StructuredOutputsParams(json=PERSON)), ("unconstrained", None)]
+    for name, spec in kinds if unconstrained else kinds[:1]:
         params = [
             SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, structured_outputs=spec)
             for seed in range(n)
         ]
-        valid = 0
-        for result in llm.generate([PROMPT] * n, params):
+        valid, failures = 0, []
+        for seed, result in enumerate(llm.generate([PROMPT] * n, params)):
+            completion = result.outputs[0]
             try:
-                jsonschema.validate(json.loads(result.outputs[0].text), PERSON)
+                jsonschema.validate(json.loads(completion.text), PERSON)
                 valid += 1
-            except (ValueError, jsonschema.ValidationError):
-                pass
-        out[name] = {"valid": valid, "of": n}
+            except (ValueError, jsonschema.ValidationError) as error:
+                failures.append(
+                    {"seed": seed, "finish_reason": completion.finish_reason, "why": str(error)[:200]}
+                )
+        out[name] = {"valid": valid, "of": n, "first_failures": failures[:3]}
     return out
 
 
@@ -134,6 +138,8 @@ def main() -> None:
     parser.add_argument("mode", choices=("overhead", "compile", "compliance", "all"))
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--compliance-tokens", type=int, default=96)
+    parser.add_argument("--constrained-only", action="store_true")
     parser.add_argument("--output")
     args = parser.parse_args()
     llm = LLM(None, kv_cache_memory="1GiB", max_num_seqs=64)
@@ -145,7 +151,9 @@ def main() -> None:
         report["overhead"] = [overhead(llm, batch, args.max_tokens) for batch in (1, 32)]
         print(json.dumps(report["overhead"]), flush=True)
     if args.mode in ("compliance", "all"):
-        report["compliance"] = compliance(llm, args.samples, 96)
+        report["compliance"] = compliance(
+            llm, args.samples, args.compliance_tokens, not args.constrained_only
+        )
         print(json.dumps(report["compliance"]), flush=True)
     if args.output:
         with open(args.output, "w") as handle:
