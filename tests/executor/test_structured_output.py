@@ -167,6 +167,7 @@ def _greedy_json(path: str, n: int = 4, **engine_args) -> tuple[list[list[int]],
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm
 
 
+@pytest.mark.slow
 def test_speculation_and_preemption_leave_constrained_tokens_unchanged(tiny):
     reference, plain = _greedy_json(tiny, kv_cache_memory="4MiB")
     speculated, with_spec = _greedy_json(tiny, kv_cache_memory="4MiB", **SPEC)
@@ -201,6 +202,7 @@ def test_a_batch_without_constraints_builds_no_mask():
     assert step_bitmask([None, None], [[], [1, 2]], 49152) is None
 
 
+@pytest.mark.slow
 def test_drawn_draft_proposals_the_grammar_refuses_are_rejected(tiny):
     """A sampled draft's proposals are not cut by value (that would bias rejection sampling): the mask must make
     verification reject the ones the grammar refuses."""
