@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,11 @@ from executor.engine_setup import (
     num_kv_blocks,
 )
 from executor.kv_sizing import pick_device_and_dtype
-from executor.request import Request
+from executor.request import Request, RequestStatus
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs
 from executor.scheduler import NewTokens
 from executor.spec_decode import SpecBackoff, verify
+from executor.structured_output import Grammars, step_bitmask
 from kernels.backend import choose_attention_backend
 from shared.block_hash import hash_blocks
 from shared.engine_config import EngineConfig
@@ -43,6 +45,7 @@ class StepOutput:
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     num_cached_tokens: int
     num_accepted_tokens: int = 0  # proposals of this request the target has accepted so far
+    error: str | None = None  # refused after it was queued (its grammar failed to compile): a 400's message
 
 
 class Engine:
@@ -72,6 +75,11 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.first_scheduled: list[Request] = []  # requests the last step scheduled for the first time
         self.block_hash_mismatches = 0  # requests whose gateway hashed their prompt otherwise
+        # structured outputs: grammars compiled for this tokenizer (built on first use), and the requests
+        # queued while theirs compiles
+        self._grammars: Grammars | None = None
+        self.compiling: list[Request] = []
+        self.mask_seconds = 0.0  # spent building and applying token masks, for bench/structured_outputs.py
         log_kv_capacity(num_blocks, block_bytes, self.block_size, self.dtype, self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------------
@@ -105,15 +113,26 @@ class Engine:
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        grammar = None
+        if params.structured_outputs is not None:  # structured outputs hook
+            grammar = self.grammars.start(params.structured_outputs)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         request = Request(
-            request_id, token_ids, params, self.eos_token_ids, cache_salt=cache_salt, generator=generator
+            request_id,
+            token_ids,
+            params,
+            self.eos_token_ids,
+            cache_salt=cache_salt,
+            generator=generator,
+            grammar=grammar,
         )
         if block_hashes:
             self._check_block_hashes(request, block_hashes)
         self.requests[request_id] = request
+        if grammar is not None and not grammar.ready:
+            self.compiling.append(request)
         self.scheduler.add(request)
         return request
 
@@ -162,6 +181,27 @@ class Engine:
             self.abort(request_id)
         return overdue
 
+    @property
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _refuse_failed_grammars(self) -> list[StepOutput]:
+        """Structured outputs: requests whose grammar failed while they waited end with its error (a 400)."""
+        refused, still = [], []
+        for request in self.compiling:
+            if request.status is RequestStatus.FINISHED or request.grammar.ready:
+                continue
+            if request.grammar.error is None:
+                still.append(request)
+                continue
+            self.requests.pop(request.request_id, None)
+            self.scheduler.finish(request, "error")
+            refused.append(StepOutput(request.request_id, [], [], "error", 0, error=request.grammar.error))
+        self.compiling = still
+        return refused
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -185,17 +225,20 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model (sample, verify proposals), let the scheduler book it, propose for the next."""
+        refused = self._refuse_failed_grammars() if self.compiling else []
         sched = self.scheduler.schedule()
         now = time.time_ns()
         self.first_scheduled = [r for r, _ in sched.scheduled if not r.first_scheduled_ns]
         for request in self.first_scheduled:
             request.first_scheduled_ns = now
         if not sched.scheduled:
-            if self.scheduler.num_unfinished:
+            if self.compiling:  # nothing else to do until a grammar is ready: wait for one, briefly
+                wait([r.grammar.future for r in self.compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+            elif self.scheduler.num_unfinished:
                 raise RuntimeError(
                     "scheduler made no progress with requests waiting"
                 )  # admission forbids this
-            return []
+            return refused
         self._zero_fresh_blocks()
         step = self.runner.execute(sched.scheduled, self.kv)
         token_ids, logprobs = self._sample(step)
@@ -204,7 +247,7 @@ class Engine:
         outputs = [self._output(new, lp, now) for new, lp in zip(news, logprobs, strict=True)]
         if self.ngram is not None or self.draft is not None:
             self._propose([new.request for new in news if new.request.finish_reason is None])
-        return outputs
+        return refused + outputs
 
     def _output(self, new: NewTokens, logprobs: list[TokenLogprobs | None], now: int) -> StepOutput:
         """A sampled request's StepOutput; what the scheduler booked also feeds the back-off rule."""
@@ -231,10 +274,16 @@ class Engine:
         ]
         if not rows:
             return [], []
+        drafts = [r.spec_token_ids for r in step.requests]
+        # structured outputs: constrained rows' disallowed tokens to -inf, before sampling and logprobs
+        started = time.perf_counter()
+        mask = step_bitmask([r.grammar for r in step.requests], drafts, self.vocab_size)
+        if mask is not None:
+            mask.apply(step.logits)
+            self.mask_seconds += time.perf_counter() - started
         if all(n == 1 for n in step.num_rows):
             result = self.sampler(step.logits, rows)
             return [[t] for t in result.token_ids], [[lp] for lp in result.logprobs]
-        drafts = [r.spec_token_ids for r in step.requests]
         verified = verify(step.logits, rows, drafts, [r.draft_probs for r in step.requests])
         return verified.token_ids, verified.logprobs
 
@@ -260,6 +309,10 @@ class Engine:
         if work:
             self._zero_fresh_blocks()  # before the draft writes into blocks it just took
             self.draft.propose(work, self.kv)
+        for request in sampled:  # structured outputs: one-hot proposals stop where the grammar refuses one
+            # (cutting drawn ones by their value would bias rejection sampling; verification rejects them)
+            if request.grammar is not None and request.spec_token_ids and request.draft_probs is None:
+                request.truncate_spec_tokens(request.grammar.valid_prefix(request.spec_token_ids))
 
     def _zero_fresh_blocks(self) -> None:
         fresh = self.pool.drain_fresh()
@@ -290,6 +343,7 @@ class Engine:
             "spec_draft_tokens": self.scheduler.spec_draft_tokens,
             "spec_accepted_tokens": self.scheduler.spec_accepted_tokens,
             "block_hash_mismatches": self.block_hash_mismatches,
+            "structured_output_mask_seconds": self.mask_seconds,
         }
 
     def stats(self) -> dict[str, float]:

@@ -93,6 +93,9 @@ class LLM:
     ) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         token_prompt = list(prompt) if not isinstance(prompt, str) else prompt
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            # offline, waiting for the grammar costs nothing: a bad one raises its ValueError here
+            self.engine.grammars.compile(params.structured_outputs).exception()
         request = self.engine.add_request(request_id, token_prompt, params)
         output = RequestOutput(
             request_id,
@@ -119,6 +122,8 @@ class LLM:
         return updated
 
     def _apply(self, tracked: _Tracked, step_out: StepOutput) -> None:
+        if step_out.error is not None:  # add_request compiled its grammar first, so this is not expected
+            raise RuntimeError(f"request {step_out.request_id}: {step_out.error}")
         output, completion = tracked.output, tracked.output.outputs[0]
         output.num_cached_tokens = step_out.num_cached_tokens
         output.num_accepted_tokens = step_out.num_accepted_tokens

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from executor.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,8 @@ class Request:
     num_draft_computed: int = 0
     num_draft_tokens: int = 0  # proposals verified so far
     num_accepted_tokens: int = 0  # of which the target accepted
+    # structured outputs (executor/structured_output.py): its grammar's matcher, None when unconstrained
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -202,7 +203,8 @@ def token_logprobs(
     chosen_rows = zip(wanted, chosen_ids.squeeze(1).tolist(), chosen.squeeze(1).tolist(), strict=True)
     for j, (i, token_id, logprob) in enumerate(chosen_rows):
         n = rows[i].params.logprobs
-        top = list(zip(top_ids[j][:n], top_logprobs[j][:n], strict=True))
+        # a structured output's mask leaves some rows fewer than n possible tokens: the impossible are not listed
+        top = [(t, lp) for t, lp in zip(top_ids[j][:n], top_logprobs[j][:n], strict=True) if lp != -math.inf]
         result[i] = TokenLogprobs(token_id, logprob, ranks[j], top)
     return result
 

@@ -126,8 +126,11 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if request.grammar is not None and not request.grammar.ready:
+                continue  # structured outputs: its grammar is still compiling; the ones behind it may start
             cached = self.kv.find_cached_prefix(request)
             num_new = request.num_tokens - len(cached) * self.kv.block_size
             if num_new > budget and not self.enable_chunked_prefill:
@@ -135,7 +138,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if not self.kv.allocate(request, num_new, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.num_computed_tokens = len(cached) * self.kv.block_size
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = len(cached) * self.kv.block_size
@@ -193,6 +196,8 @@ class Scheduler:
             request.append_token(token_ids[kept])
             kept += 1
             reason = request.check_stop(self.max_model_len)
+            if request.grammar is not None and request.grammar.accept(token_ids[kept - 1]):
+                reason = "stop"  # structured outputs: the grammar is complete
         del token_ids[kept:]
         # all but the newest token have KV (fewer when a stop cut the run short)
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)

@@ -205,6 +205,10 @@ class ExecutorService:
         if owned is None:
             log.error("engine produced output for request %s that no gateway owns", out.request_id)
             return
+        if out.error is not None:  # refused after queueing (a grammar that failed to compile): the same 400
+            self._release(out.request_id, "refused")
+            self._send_error(owned.identity, out.request_id, out.error, 400, owned.trace_id)
+            return
         logprobs = None
         if any(lp is not None for lp in out.new_logprobs):
             logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]

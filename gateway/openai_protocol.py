@@ -11,6 +11,7 @@ from typing import Literal
 from gateway.api_error import APIError, invalid_request
 from gateway.chat_template import ChatMessage, parse_messages
 from shared.sampling_params import SamplingParams
+from shared.structured_outputs import StructuredOutputsParams
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # larger bodies get 413 before any parsing
 MAX_JSON_DEPTH = 64  # levels of arrays and objects; OpenAI's own bodies need a handful
@@ -184,13 +185,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise invalid_request("echo is not supported", "echo")
     if _typed(body, "suffix", str, "a string", ""):
         raise invalid_request("suffix is not supported", "suffix")
-    response_format = _typed(body, "response_format", dict, "an object", {"type": "text"})
-    if response_format.get("type") != "text":
-        raise invalid_request(
-            f"response_format {response_format.get('type')!r} is not supported: outputs are unconstrained text "
-            "(response_format {'type': 'text'})",
-            "response_format",
-        )
     # tools the model may call need a tool-call parser, which this server does not have; tools it must not
     # call (tool_choice "none") are fine: the template leaves them out
     for name in ("tools", "functions"):
@@ -202,15 +196,100 @@ def _refuse_unsupported(body: dict) -> None:
             )
 
 
+# vLLM's older names for structured outputs, each one StructuredOutputsParams field
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def _response_format(body: dict) -> dict | None:
+    """OpenAI's response_format as StructuredOutputsParams fields; None for plain text."""
+    response_format = _typed(body, "response_format", dict, "an object", {"type": "text"})
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid_request(
+                "response_format.json_schema must be an object with name and schema",
+                "response_format.json_schema",
+            )
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid_request(
+                f"response_format.json_schema.name must be a non-empty string, got {name!r}",
+                "response_format.json_schema.name",
+            )
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise invalid_request(
+                f"response_format.json_schema.strict must be a boolean, got {strict!r}",
+                "response_format.json_schema.strict",
+            )
+        schema = spec.get("schema")
+        if schema is None:  # OpenAI allows a schema-less json_schema: any JSON object
+            return {"json_object": True}
+        if not isinstance(schema, dict):
+            raise invalid_request(
+                f"response_format.json_schema.schema must be a JSON schema object, got {schema!r}",
+                "response_format.json_schema.schema",
+            )
+        return {"json": schema}
+    raise invalid_request(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        "response_format.type",
+    )
+
+
+def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """What the output must match, from whichever of OpenAI's and vLLM's fields the request uses (one at most)."""
+    given: dict[str, dict] = {}
+    response_format = _response_format(body)
+    if response_format is not None:
+        given["response_format"] = response_format
+    if body.get("structured_outputs") is not None:
+        value = body["structured_outputs"]
+        if not isinstance(value, dict):
+            raise invalid_request(
+                f"structured_outputs must be an object, got {value!r}", "structured_outputs"
+            )
+        given["structured_outputs"] = value
+    for name, kind in _GUIDED.items():
+        if body.get(name) is not None:
+            given[name] = {kind: body[name]}
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(given)
+        raise invalid_request(f"give one way of constraining the output, got {names}", next(iter(given)))
+    ((param, value),) = given.items()
+    try:
+        return StructuredOutputsParams.from_wire(value)
+    except ValueError as exc:
+        message = str(exc)
+        if param != "structured_outputs":  # name the field the request used
+            message = message.replace(f"structured_outputs.{next(iter(value))}", param, 1)
+            message = message.replace("structured_outputs", param, 1)
+        raise invalid_request(message, param) from exc
+
+
 def _sampling(
     body: dict, max_tokens: int | None, logprobs: int | None, renamed: dict[str, str]
 ) -> SamplingParams:
     """SamplingParams checks every value; its ValueError starts with the field, mapped back to the request's name."""
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    structured_outputs = _structured_outputs(body)
     try:
         return SamplingParams(
             max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             logprobs=logprobs,
+            structured_outputs=structured_outputs,
             **fields,
         )
     except ValueError as exc:

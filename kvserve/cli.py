@@ -10,7 +10,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # what the `executor` extra adds to the base install (pyproject.toml; tests/test_deployment.py keeps them equal)
-EXECUTOR_EXTRA = ("torch", "transformers", "safetensors", "gguf", "numpy", "sentencepiece", "ninja", "triton")
+EXECUTOR_EXTRA = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "gguf",
+    "numpy",
+    "sentencepiece",
+    "ninja",
+    "triton",
+    "xgrammar",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,8 @@ class StructuredOutputsParams:
 
 
 def _schema_text(schema: dict) -> str:
+    """Keys keep their order: a grammar emits an object's properties in the order its schema lists them."""
     try:
-        return json.dumps(schema, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as error:
         raise ValueError(f"structured_outputs.json cannot be serialised: {error}") from None

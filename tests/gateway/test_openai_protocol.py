@@ -173,7 +173,34 @@ def test_body_too_large_is_413():
         ({"n": 2}, "n", "n > 1 is not supported"),
         ({"logit_bias": {"a": 1}}, "logit_bias", "logit_bias keys must be token ids"),
         ({"logit_bias": {"5": 200}}, "logit_bias", "logit_bias[5] must be in [-100, 100]"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "got 'xml'"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name and schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+            "non-empty string",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}}},
+            "response_format.json_schema.schema",
+            "JSON schema object",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "strict": "yes"}}},
+            "response_format.json_schema.strict",
+            "boolean",
+        ),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "got regex, choice"),
+        ({"structured_outputs": {"json_schema": {}}}, "structured_outputs", "unknown field 'json_schema'"),
+        ({"structured_outputs": "a+"}, "structured_outputs", "must be an object"),
+        ({"guided_choice": []}, "guided_choice", "guided_choice must be a non-empty list"),
+        ({"guided_regex": 5}, "guided_regex", "guided_regex must be a non-empty string"),
+        ({"guided_json": "{"}, "guided_json", "guided_json is not valid JSON"),
+        (
+            {"guided_regex": "a", "response_format": {"type": "json_object"}},
+            "response_format",
+            "got response_format, guided_regex",
+        ),
         ({"response_format": "json"}, "response_format", "response_format must be an object"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "does not parse tool calls"),
         ({"functions": [{"name": "f"}], "tool_choice": "auto"}, "functions", "does not parse tool calls"),
@@ -205,6 +232,36 @@ def test_bad_chat_fields_are_400_naming_the_field(fields, param, message):
     err = error_of(parse_chat_request, chat(**fields))
     assert (err.status, err.type, err.param) == (400, "invalid_request_error", param)
     assert message in err.message
+
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+            {"json": json.dumps(SCHEMA, separators=(",", ":"))},  # properties keep their order
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, {"json_object": True}),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+        ({"guided_json": SCHEMA}, {"json": json.dumps(SCHEMA, separators=(",", ":"))}),
+        ({"guided_regex": "a|b"}, {"regex": "a|b"}),
+        ({"guided_choice": ["x"]}, {"choice": ["x"]}),
+        ({"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+    ],
+)
+def test_structured_output_fields_become_one_constraint(fields, expected):
+    for parse, body in (
+        (parse_chat_request, chat(**fields)),
+        (parse_completion_request, completion(**fields)),
+    ):
+        constraint = parse(body, MODELS).sampling.structured_outputs
+        assert (constraint.to_wire() if constraint else None) == expected
 
 
 def test_missing_messages_is_400():
