@@ -107,3 +107,22 @@ def test_logprobs_of_held_back_tokens_still_reach_the_client(tokenizer):
         e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]
     ]
     assert len(entries) == len(updates)  # every token's, tags included
+
+
+def test_required_output_is_read_as_the_call_json_it_was_constrained_to(tokenizer):
+    call_json = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    choice = whole(tokenizer, call_json, tool_choice="required")["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Oslo"}',
+    }
+    chunks = streamed(
+        tokenizer, call_json, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert not any(d.get("content") for d in deltas)
+    calls = [entry for d in deltas for entry in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert "".join(entry["function"]["arguments"] for entry in calls) == '{"city": "Oslo"}'
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
