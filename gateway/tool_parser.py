@@ -69,9 +69,10 @@ class _Scan:
     end: int | None = None
 
 
-def scan_call(text: str) -> _Scan:
+def scan_call(text: str, resume: dict[int, tuple[int, int, bool]] | None = None) -> _Scan:
     """Reads as much of one call's JSON as there is; nested values are only delimited here, json.loads checks
-    the whole object once it closes."""
+    the whole object once it closes. resume: where unfinished objects were left, so a text that grows token by
+    token is not read from its start each time (the same dict for each longer text of one call)."""
     scan = _Scan("partial")
     i = _skip_space(text, 0)
     if i == len(text):
@@ -101,7 +102,7 @@ def scan_call(text: str) -> _Scan:
         i = _skip_space(text, i + 1)
         if i == len(text):
             return scan
-        value_end = _value_end(text, i)
+        value_end = _value_end(text, i, resume)
         if value_end == -1 or (key == "name" and text[i] != '"') or (key == "arguments" and text[i] != "{"):
             return _Scan("invalid")
         if key == "arguments":
@@ -141,7 +142,7 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-def _value_end(text: str, i: int) -> int | None:
+def _value_end(text: str, i: int, resume: dict[int, tuple[int, int, bool]] | None = None) -> int | None:
     """One past the JSON value starting at i; None if the text ends first, -1 if it cannot be one."""
     opening = text[i]
     if opening == '"':
@@ -155,7 +156,7 @@ def _value_end(text: str, i: int) -> int | None:
                 j += 1
         return None
     if opening in "{[":
-        depth, j, in_string = 0, i, False
+        j, depth, in_string = resume.get(i, (i, 0, False)) if resume is not None else (i, 0, False)
         while j < len(text):
             c = text[j]
             if in_string:
@@ -172,6 +173,8 @@ def _value_end(text: str, i: int) -> int | None:
                 if depth == 0:
                     return j + 1
             j += 1
+        if resume is not None:
+            resume[i] = (j, depth, in_string)
         return None
     j = i
     while j < len(text) and (text[j].isalnum() or text[j] in "+-."):
@@ -189,6 +192,7 @@ class _OpenCall:
     text: str = ""
     index: int | None = None  # set once it is a call (its name streamed)
     sent_arguments: int = 0  # characters of its arguments streamed
+    resume: dict = field(default_factory=dict)  # scan_call's place in its unfinished objects
 
 
 @dataclass
@@ -237,7 +241,7 @@ class ToolCallParser:
             call = self._open
             end = -1 if self.constrained else self._pending.find(TOOL_CALL_END)
             call.text = self._pending if end < 0 else self._pending[:end]
-            scan = scan_call(call.text)
+            scan = scan_call(call.text, call.resume)
             deltas += self._stream(call, scan)
             # untagged, a prefix that is not JSON can never become a call; tagged, it may be the closing tag
             closed = end >= 0 or finished or (self.constrained and scan.state != "partial")
