@@ -48,6 +48,7 @@ class GatewayConfig:
     # /metrics on a listener of its own; without one, a gateway that requires API keys does not serve it at all
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" is refused without one
 
 
 class Gateway:
@@ -74,6 +75,7 @@ class Gateway:
             self.client,
             self.metrics,
             Backlog(self.router, self.config.queue_timeout),
+            self.config.tool_call_parser,
         )
         if self.config.metrics_port is not None:
             metrics_app = Starlette(

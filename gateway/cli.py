@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gateway.routing_cost import ROUTING_POLICIES
+from gateway.tools import TOOL_CALL_PARSERS
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 
 if TYPE_CHECKING:
@@ -53,6 +54,20 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "--metrics-host", default=None, help="the metrics listener's address (default: --host)"
     )
     parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="a Jinja chat template that replaces the model's (default: the model's own; requests with tools "
+        "to a ChatML model whose template has none use gateway/tool_chat_template_hermes.jinja)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help='how the model writes tool calls; tool_choice "auto" needs one (hermes: '
+        '<tool_call>{...}</tool_call>, ChatML models; "required" and named functions need none)',
+    )
+    parser.add_argument(
         "--log-format",
         choices=["json", "text"],
         default=os.environ.get("KVSERVE_LOG_FORMAT", "json"),
@@ -93,6 +108,7 @@ def _served_name(args: argparse.Namespace) -> str:
 def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], None] | None = None) -> int:
     """Serve until drained; `on_start` (from `kvserve up`) ties the server to what it supervises meanwhile."""
     from gateway.app import GatewayConfig, build_app
+    from gateway.chat_template import read_chat_template
     from gateway.draining import GatewayServer
     from gateway.tokenizer import load_tokenizer
     from shared import logs, tracing
@@ -116,6 +132,12 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
     except ModelLoadError as error:
         print(f"kvserve gateway: error: --model: {error}", file=sys.stderr)
         return 2
+    if args.chat_template is not None:
+        try:
+            tokenizer.chat_template = read_chat_template(args.chat_template)
+        except ValueError as error:
+            print(f"kvserve gateway: error: --chat-template: {error}", file=sys.stderr)
+            return 2
     config = GatewayConfig(
         args.redis_url,
         _served_name(args),
@@ -125,6 +147,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         args.queue_timeout,
         metrics_host=args.metrics_host or args.host,
         metrics_port=args.metrics_port,
+        tool_call_parser=args.tool_call_parser,
     )
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")

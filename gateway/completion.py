@@ -166,6 +166,7 @@ class Completions:
         client: ExecutorClient,
         metrics: GatewayMetrics,
         backlog: Backlog,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -175,6 +176,7 @@ class Completions:
         self.client = client
         self.metrics = metrics
         self.backlog = backlog
+        self.tool_call_parser = tool_call_parser
         self.background: set[asyncio.Task] = set()
 
     async def serve(self, request: Request, endpoint: str) -> Response:
@@ -300,8 +302,10 @@ class Completions:
         """The request body, parsed and validated, and its prompt's token ids."""
         check_content_type(request.headers.get("content-type"))
         raw = await _body(request)
-        parse = parse_chat_request if endpoint == "chat" else parse_completion_request
-        parsed = parse(raw, [self.model_name])
+        if endpoint == "chat":
+            parsed = parse_chat_request(raw, [self.model_name], self.tool_call_parser)
+        else:
+            parsed = parse_completion_request(raw, [self.model_name])
         started = time.time_ns()
         ids = prompt_token_ids(parsed, self.tokenizer)
         span.child("tokenize", started, {"gen_ai.usage.input_tokens": len(ids)})

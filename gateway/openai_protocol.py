@@ -10,6 +10,7 @@ from typing import Literal
 
 from gateway.api_error import APIError, invalid_request
 from gateway.chat_template import ChatMessage, parse_messages
+from gateway.tools import ToolCalling, parse_tool_calling
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputsParams
 
@@ -47,6 +48,7 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage
     max_tokens: int | None  # as asked; None lets fit_to_context choose
     sampling: SamplingParams  # validated; its max_tokens is final only after fit_to_context
+    tools: ToolCalling | None = None  # chat: the tools the model may call (gateway/tools.py)
 
 
 def body_too_large(size: str) -> APIError:
@@ -185,15 +187,9 @@ def _refuse_unsupported(body: dict) -> None:
         raise invalid_request("echo is not supported", "echo")
     if _typed(body, "suffix", str, "a string", ""):
         raise invalid_request("suffix is not supported", "suffix")
-    # tools the model may call need a tool-call parser, which this server does not have; tools it must not
-    # call (tool_choice "none") are fine: the template leaves them out
-    for name in ("tools", "functions"):
-        if _typed(body, name, list, "a list", []) and body.get("tool_choice", "auto") != "none":
-            raise invalid_request(
-                f'{name} are not supported: this server does not parse tool calls (send tool_choice "none" '
-                "or no tools)",
-                name,
-            )
+    for name in ("functions", "function_call"):  # OpenAI's deprecated form of tools and tool_choice
+        if body.get(name) is not None:
+            raise invalid_request(f"{name} is not supported: send tools and tool_choice instead", name)
 
 
 # vLLM's older names for structured outputs, each one StructuredOutputsParams field
@@ -315,8 +311,11 @@ def _common(body: dict, served_models: Collection[str]) -> tuple[str, bool, bool
     return model, stream, include_usage
 
 
-def parse_chat_request(raw: bytes, served_models: Collection[str]) -> OpenAIRequest:
-    """A /v1/chat/completions body; max_completion_tokens wins over the deprecated max_tokens, as in OpenAI."""
+def parse_chat_request(
+    raw: bytes, served_models: Collection[str], tool_call_parser: str | None = None
+) -> OpenAIRequest:
+    """A /v1/chat/completions body; max_completion_tokens wins over the deprecated max_tokens, as in OpenAI.
+    tool_call_parser: `--tool-call-parser`, without which tool_choice "auto" is refused."""
     body = read_json_body(raw)
     model, stream, include_usage = _common(body, served_models)
     if "messages" not in body:
@@ -334,7 +333,23 @@ def parse_chat_request(raw: bytes, served_models: Collection[str]) -> OpenAIRequ
     elif body.get("top_logprobs") is not None:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
     sampling = _sampling(body, max_tokens, logprobs, renamed)
-    return OpenAIRequest("chat", model, messages, None, stream, include_usage, max_tokens, sampling)
+    tools = parse_tool_calling(body, tool_call_parser)
+    sampling = _constrain_to_call(sampling, tools)
+    return OpenAIRequest("chat", model, messages, None, stream, include_usage, max_tokens, sampling, tools)
+
+
+def _constrain_to_call(sampling: SamplingParams, tools: ToolCalling | None) -> SamplingParams:
+    """tool_choice "required" or a named function: the output is constrained to one call (gateway/tools.py)."""
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is None:
+        return sampling
+    if sampling.structured_outputs is not None:
+        raise invalid_request(
+            f"tool_choice {tools.function or tools.choice!r} constrains the output to a tool call; it cannot "
+            "also follow response_format or structured_outputs",
+            "tool_choice",
+        )
+    return dataclasses.replace(sampling, structured_outputs=constraint)
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -357,6 +372,13 @@ def _prompt(body: dict) -> str | list[int]:
     raise invalid_request("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
+def _refuse_tools(body: dict) -> None:
+    """A text completion has no messages to carry calls: tools are a chat feature, as in OpenAI."""
+    for name in ("tools", "tool_choice"):
+        if body.get(name) is not None:
+            raise invalid_request(f"{name} is served on /v1/chat/completions only", name)
+
+
 def parse_completion_request(raw: bytes, served_models: Collection[str]) -> OpenAIRequest:
     """A /v1/completions body; logprobs here is the number of top alternatives, not a flag."""
     body = read_json_body(raw)
@@ -364,6 +386,7 @@ def parse_completion_request(raw: bytes, served_models: Collection[str]) -> Open
     if "prompt" not in body:
         raise invalid_request("prompt is required", "prompt")
     prompt = _prompt(body)
+    _refuse_tools(body)
     max_tokens = _typed(body, "max_tokens", int, "an integer")
     logprobs = _typed(body, "logprobs", int, "an integer")
     sampling = _sampling(body, max_tokens, logprobs, {})

@@ -10,7 +10,8 @@ from gateway.openai_protocol import OpenAIRequest
 def prompt_token_ids(request: OpenAIRequest, tokenizer) -> list[int]:
     """Text is encoded as the offline API encodes it, so both give the same greedy output."""
     if request.messages is not None:
-        return chat_prompt_token_ids(tokenizer, request.messages)
+        tools = request.tools.tools if request.tools is not None else None
+        return chat_prompt_token_ids(tokenizer, request.messages, tools)
     if isinstance(request.prompt, str):
         return tokenizer.encode(request.prompt)
     vocab_size = len(tokenizer)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from gateway.logprobs import LogprobFormatter, TokenLogprob, token_logprob
 from gateway.openai_protocol import Endpoint, OpenAIRequest
 from gateway.output_text import OutputText
+from gateway.tool_parser import ToolCallDelta, ToolCallParser
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -23,6 +24,7 @@ class Delta:
     logprobs: list[TokenLogprob]
     text_offset: int  # where text starts in the whole output (completions' logprobs need it)
     finish_reason: str | None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -35,6 +37,9 @@ class Generation:
     output: OutputText
     formatter: LogprobFormatter
     want_logprobs: bool
+    tool_calls: ToolCallParser | None = (
+        None  # a chat request with tools: the output's text is parsed for calls
+    )
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     cached_tokens: int = field(default=0, init=False)
@@ -50,6 +55,7 @@ class Generation:
         cls, request: OpenAIRequest, prompt_token_ids: Sequence[int], stop: Sequence[str], tokenizer
     ) -> Generation:
         """stop comes from the final SamplingParams (already a list)."""
+        tools = request.tools
         return cls(
             request.endpoint,
             request.model,
@@ -57,6 +63,9 @@ class Generation:
             OutputText(tokenizer, prompt_token_ids, stop),
             LogprobFormatter(tokenizer),
             request.sampling.logprobs is not None,
+            None
+            if tools is None
+            else ToolCallParser(tools.names, tools.constrained, None if tools.parallel else 1),
         )
 
     @property
@@ -85,14 +94,28 @@ class Generation:
             finish_reason = (
                 "stop"  # OpenAI reports a matched stop string as "stop", whatever the executor said
             )
+        calls: list[ToolCallDelta] = []
+        if self.tool_calls is not None:
+            text, calls = self.tool_calls.feed(text, finished=finish_reason is not None)
+            if finish_reason == "stop" and self.tool_calls.calls:
+                finish_reason = "tool_calls"  # a cut-short call keeps "length"
         if self.want_logprobs and logprobs:
             self._pending.extend(token_logprob(entry) for entry in logprobs if entry is not None)
         released: list[TokenLogprob] = []
-        if text or finish_reason is not None:  # held-back tokens' logprobs travel with their text
+        if text or calls or finish_reason is not None:  # held-back tokens' logprobs travel with their output
             released, self._pending = self._pending, []
             self.logprobs.extend(released)
         self.finish_reason = finish_reason
-        return Delta(text, released, offset, finish_reason)
+        return Delta(text, released, offset, finish_reason, calls)
+
+    def message(self) -> dict:
+        """The whole chat answer: its text, or with tools the text around the calls (null if none) and them."""
+        if self.tool_calls is None:
+            return {"role": "assistant", "content": self.output.text}
+        calls = [call.message_entry() for call in self.tool_calls.calls]
+        if not calls:
+            return {"role": "assistant", "content": self.tool_calls.content}
+        return {"role": "assistant", "content": self.tool_calls.content or None, "tool_calls": calls}
 
     def usage(self) -> dict:
         completion_tokens = self.output.num_tokens
@@ -117,7 +140,7 @@ def response_body(generation: Generation) -> dict:
     logprobs = generation.logprobs_object(generation.logprobs, 0)
     if generation.endpoint == "chat":
         object_name = "chat.completion"
-        choice = {"index": 0, "message": {"role": "assistant", "content": generation.output.text}}
+        choice = {"index": 0, "message": generation.message()}
         choice |= {"logprobs": logprobs, "finish_reason": generation.finish_reason}
     else:
         object_name = "text_completion"
@@ -159,9 +182,13 @@ class EventStream:
             payload["usage"] = usage
         return _event(payload)
 
-    def _choice(self, text: str | None, logprobs: dict | None, finish_reason: str | None) -> dict:
+    def _choice(
+        self, text: str | None, logprobs: dict | None, finish_reason: str | None, tool_calls=()
+    ) -> dict:
         if self.generation.endpoint == "chat":
             delta = {} if text is None else {"content": text}
+            if tool_calls:
+                delta = {"tool_calls": [call.chunk_entry() for call in tool_calls]}
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"text": text or "", "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -186,6 +213,9 @@ class EventStream:
         )
         if delta.text:
             events.append(self._chunk([self._choice(delta.text, logprobs_object, None)]))
+            logprobs_object = None
+        if delta.tool_calls:
+            events.append(self._chunk([self._choice(None, logprobs_object, None, delta.tool_calls)]))
             logprobs_object = None
         if delta.finish_reason is not None:
             events.append(self._chunk([self._choice(None, logprobs_object, delta.finish_reason)]))

@@ -91,8 +91,10 @@ class Tokenizer:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = False,
         tokenize: bool = False,
+        chat_template: str | None = None,
     ) -> str:
-        """The rendered text only (encode it with add_special_tokens=False: the template wrote them)."""
+        """The rendered text only (encode it with add_special_tokens=False: the template wrote them).
+        chat_template, as in transformers: a template's source, or the name of one of the model's."""
         if tokenize:
             raise ValueError(
                 "apply_chat_template renders text only; encode the text with add_special_tokens=False"
@@ -103,7 +105,7 @@ class Tokenizer:
             )
         # as transformers: keys whose value is None are dropped (templates crash on content=None, handle a gap)
         messages = [{key: value for key, value in m.items() if value is not None} for m in conversation]
-        return self._template(tools).render(
+        return self._template(tools, chat_template).render(
             messages=messages,
             tools=tools,
             documents=None,
@@ -111,10 +113,13 @@ class Tokenizer:
             **self.special_tokens_map,
         )
 
-    def _template(self, tools: list[dict] | None) -> jinja2.Template:
+    def _template(self, tools: list[dict] | None, chat_template: str | None = None) -> jinja2.Template:
         """Compiled once per template; a dict of named templates picks "tool_use" for tools, else "default"."""
         source, name = self.chat_template, "default"
-        if isinstance(source, dict):
+        if chat_template is not None:
+            named = isinstance(source, dict) and chat_template in source
+            source, name = (source[chat_template], chat_template) if named else (chat_template, chat_template)
+        elif isinstance(source, dict):
             name = "tool_use" if tools is not None and "tool_use" in source else "default"
             if name not in source:
                 raise ValueError(f"the model has chat templates {sorted(source)} and none named 'default'")
@@ -122,7 +127,7 @@ class Tokenizer:
         if source is None:
             raise ValueError("the model has no chat template")
         if name not in self._templates:
-            self._templates[name] = _jinja_environment().from_string(source)
+            self._templates[name] = jinja_environment().from_string(source)
         return self._templates[name]
 
 
@@ -286,7 +291,7 @@ class _GenerationTag(Extension):
         return caller()
 
 
-def _jinja_environment() -> ImmutableSandboxedEnvironment:
+def jinja_environment() -> ImmutableSandboxedEnvironment:
     """transformers' environment: sandboxed (templates come from model files), trim/lstrip blocks, loop controls."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]

@@ -89,3 +89,23 @@ def test_up_pulls_the_model_in_a_child_and_names_what_is_wrong_with_it(tmp_path)
         f"kvserve up: error: model {str(missing)!r}: expected 'SmolLM2-135M-Instruct', a .gguf file or a model directory"
     )
     assert heavy_modules(done) == []
+
+
+def test_gateway_chat_template_flag_names_a_file_it_cannot_read(tmp_path, default_model):
+    missing = tmp_path / "none.jinja"
+    done = kvserve(
+        "gateway",
+        "--redis-url",
+        "redis://127.0.0.1:1",
+        "--model",
+        default_model,
+        "--chat-template",
+        str(missing),
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"--chat-template: {missing} cannot be read" in done.stderr
+
+
+def test_tool_call_parser_is_hermes_or_none():
+    done = kvserve("gateway", "--tool-call-parser", "mistral")
+    assert done.returncode == 2 and "--tool-call-parser: invalid choice: 'mistral'" in done.stderr

@@ -1,0 +1,175 @@
+"""`tools` and `tool_choice` on /v1/chat/completions: their shapes checked once, and the JSON schema that makes
+tool_choice "required" or a named function always produce a valid call.
+
+How a call is made, by tool_choice:
+- "none": the tools are left out of the prompt and the output is text.
+- "auto": the model decides; its Hermes `<tool_call>{"name": ..., "arguments": ...}</tool_call>` output is parsed
+  (gateway/tool_parser.py), which needs `--tool-call-parser hermes`, as in vLLM.
+- "required" and a named function: the output is constrained (structured_outputs, json) to the JSON object a
+  Hermes call carries, `{"name": <one of the tools>, "arguments": <its parameters>}`, so it always is one valid
+  call. vLLM constrains a named function to its parameters alone and "required" to an array of calls; one
+  object for both keeps one parser for every mode, and its closing brace ends the output, where an array lets
+  a small model go on adding calls until max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from gateway.api_error import invalid_request
+from shared.structured_outputs import StructuredOutputsParams
+
+TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser's choices
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+_NO_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes none
+
+
+@dataclass(slots=True)
+class ToolCalling:
+    """The tools a request's model may call, and how."""
+
+    tools: list[dict]  # as the chat template receives them: {"type": "function", "function": {name, ...}}
+    choice: str  # "auto", "required" or "function" (the one named in `function`)
+    function: str | None = None
+    parallel: bool = True  # parallel_tool_calls: False keeps only the first call of an "auto" output
+
+    @property
+    def names(self) -> list[str]:
+        return [tool["function"]["name"] for tool in self.tools]
+
+    @property
+    def constrained(self) -> bool:
+        """The output is the call's JSON itself, with no <tool_call> tags around it."""
+        return self.choice != "auto"
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What required and named choices hand the executor; the schema's text keeps "name" before
+        "arguments", so the model writes (or is given) the name first, as Hermes does."""
+        if not self.constrained:
+            return None
+        calls = [
+            call_schema(tool["function"])
+            for tool in self.tools
+            if self.choice == "required" or tool["function"]["name"] == self.function
+        ]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return StructuredOutputsParams(json=json.dumps(schema, ensure_ascii=False))
+
+
+def call_schema(function: dict) -> dict:
+    """One call of `function`, as the JSON object inside a Hermes <tool_call>."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function["name"]},
+            "arguments": function.get("parameters", _NO_PARAMETERS),
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def parse_tool_calling(body: dict, tool_call_parser: str | None) -> ToolCalling | None:
+    """None when the model may call nothing: no tools, or tool_choice "none" (the prompt then leaves them
+    out). OpenAI's default is "auto" when tools are given."""
+    tools = _tools(body.get("tools"))
+    choice, function = _tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise invalid_request(
+            f"parallel_tool_calls must be a boolean, got {parallel!r}", "parallel_tool_calls"
+        )
+    if not tools or choice == "none":
+        return None
+    if choice == "auto" and tool_call_parser is None:
+        raise invalid_request(
+            'tool_choice "auto" (the default when tools are given) needs a gateway started with '
+            '--tool-call-parser hermes; send tool_choice "required", a named function or "none"',
+            "tool_choice",
+        )
+    return ToolCalling(tools, choice, function, parallel)
+
+
+def _tools(raw: object) -> list[dict]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise invalid_request("tools must be a list of {type: 'function', function: {...}} objects", "tools")
+    tools, names = [], set()
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise invalid_request(f"{where} must be an object", where)
+        if tool.get("type") != "function":
+            raise invalid_request(
+                f"{where}.type must be 'function' (the only kind of tool served), got {tool.get('type')!r}",
+                f"{where}.type",
+            )
+        function = _function(tool.get("function"), f"{where}.function")
+        if function["name"] in names:
+            raise invalid_request(
+                f"{where}.function.name {function['name']!r} is given twice", f"{where}.function.name"
+            )
+        names.add(function["name"])
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _function(raw: object, where: str) -> dict:
+    """name, description and parameters, checked; what else the client sent (strict) goes to the template."""
+    if not isinstance(raw, dict):
+        raise invalid_request(f"{where} must be an object with a name", where)
+    name = raw.get("name")
+    if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+        raise invalid_request(
+            f"{where}.name must be 1-64 letters, digits, underscores or dashes, got {name!r}", f"{where}.name"
+        )
+    if raw.get("description") is not None and not isinstance(raw["description"], str):
+        raise invalid_request(f"{where}.description must be a string", f"{where}.description")
+    if raw.get("strict") is not None and not isinstance(raw["strict"], bool):
+        raise invalid_request(f"{where}.strict must be a boolean", f"{where}.strict")
+    parameters = raw.get("parameters")
+    # arguments are a JSON object in OpenAI's API, so the schema must describe one
+    if parameters is not None and (
+        not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
+    ):
+        raise invalid_request(
+            f"{where}.parameters must be a JSON schema of an object (type 'object')", f"{where}.parameters"
+        )
+    return {key: value for key, value in raw.items() if value is not None}
+
+
+def _tool_choice(raw: object, tools: list[dict]) -> tuple[str, str | None]:
+    """("none" | "auto" | "required" | "function", the named function)."""
+    if raw is None:
+        return ("auto" if tools else "none"), None
+    if raw in ("none", "auto"):
+        return raw, None
+    if raw == "required":
+        if not tools:
+            raise invalid_request('tool_choice "required" needs tools to choose from', "tool_choice")
+        return raw, None
+    if isinstance(raw, dict) and raw.get("type") == "function":
+        function = raw.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise invalid_request(
+                "tool_choice.function.name must be a string naming one of the tools",
+                "tool_choice.function.name",
+            )
+        if name not in [tool["function"]["name"] for tool in tools]:
+            given = ", ".join(tool["function"]["name"] for tool in tools) or "none"
+            raise invalid_request(
+                f"tool_choice names the function {name!r}, which is not in tools (given: {given})",
+                "tool_choice.function.name",
+            )
+        return "function", name
+    raise invalid_request(
+        "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}, "
+        f"got {raw!r}",
+        "tool_choice",
+    )

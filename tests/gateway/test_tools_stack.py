@@ -1,0 +1,216 @@
+"""Tool calling through the real stack (Redis, an executor with the default model, gateways) with the `openai`
+client. The tests that need the executor to enforce structured outputs (tool_choice "required" and a named
+function always giving a valid call) are skipped until it does (executor/structured_output.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from gateway.chat_template import chat_prompt_token_ids, parse_messages
+from gateway.tokenizer import Tokenizer
+from shared.redis_server import start_redis_server
+from tests.gateway.tool_examples import TIME, WEATHER
+from tests.processes import ExecutorProcess, GatewayProcess
+
+
+def _enforced() -> bool:
+    return importlib.util.find_spec("executor.structured_output") is not None
+
+
+needs_enforcement = pytest.mark.skipif(
+    not _enforced(), reason="the executor does not enforce structured outputs yet"
+)
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# a --chat-template of the test's own that renders tools (so it is used as it is)
+OWN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}TOOLS: {{ tools | map(attribute='function.name') | join(', ') }}\n{% endif %}"
+    "<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def servers(default_model, tmp_path_factory):
+    """(a client of a gateway with --tool-call-parser hermes, a client of one without it, with --chat-template
+    OWN_TEMPLATE), one executor."""
+    logs = tmp_path_factory.mktemp("tools-stack")
+    (logs / "own.jinja").write_text(OWN_TEMPLATE)
+    server = start_redis_server()
+    executor = ExecutorProcess(default_model, server.url, logs / "executor.log", "--kv-cache-memory", "64MiB")
+    gateways = [
+        GatewayProcess(default_model, server.url, logs / "gateway.log", "--tool-call-parser", "hermes"),
+        GatewayProcess(
+            default_model, server.url, logs / "gateway-own.log", "--chat-template", str(logs / "own.jinja")
+        ),
+    ]
+    try:
+        executor.wait_registered()
+        for gateway in gateways:
+            gateway.wait_healthy()
+        yield [
+            openai.OpenAI(base_url=f"{g.base}/v1", api_key="none", timeout=120, max_retries=0)
+            for g in gateways
+        ]
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+        executor.stop()
+        server.stop()
+
+
+@pytest.fixture
+def client(servers) -> openai.OpenAI:
+    return servers[0]
+
+
+def streamed_answer(stream) -> tuple[str, list[dict], str]:
+    """(content, tool calls, finish reason) of a streamed chat, assembled as a client does."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for entry in choice.delta.tool_calls or ():
+            call = calls.setdefault(entry.index, {"id": None, "name": None, "arguments": ""})
+            if entry.id is not None:
+                assert call["id"] is None and entry.type == "function", "id, type and name come once, first"
+                call["id"], call["name"] = entry.id, entry.function.name
+            call["arguments"] += entry.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def whole_answer(response) -> tuple[str, list[dict], str]:
+    choice = response.choices[0]
+    calls = [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+        for c in choice.message.tool_calls or ()
+    ]
+    return choice.message.content or "", calls, choice.finish_reason
+
+
+def assert_valid_calls(calls: list[dict], names: list[str]) -> None:
+    assert calls, "no tool call"
+    schemas = {tool["function"]["name"]: tool["function"].get("parameters", {}) for tool in TOOLS}
+    for call in calls:
+        assert call["id"].startswith("call_") and call["name"] in names
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
+def chat(client, stream: bool, **fields) -> tuple[str, list[dict], str]:
+    fields = {"model": "tiny", "messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 64} | fields
+    if stream:
+        return streamed_answer(client.chat.completions.create(stream=True, **fields))
+    return whole_answer(client.chat.completions.create(**fields))
+
+
+@needs_enforcement
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_gives_a_call_valid_against_its_tools_schema(client, stream):
+    content, calls, finish = chat(client, stream, tool_choice="required")
+    assert_valid_calls(calls, ["get_weather", "get_time"])
+    assert finish == "tool_calls" and content == ""
+
+
+@needs_enforcement
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_function_gives_a_call_of_it(client, stream):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    content, calls, finish = chat(client, stream, tool_choice=named)
+    assert_valid_calls(calls, ["get_time"])
+    assert finish == "tool_calls" and len(calls) == 1
+
+
+@needs_enforcement
+def test_a_two_turn_conversation_from_a_required_call(client):
+    content, calls, _ = chat(client, False, tool_choice="required")
+    assert_valid_calls(calls, ["get_weather", "get_time"])
+    turn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls
+        ],
+    }
+    result = {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18 C and sunny"}
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=[*ASK, turn, result],
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=24,
+    )
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_a_two_turn_conversation_carries_the_call_and_its_result_into_the_prompt(client, default_model):
+    """The second turn of an agent loop: the assistant's call and the tool's result reach the prompt (its
+    length is the Hermes template's rendering of them) and the model answers in OpenAI's shape."""
+    call = {
+        "id": "call_abc",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "18 C and sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, temperature=0, max_tokens=16
+    )
+    tokenizer = Tokenizer.from_dir(default_model)
+    expected = chat_prompt_token_ids(tokenizer, parse_messages(messages), TOOLS)
+    assert answer.usage.prompt_tokens == len(expected)
+    assert "18 C and sunny" in tokenizer.decode(expected)
+    content, calls, finish = whole_answer(answer)
+    assert finish in {"stop", "length", "tool_calls"}
+    assert "<tool_call>" not in content
+    if calls:
+        assert_valid_calls(calls, ["get_weather", "get_time"])
+
+
+@pytest.mark.slow
+def test_auto_streamed_is_the_whole_answer_and_never_leaks_the_tags(client):
+    """Greedy, so the same output twice: what the stream assembles is what the whole answer says. (The default
+    model answers this in text; tests/gateway/test_tool_responses.py streams a Hermes call's real tokens.)"""
+    whole = chat(client, False, tool_choice="auto", max_tokens=32)
+    streamed = chat(client, True, tool_choice="auto", max_tokens=32)
+    assert "<tool_call>" not in whole[0] and "</tool_call>" not in whole[0]
+    assert (streamed[0], [(c["name"], c["arguments"]) for c in streamed[1]], streamed[2]) == (
+        whole[0],
+        [(c["name"], c["arguments"]) for c in whole[1]],
+        whole[2],
+    )
+
+
+def test_chat_template_flag_replaces_the_models_template(servers, default_model):
+    _, own = servers
+    answer = own.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=1
+    )
+    tokenizer = Tokenizer.from_dir(default_model)
+    tokenizer.chat_template = OWN_TEMPLATE
+    text = tokenizer.decode(chat_prompt_token_ids(tokenizer, parse_messages(ASK), TOOLS))
+    assert text.endswith("TOOLS: get_weather, get_time\n<|im_start|>assistant")  # jinja drops a last newline
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_bad_tool_requests_are_400_naming_the_field(servers):
+    client, plain = servers
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, False, tool_choice={"type": "function", "function": {"name": "get_date"}})
+    assert info.value.body["param"] == "tool_choice.function.name"
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(plain, False)  # tools, so "auto", on a gateway without --tool-call-parser
+    assert info.value.body["param"] == "tool_choice" and "--tool-call-parser" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, False, tools=[{"type": "function", "function": {"name": "has space"}}])
+    assert info.value.body["param"] == "tools[0].function.name"
