@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xgrammar as xgr
 
+from executor.json_schema_support import unenforced_keyword
 from shared.structured_outputs import StructuredOutputsParams
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, least recently used dropped first
@@ -78,6 +79,8 @@ class Grammars:
         kind = spec.kind
         try:
             if kind == "json":
+                if (unenforced := unenforced_keyword(json.loads(spec.json))) is not None:
+                    raise ValueError(f"the schema uses {unenforced}, which this server cannot enforce")
                 # no free whitespace: a small model given the choice can fill max_tokens with newlines
                 return self._compiler.compile_json_schema(spec.json, any_whitespace=False)
             if kind == "json_object":

@@ -121,6 +121,12 @@ def test_bad_grammars_are_refused_naming_the_field(llm):
         (constrained(json={"type": "nosuch"}), 'structured_outputs.json: Unsupported type "nosuch"'),
         (constrained(regex="(ab"), "structured_outputs.regex: Regex parsing error"),
         (constrained(grammar="root ::= undefined"), "structured_outputs.grammar: EBNF parser error"),
+        (  # compiled to nothing by the library: named, not served as if it held
+            constrained(
+                json={"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+            ),
+            "structured_outputs.json: the schema uses uniqueItems at /properties/tags (distinct array items)",
+        ),
     ]
     for spec, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
