@@ -90,7 +90,11 @@ class Up:
         return httpx.post(f"{self.base}/v1/completions", json=body, timeout=60)
 
     def redis_url(self) -> str:
-        return re.search(r"embedded Redis at (redis://\S+)", self.text()).group(1)
+        """The embedded Redis's URL, password included, from the file only this user can read."""
+        url_file = re.search(
+            r"embedded Redis at \S+ \(the whole URL, for `kvserve keys`: (\S+)\)", self.text()
+        )
+        return Path(url_file.group(1)).read_text().strip()
 
     def stop(self) -> None:
         """A failed test must not leave the stack behind: ask nicely, then stop every child by its PID."""
@@ -195,6 +199,20 @@ def test_executor_killed_under_load_is_logged_restarted_and_serves_again(stack):
         if "executor-1" in served_by:
             break
     assert "executor-1" in served_by
+
+
+@pytest.mark.slow
+def test_embedded_redis_needs_its_random_password_which_no_log_or_command_line_shows(stack):
+    url = stack.redis_url()
+    password = redis.connection.parse_url(url)["password"]
+    assert len(password) >= 32
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(url.replace(f":{password}@", "")).ping()
+    assert redis.Redis.from_url(url).ping()
+    assert "@127.0.0.1:" in url  # loopback only
+    assert password not in stack.text()
+    for pid in stack.children():
+        assert password not in command_line(pid), command_line(pid)
 
 
 @pytest.mark.slow
