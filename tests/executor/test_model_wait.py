@@ -47,3 +47,12 @@ def test_gives_up_after_its_timeout_in_one_line(tmp_path):
     out, err = waiting.communicate(timeout=30)
     assert waiting.returncode == 1 and out == ""
     assert len(err.strip().splitlines()) == 1 and "not ready after 0.5 s" in err
+
+
+def test_runs_in_the_gateway_image_without_the_executor_extra(tmp_path, monkeypatch):
+    from tests.kvserve.test_cli import heavy_modules, kvserve
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    done = kvserve("model", "wait", "--timeout", "0.1", without_extra=True)
+    assert done.returncode == 1 and "not ready after 0.1 s" in done.stderr  # no torch needed to say so
+    assert heavy_modules(done) == []
