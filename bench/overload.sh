@@ -21,7 +21,8 @@ up=$!
 sampler=
 trap 'if [[ -n "$sampler" ]]; then kill -INT $sampler 2>/dev/null; wait $sampler || true; fi; kill -INT $up 2>/dev/null; wait $up || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" | grep -q executor-1; do sleep 1; done
-redis_url=$(grep -o 'embedded Redis at redis://[0-9.:/]*' "$OUT.log" | head -1 | awk '{print $4}')
+# the log shows the embedded Redis's URL masked and names a 0600 file holding it whole (its password)
+redis_url=$(cat "$(grep -o 'the whole URL, for `kvserve keys`: [^)]*' "$OUT.log" | head -1 | awk '{print $NF}')")
 "$PY" -m bench.balance --redis-url "$redis_url" --output "$OUT-balance.json" > /dev/null &
 sampler=$!
 nice -n "${CLIENT_NICENESS:-10}" "$PY" -m kvserve.cli bench --url "http://127.0.0.1:$PORT" --endpoint completions \

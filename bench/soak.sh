@@ -30,7 +30,8 @@ trap 'kill -INT $up 2>/dev/null; wait $up || true; cp "$OUT.log" "$OUT.$STAMP.lo
 until curl -sf "http://127.0.0.1:$PORT/health" | grep -q executor-0; do sleep 1; done
 KEY_ARGS=()
 if [[ -n "${TENANT:-}" ]]; then
-  redis_url=$(grep -o 'embedded Redis at redis://[0-9.:/]*' "$OUT.log" | head -1 | awk '{print $4}')
+  # the log shows the embedded Redis's URL masked and names a 0600 file holding it whole (its password)
+  redis_url=$(cat "$(grep -o 'the whole URL, for `kvserve keys`: [^)]*' "$OUT.log" | head -1 | awk '{print $NF}')")
   key=$(.venv/bin/kvserve keys create --redis-url "$redis_url" --tenant soak --rpm 1000000 --tpm 1000000000 \
     --max-concurrency 1000 2>/dev/null | head -1)
   KEY_ARGS=(--api-key "$key")

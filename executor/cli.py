@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from shared import logs
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
@@ -16,6 +17,8 @@ from shared.engine_config import add_engine_args, config_from_args
 from shared.model_paths import ModelLoadError
 
 log = logging.getLogger("kvserve.executor")
+
+MODEL_WAIT_POLL_S = 1.0
 
 
 def add_model_args(model: argparse.ArgumentParser) -> None:
@@ -28,6 +31,16 @@ def add_model_args(model: argparse.ArgumentParser) -> None:
         help=f"{DEFAULT_MODEL} (the default), a .gguf file or a model directory",
     )
     pull.set_defaults(handler=model_pull)
+    wait = actions.add_parser(
+        "wait",
+        help="wait until another process (an executor pod's `kvserve model pull`) has pulled a model into "
+        "the shared cache, then print its directory; needs no torch, so the gateway's image runs it too",
+    )
+    wait.add_argument("name", nargs="?", default=None, help="as for pull (default: the default model)")
+    wait.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds to wait before failing (default: %(default)s)"
+    )
+    wait.set_defaults(handler=model_wait)
 
 
 def model_pull(args: argparse.Namespace) -> int:
@@ -39,6 +52,28 @@ def model_pull(args: argparse.Namespace) -> int:
         print(f"kvserve model pull: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def model_wait(args: argparse.Namespace) -> int:
+    """Polls the cache: a pull renames the model's directory into place whole, so once it passes
+    check_model_dir it is complete."""
+    from shared.model_paths import check_model_dir, model_dir
+
+    deadline = time.monotonic() + args.timeout
+    while True:
+        try:
+            path = model_dir(args.name)
+            check_model_dir(path)
+        except ModelLoadError as error:
+            if time.monotonic() >= deadline:
+                print(
+                    f"kvserve model wait: error: not ready after {args.timeout:g} s: {error}", file=sys.stderr
+                )
+                return 1
+            time.sleep(MODEL_WAIT_POLL_S)
+            continue
+        print(path)
+        return 0
 
 
 def add_generate_args(generate: argparse.ArgumentParser) -> None:
@@ -110,6 +145,7 @@ def serve(args: argparse.Namespace) -> int:
     from executor.index_writer import IndexWriter, connect
     from shared import tracing
     from shared.redis_keys import check_executor_id
+    from shared.redis_url import describe_error
 
     def fail(message: str, code: int = 2) -> int:
         print(f"kvserve executor: error: {message}", file=sys.stderr)
@@ -129,7 +165,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         return fail(str(error))
     except redis.RedisError as error:
-        return fail(f"--redis-url: cannot reach {args.redis_url}: {error}", 1)
+        return fail(f"--redis-url: {describe_error(args.redis_url, error)}", 1)
 
     from executor.engine import Engine
     from executor.service import ExecutorService

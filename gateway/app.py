@@ -130,6 +130,11 @@ class Gateway:
         }
         return JSONResponse(body, status, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
+    async def live(self, request: Request) -> Response:
+        """Liveness: this process answers HTTP. Unlike /health it asks neither Redis nor the executors, so an
+        orchestrator does not restart every gateway while those are down, nor one that is draining."""
+        return JSONResponse({"status": "alive"}, headers={EXECUTOR_HEADER: NO_EXECUTOR})
+
     async def public_metrics(self, request: Request) -> Response:
         """Metrics name every tenant: on the public port only while nothing there is private."""
         if self.config.metrics_port is not None:
@@ -167,6 +172,7 @@ def _last_resort(metrics: GatewayMetrics) -> Middleware:
         "/v1/completions": "completion",
         "/v1/models": "models",
         "/health": "health",
+        "/health/live": "health",
         "/metrics": "metrics",
     }
     return Middleware(LastResort, metrics=metrics, endpoints=endpoints)
@@ -179,6 +185,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         Route("/v1/completions", gateway.completion, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
+        Route("/health/live", gateway.live, methods=["GET"]),
         Route("/metrics", gateway.public_metrics, methods=["GET"]),
     ]
 

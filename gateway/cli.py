@@ -120,13 +120,10 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
             "kvserve gateway: error: --redis-url: not given and KVSERVE_REDIS_URL is not set", file=sys.stderr
         )
         return 2
-    if args.require_api_key and not _keys_exist(args.redis_url):
-        print(
-            "kvserve gateway: error: --require-api-key: no API key exists in Redis; "
-            "create one with `kvserve keys create --tenant NAME`",
-            file=sys.stderr,
-        )
-        return 2
+    if (problem := _check_redis(args.redis_url, args.require_api_key)) is not None:
+        message, code = problem
+        print(f"kvserve gateway: error: {message}", file=sys.stderr)
+        return code
     try:
         tokenizer = load_tokenizer(args.model)
     except ModelLoadError as error:
@@ -161,9 +158,28 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
     return 0
 
 
-def _keys_exist(redis_url: str) -> bool:
+def _check_redis(redis_url: str, require_api_key: bool) -> tuple[str, int] | None:
+    """A missing or wrong password stops the start (it will not fix itself); an unreachable Redis does only when
+    --require-api-key needs it to find a key: otherwise the gateway serves 503 and /health says why until it is
+    back. Returns the one-line error and exit code, or None."""
     import redis
 
     from shared import redis_keys
+    from shared.redis_url import describe_error
 
-    return bool(redis.Redis.from_url(redis_url).scard(redis_keys.API_KEYS))
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        has_keys = bool(client.scard(redis_keys.API_KEYS))
+    except redis.AuthenticationError as error:
+        return f"--redis-url: {describe_error(redis_url, error)}", 2
+    except redis.RedisError as error:
+        if require_api_key:
+            return f"--redis-url: {describe_error(redis_url, error)}", 1
+        logging.getLogger("kvserve.gateway").error("%s", describe_error(redis_url, error))
+        return None
+    finally:
+        client.close()
+    if require_api_key and not has_keys:
+        message = "--require-api-key: no API key exists in Redis; create one with `kvserve keys create --tenant NAME`"
+        return message, 2
+    return None

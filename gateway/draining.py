@@ -2,7 +2,7 @@
 
 uvicorn on its own closes its listener at the first signal, so requests that arrive while the running ones finish
 get "connection refused". Here the listener stays open: new requests get 503 + Retry-After in OpenAI's error shape
-(/health: 503 "draining"; /metrics still answers), requests in flight run to their end, and the server stops once
+(/health: 503 "draining"; /metrics and the liveness probe /health/live still answer), requests in flight run to their end, and the server stops once
 none is left or the grace period is over, whichever comes first. A second signal stops it at once.
 """
 
@@ -28,7 +28,8 @@ log = logging.getLogger("kvserve.gateway")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # once the grace period is over, what uvicorn still gives requests in flight before cancelling them
 CUT_OFF_S = 1.0
-STILL_SERVED = frozenset({"/metrics"})  # a scrape during the drain sees it happen
+# a scrape during the drain sees it happen; a liveness probe that failed would kill the drain before its end
+STILL_SERVED = frozenset({"/metrics", "/health/live"})
 
 
 class Drain:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import redis
 
 from shared.api_keys import KeyRecord, KeyStore, key_id_of, parse_models
+from shared.redis_url import describe_error
 
 USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "rejected")
 
@@ -58,7 +59,7 @@ def run_keys(args: argparse.Namespace) -> int:
         print(f"{command}: error: {error}", file=sys.stderr)
         return 2
     except redis.RedisError as error:
-        print(f"{command}: error: Redis at {args.redis_url}: {error}", file=sys.stderr)
+        print(f"{command}: error: {describe_error(args.redis_url, error)}", file=sys.stderr)
         return 1
 
 

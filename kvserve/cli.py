@@ -44,6 +44,9 @@ COMMANDS = (
     ),
     Command("gateway", "gateway.cli", "add_gateway_args", "the OpenAI-compatible HTTP gateway"),
     Command("up", "kvserve.up", "add_up_args", "the whole stack on this machine: Redis, executors, gateway"),
+    Command(
+        "ready", "kvserve.ready", "add_ready_args", "exit 0 when an executor is registered in Redis (a probe)"
+    ),
     Command("keys", "gateway.keys_cli", "add_keys_args", "tenants' API keys: create, list, revoke, usage"),
     Command(
         "bench",

@@ -5,6 +5,10 @@ Each child has a process group of its own, so Ctrl-C at a terminal reaches only 
 in order once its gateway has drained: the executors first, then the Redis they deregister from. A restarted
 executor keeps its id and its address (a new free port only if another process took it); the embedded Redis
 comes back on its port with its data (an append-only file), so every URL and API key stays valid.
+
+The embedded Redis listens on loopback only and requires a random password, made for each run: other local users
+cannot reach the stack's keys and registrations. Executors get its URL in their environment (a command line is
+readable by every user); logs show it masked, and the whole URL is in a file only this user can read.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -24,6 +29,7 @@ import redis
 from kvserve.supervisor import Supervisor, describe_exit, stop_processes
 from shared import redis_keys
 from shared.redis_server import EmbeddedRedis, free_port, start_redis_server
+from shared.redis_url import masked
 
 log = logging.getLogger("kvserve.up")
 
@@ -58,10 +64,18 @@ class LocalStack:
         """Redis, then the executors; returns once every executor has registered. Whatever happens, the
         caller ends with stop()."""
         if self.redis_url is None:
-            self.embedded = start_redis_server(HOST, persistent=True, own_process_group=True)
+            password = secrets.token_urlsafe(24)
+            self.embedded = start_redis_server(
+                HOST, persistent=True, own_process_group=True, password=password
+            )
             self.redis_url = self.embedded.url
             self.supervisor.adopt(REDIS, self.embedded.process, self.embedded.restart)
-            log.info("embedded Redis at %s", self.redis_url)
+            url_file = self.embedded.write_url_file()
+            log.info(
+                "embedded Redis at %s (the whole URL, for `kvserve keys`: %s)",
+                masked(self.redis_url),
+                url_file,
+            )
         self._client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
         for i in range(self.plan.count):
             executor_id = f"executor-{i}"
@@ -96,8 +110,8 @@ class LocalStack:
             log.warning("%s: %s is taken by another process, moving to %s", executor_id, address, moved)
             address = self.addresses[executor_id] = moved
         argv = [sys.executable, "-m", "kvserve.cli", "executor", "--executor-id", executor_id]
-        argv += ["--bind", address, "--redis-url", self.redis_url, *self.plan.flags]
-        return start_executor(argv, self.plan.count, self.plan.device, self.plan.niceness)
+        argv += ["--bind", address, *self.plan.flags]
+        return start_executor(argv, self.redis_url, self.plan.count, self.plan.device, self.plan.niceness)
 
     def _forget_executor(self, name: str) -> None:
         """A dead executor's registration goes at once, not when its heartbeat would have expired: gateways
@@ -129,11 +143,14 @@ class LocalStack:
         raise StackError(f"executors did not register within {EXECUTOR_START_TIMEOUT_S} s")
 
 
-def start_executor(argv: list[str], num_executors: int, device: str, niceness: int) -> subprocess.Popen:
-    """One executor child process. CPU executors split this machine's cores between them (oversubscribed
+def start_executor(
+    argv: list[str], redis_url: str, num_executors: int, device: str, niceness: int
+) -> subprocess.Popen:
+    """One executor child process, given the Redis URL in its environment (KVSERVE_REDIS_URL), where its
+    password is hidden from other users. CPU executors split this machine's cores between them (oversubscribed
     OpenMP threads spin against each other: two executors with two threads each on two cores ran several
     times slower) unless OMP_NUM_THREADS is set, and run `niceness` below the gateway."""
-    env = dict(os.environ)
+    env = {**os.environ, "KVSERVE_REDIS_URL": redis_url}
     on_cpu = device != "cuda"
     if on_cpu:
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // num_executors)))

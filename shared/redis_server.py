@@ -13,6 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 
 class RedisServerError(RuntimeError):
@@ -58,6 +59,14 @@ class EmbeddedRedis:
         where = f"{self.host}:{self.port}"
         raise RedisServerError(f"{self.command[0]} did not restart on {where}: {_log_tail(self.data_dir)}")
 
+    def write_url_file(self) -> Path:
+        """The URL, password included, in a file only this user can read (the data folder is 0700): how a
+        user reaches the server with `kvserve keys` while no log line shows its password."""
+        path = Path(self.data_dir.name) / "url"
+        path.touch(mode=0o600)
+        path.write_text(self.url + "\n")
+        return path
+
     def kill(self) -> None:
         """End the server's process as a crash would (SIGKILL), keeping its port and data folder for restart()."""
         _kill(self.process)
@@ -86,6 +95,7 @@ def start_redis_server(
     *,
     persistent: bool = False,
     own_process_group: bool = False,
+    password: str | None = None,
 ) -> EmbeddedRedis:
     """Start a server on a free port of host; returns once it answers PING (restart() starts it again there).
 
@@ -93,25 +103,38 @@ def start_redis_server(
     written (API keys above all: with none left, a gateway would serve anyone); otherwise nothing is persisted.
     own_process_group: Ctrl-C at a terminal does not reach it, so its owner can stop it after everything
     that uses it.
+    password: clients must AUTH with it (the returned url carries it). It goes into a config file in the
+    data folder (mode 0700), not onto the command line, where any local user could read it with `ps`.
     """
     binary = find_server_binary()
     data_dir = tempfile.TemporaryDirectory(prefix="kvserve-redis-")
     persistence = (
         ["--appendonly", "yes", "--appendfsync", "everysec"] if persistent else ["--appendonly", "no"]
     )
+    config = [] if password is None else [_write_config(data_dir, password)]
     # another process may take a free port between our probe and the server's bind: try another
     for _ in range(3):
         port = free_port(host)
-        command = [binary, "--bind", host, "--port", str(port), "--save", "", *persistence]
+        command = [binary, *config, "--bind", host, "--port", str(port), "--save", "", *persistence]
         command += ["--dir", data_dir.name, "--logfile", str(Path(data_dir.name) / "server.log")]
         process = _launch(command, own_process_group)
         if _wait_for_ping(host, port, process, timeout):
-            url = f"redis://{host}:{port}/0"
+            credentials = "" if password is None else f":{quote(password, safe='')}@"
+            url = f"redis://{credentials}{host}:{port}/0"
             return EmbeddedRedis(url, process, data_dir, host, port, command, own_process_group)
         _kill(process)
     last_error = _log_tail(data_dir)
     data_dir.cleanup()
     raise RedisServerError(f"{binary} did not start on {host}: {last_error}")
+
+
+def _write_config(data_dir: tempfile.TemporaryDirectory, password: str) -> str:
+    if any(c in password for c in '"\\\r\n'):
+        raise RedisServerError("the embedded Redis password may not hold quotes, backslashes or line breaks")
+    path = Path(data_dir.name) / "server.conf"
+    path.write_text(f'requirepass "{password}"\n')
+    path.chmod(0o600)
+    return str(path)
 
 
 def _launch(command: list[str], own_process_group: bool = False) -> subprocess.Popen:
@@ -141,7 +164,8 @@ def _wait_for_ping(host: str, port: int, process: subprocess.Popen, timeout: flo
         try:
             with socket.create_connection((host, port), timeout=0.5) as conn:
                 conn.sendall(b"PING\r\n")
-                if conn.recv(16).startswith(b"+PONG"):
+                # a server with a password answers an unauthenticated PING with -NOAUTH: it is up all the same
+                if conn.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                     return True
         except OSError:
             pass

@@ -126,3 +126,40 @@ def one_executor_stack(
         gateway.stop()
         executor.stop()
         server.stop()
+
+
+def start_valkey_as_shipped(args: list[str], data_dir: Path, password: str) -> tuple[subprocess.Popen, str]:
+    """valkey-server run with a deployment's own arguments (compose's command, the manifest's args): its
+    password reference filled in, its data folder, port and address moved here. Returns it and its URL."""
+    from shared.redis_server import _wait_for_ping, find_server_binary
+
+    words = list(args[1:] if args[0] == "valkey-server" else args)
+    words[words.index("--requirepass") + 1] = password
+    words[words.index("--dir") + 1] = str(data_dir)
+    port = free_port()
+    words += ["--port", str(port), "--bind", "127.0.0.1", "--logfile", str(data_dir / "server.log")]
+    process = subprocess.Popen([find_server_binary(), *words], stdout=subprocess.DEVNULL)
+    assert _wait_for_ping("127.0.0.1", port, process, 10), (data_dir / "server.log").read_text()
+    return process, f"redis://:{password}@127.0.0.1:{port}/0"
+
+
+def keeps_data_across_a_kill(args: list[str], data_dir: Path) -> None:
+    """A key written (and fsync'd: everysec) survives kill -9 and a start from the same arguments; a client
+    without the password gets nothing."""
+    password = uuid.uuid4().hex
+    process, url = start_valkey_as_shipped(args, data_dir, password)
+    try:
+        redis.Redis.from_url(url).set("kvserve:test:durable", "yes")
+        time.sleep(1.5)  # appendfsync everysec
+        process.kill()
+        process.wait()
+        process, url = start_valkey_as_shipped(args, data_dir, password)
+        assert redis.Redis.from_url(url).get("kvserve:test:durable") == b"yes"
+        try:
+            redis.Redis.from_url(url.replace(f":{password}@", "")).ping()
+            raise AssertionError("a client without the password was served")
+        except redis.AuthenticationError:
+            pass
+    finally:
+        process.kill()
+        process.wait()

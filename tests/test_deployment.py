@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from kvserve.cli import EXECUTOR_EXTRA, build_parser
+from tests.processes import keeps_data_across_a_kill
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,9 @@ def compose() -> dict:
 
 
 def kvserve_services(compose: dict) -> dict[str, dict]:
-    return {name: svc for name, svc in compose["services"].items() if "command" in svc}
+    return {
+        name: svc for name, svc in compose["services"].items() if svc.get("command", [""])[0] == "kvserve"
+    }
 
 
 def test_every_service_runs_a_real_kvserve_command(compose):
@@ -35,7 +38,9 @@ def test_every_service_runs_a_real_kvserve_command(compose):
             build_parser(command[1]).parse_args(command[1:])
         except SystemExit as exit_:
             pytest.fail(f"service {name}: `{shlex.join(command)}` does not parse (exit {exit_.code})")
-        assert service["environment"]["KVSERVE_REDIS_URL"].startswith("redis://redis:")
+        # the password comes from the environment or .env, never from this file
+        url = service["environment"]["KVSERVE_REDIS_URL"]
+        assert re.fullmatch(r"redis://:\$\{KVSERVE_REDIS_PASSWORD:\?[^}]+\}@redis:6379/0", url), url
         assert "models:/models" in service["volumes"], f"{name} lacks the model volume"
 
 
@@ -156,3 +161,25 @@ def test_keys_required_and_traces_exported_to_the_viewer(compose):
         assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
         assert environment["OTEL_TRACES_EXPORTER"] == "otlp"
     assert compose["services"]["jaeger"]["image"].startswith("jaegertracing/")
+
+
+def test_redis_keeps_its_data_on_a_volume_and_requires_the_password(compose, tmp_path):
+    redis_service = compose["services"]["redis"]
+    command = [str(word) for word in redis_service["command"]]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert re.fullmatch(r"\$\{KVSERVE_REDIS_PASSWORD:\?[^}]+\}", command[command.index("--requirepass") + 1])
+    volume, _, mount = next(v for v in redis_service["volumes"] if v.startswith("redis-data:")).partition(":")
+    assert volume in compose["volumes"] and mount == command[command.index("--dir") + 1]
+    # the health check authenticates (valkey-cli reads REDISCLI_AUTH) and the command, as shipped, persists
+    assert redis_service["environment"]["REDISCLI_AUTH"] == command[command.index("--requirepass") + 1]
+    keeps_data_across_a_kill(command, tmp_path)
+
+
+def test_every_kvserve_health_check_parses(compose):
+    checked = 0
+    for service in compose["services"].values():
+        test = service.get("healthcheck", {}).get("test", [])
+        if test[:2] == ["CMD", "kvserve"]:
+            build_parser(test[2]).parse_args(test[2:])
+            checked += 1
+    assert checked >= 1

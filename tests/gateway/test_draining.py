@@ -41,6 +41,8 @@ def test_sigterm_keeps_answering_503_until_the_request_in_flight_ends(tiny_model
         assert refused.headers["connection"] == "close"
         health = httpx.get(f"{gateway.base}/health", timeout=10)
         assert health.status_code == 503 and health.json() == {"status": "draining"}
+        live = httpx.get(f"{gateway.base}/health/live", timeout=10)  # no liveness probe kills the drain
+        assert live.status_code == 200 and live.json() == {"status": "alive"}
         assert gateway.process.poll() is None  # waiting for the request in flight
         slow.sendall(body[10:])
         answer = slow.recv(65536).decode()

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -90,7 +91,11 @@ class Up:
         return httpx.post(f"{self.base}/v1/completions", json=body, timeout=60)
 
     def redis_url(self) -> str:
-        return re.search(r"embedded Redis at (redis://\S+)", self.text()).group(1)
+        """The embedded Redis's URL, password included, from the file only this user can read."""
+        url_file = re.search(
+            r"embedded Redis at \S+ \(the whole URL, for `kvserve keys`: (\S+)\)", self.text()
+        )
+        return Path(url_file.group(1)).read_text().strip()
 
     def stop(self) -> None:
         """A failed test must not leave the stack behind: ask nicely, then stop every child by its PID."""
@@ -198,6 +203,20 @@ def test_executor_killed_under_load_is_logged_restarted_and_serves_again(stack):
 
 
 @pytest.mark.slow
+def test_embedded_redis_needs_its_random_password_which_no_log_or_command_line_shows(stack):
+    url = stack.redis_url()
+    password = redis.connection.parse_url(url)["password"]
+    assert len(password) >= 32
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(url.replace(f":{password}@", "")).ping()
+    assert redis.Redis.from_url(url).ping()
+    assert "@127.0.0.1:" in url  # loopback only
+    assert password not in stack.text()
+    for pid in stack.children():
+        assert password not in command_line(pid), command_line(pid)
+
+
+@pytest.mark.slow
 def test_killed_redis_comes_back_on_its_port_with_its_data(stack):
     url = stack.redis_url()
     client = redis.Redis.from_url(url)
@@ -291,8 +310,10 @@ def test_executor_that_exits_at_start_up_ends_up_naming_it(tiny_models, tmp_path
     try:
         assert up.process.wait(180) == 1, up.text()
         assert "kvserve up: error: executor-0 exited while the stack started (exit code 1)" in up.text()
-        url = up.redis_url()
-        with pytest.raises(redis.ConnectionError):
-            redis.Redis.from_url(url).ping()  # the embedded Redis was stopped too
+        # the embedded Redis was stopped too (its URL file went with its data folder: the port, from the log)
+        masked = re.search(r"embedded Redis at (\S+)", up.text()).group(1)
+        address = redis.connection.parse_url(masked.replace(":***@", "@"))
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address["host"], address["port"]), timeout=2).close()
     finally:
         up.stop()

@@ -1,0 +1,391 @@
+"""deploy/kubernetes/ cannot run here (no cluster): each overlay is rendered with `kubectl kustomize`, validated
+against the Kubernetes API's schemas, and read: its kvserve commands parse, its probes reach what a real gateway
+serves, its secrets stay out of it, and its grace periods let streams finish."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from kvserve.cli import build_parser, main
+from shared.redis_server import start_redis_server
+from tests.processes import REPO, GatewayProcess, eventually, free_port, keeps_data_across_a_kill
+
+KUBERNETES = REPO / "deploy" / "kubernetes"
+OVERLAYS = ("gpu", "cpu")
+KUBERNETES_VERSION = "1.32.0"  # the schemas validated against (kubectl 1.32's own API)
+WORKLOADS = ("Deployment", "StatefulSet", "Job", "DaemonSet")
+# what the kubelet's downward API and Secrets would give the variables: enough to expand $(VAR) the same way
+SAMPLE_FIELDS = {"metadata.name": "kvserve-executor-0", "metadata.namespace": "kvserve"}
+SAMPLE_SECRET = "0123abcd"
+
+
+def render(overlay: str) -> list[dict]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed here: the overlays cannot be rendered (kubectl kustomize)")
+    done = subprocess.run(
+        ["kubectl", "kustomize", str(KUBERNETES / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request) -> tuple[str, list[dict]]:
+    return request.param, render(request.param)
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def pod_specs(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] in WORKLOADS}
+
+
+def containers(spec: dict) -> list[dict]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def container(docs: list[dict], workload: str, name: str) -> dict:
+    return next(c for c in pod_specs(docs)[workload]["containers"] if c["name"] == name)
+
+
+def environment(container: dict) -> dict[str, str]:
+    """The container's variables as the kubelet would set them, $(VAR) of earlier ones expanded."""
+    values: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            values[var["name"]] = expand(var["value"], values, f"env {var['name']}")
+        elif "fieldRef" in var["valueFrom"]:
+            values[var["name"]] = SAMPLE_FIELDS[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            assert "secretKeyRef" in var["valueFrom"], var
+            values[var["name"]] = SAMPLE_SECRET
+    return values
+
+
+def expand(text: str, values: dict[str, str], where: str) -> str:
+    """Kubernetes leaves a $(VAR) it does not know as it is: that would reach kvserve as a literal."""
+
+    def one_variable(match: re.Match) -> str:
+        assert match.group(1) in values, f"{where}: $({match.group(1)}) is not defined before it is used"
+        return values[match.group(1)]
+
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one_variable, text)
+
+
+def argv(container: dict) -> list[str]:
+    values = environment(container)
+    words = [*container.get("command", []), *container.get("args", [])]
+    return [expand(str(word), values, container["name"]) for word in words]
+
+
+def parse_kvserve(words: list[str], where: str):
+    assert words[0] == "kvserve", where
+    try:
+        return build_parser(words[1]).parse_args(words[1:])
+    except SystemExit as exit_:
+        pytest.fail(f"{where}: `{shlex.join(words)}` does not parse (exit {exit_.code})")
+
+
+def flag(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def test_each_overlay_validates_against_the_kubernetes_api_schemas(overlay):
+    validate = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate is not installed (the test extra has it)"
+    )
+    _, docs = overlay
+    for doc in docs:
+        validate.validate(doc, KUBERNETES_VERSION, strict=True)  # raises naming the field
+
+
+def test_every_kvserve_command_and_exec_probe_parses(overlay):
+    _, docs = overlay
+    parsed = set()
+    for workload, spec in pod_specs(docs).items():
+        for each in containers(spec):
+            words = argv(each)
+            if words and words[0] == "kvserve":
+                args = parse_kvserve(words, f"{workload}/{each['name']}")
+                parsed.add(args.command)
+            probe = each.get("readinessProbe", {}).get("exec", {}).get("command", [])
+            if probe[:1] == ["kvserve"]:  # runs with the container's environment
+                parse_kvserve(probe, f"{workload}/{each['name']} readiness")
+                parsed.add(probe[1])
+    assert {"gateway", "executor", "model", "ready"} <= parsed
+
+
+def test_images_are_the_dockerfile_targets_set_by_the_overlay(overlay):
+    name, docs = overlay
+    dockerfile = (REPO / "Dockerfile").read_text()
+    wanted = yaml.safe_load((KUBERNETES / "overlays" / name / "kustomization.yaml").read_text())["images"]
+    images = {image["name"]: f"{image['newName']}:{image['newTag']}" for image in wanted}
+    for target in ("gateway", "executor"):
+        assert f" AS {target}\n" in dockerfile
+        assert f"kvserve-{target}" in images
+    for workload, spec in pod_specs(docs).items():
+        for each in containers(spec):
+            words = argv(each)
+            if words[:1] != ["kvserve"]:
+                continue
+            # the gateway's image has no torch: only `kvserve gateway` and `kvserve model wait` run there
+            gateway_side = words[1] == "gateway" or words[1:3] == ["model", "wait"]
+            target = "gateway" if gateway_side else "executor"
+            assert each["image"] == images[f"kvserve-{target}"], f"{workload}/{each['name']}"
+
+
+def test_executors_advertise_their_own_pod_dns_name_behind_a_headless_service(overlay):
+    _, docs = overlay
+    statefulset = one(docs, "StatefulSet", "kvserve-executor")
+    service = one(docs, "Service", statefulset["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert (
+        service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+    )
+    executor = container(docs, "kvserve-executor", "executor")
+    words = argv(executor)
+    pod = SAMPLE_FIELDS["metadata.name"]
+    assert flag(words, "--executor-id") == pod
+    (port,) = service["spec"]["ports"]
+    assert flag(words, "--advertise-address") == (
+        f"tcp://{pod}.{service['metadata']['name']}.{SAMPLE_FIELDS['metadata.namespace']}.svc:{port['port']}"
+    )
+    bind_port = int(flag(words, "--bind").rsplit(":", 1)[1])
+    assert {"name": port["targetPort"], "containerPort": bind_port} in executor["ports"]
+    # the readiness probe names this executor: it inherits KVSERVE_EXECUTOR_ID, the id it registers under
+    assert environment(executor)["KVSERVE_EXECUTOR_ID"] == flag(words, "--executor-id")
+    assert executor["readinessProbe"]["exec"]["command"] == ["kvserve", "ready"]
+
+
+def test_grace_periods_let_streams_finish_before_the_kubelet_kills(overlay):
+    _, docs = overlay
+    for workload, name in (("kvserve-executor", "executor"), ("kvserve-gateway", "gateway")):
+        spec = pod_specs(docs)[workload]
+        each = container(docs, workload, name)
+        drain = float(flag(argv(each), "--shutdown-grace-period"))
+        pre_stop = each.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        waited = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
+        assert spec["terminationGracePeriodSeconds"] > waited + drain, workload
+
+
+def test_gateways_are_replicated_autoscaled_and_never_all_disrupted(overlay):
+    _, docs = overlay
+    deployment = one(docs, "Deployment", "kvserve-gateway")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["replicas"] >= 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    hpa = one(docs, "HorizontalPodAutoscaler", "kvserve-gateway")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "kvserve-gateway",
+    }
+    assert hpa["spec"]["minReplicas"] >= 2
+    budget = one(docs, "PodDisruptionBudget", "kvserve-gateway")
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert budget["spec"]["minAvailable"] >= 1
+    service = one(docs, "Service", "kvserve-gateway")
+    assert service["spec"]["selector"].items() <= labels.items()
+    ports = {p["name"] for p in container(docs, "kvserve-gateway", "gateway")["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In"
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True
+
+
+def test_network_policies_let_only_gateways_reach_executors_and_kvserve_reach_redis(overlay):
+    _, docs = overlay
+    labels = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in docs
+        if d["kind"] in WORKLOADS
+    }
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+
+    def admitted(policy: dict, port: int) -> set[str]:
+        """The workloads whose pods this policy lets in on port."""
+        return {
+            name
+            for rule in policy["ingress"]
+            for peer in rule["from"]
+            for name, pod in labels.items()
+            if selects(peer["podSelector"], pod) and port in {p["port"] for p in rule["ports"]}
+        }
+
+    executor, redis = policies["kvserve-executor"], policies["kvserve-redis"]
+    assert selects(executor["podSelector"], labels["kvserve-executor"]) and executor["policyTypes"] == [
+        "Ingress"
+    ]
+    assert admitted(executor, 5600) == {"kvserve-gateway"}
+    assert selects(redis["podSelector"], labels["kvserve-redis"])
+    assert admitted(redis, 6379) == {"kvserve-gateway", "kvserve-executor"}
+
+
+def test_the_manifests_valkey_keeps_its_data_across_a_kill_and_requires_the_password(tmp_path):
+    valkey = container(render("cpu"), "kvserve-redis", "valkey")
+    keeps_data_across_a_kill([str(word) for word in valkey["args"]], tmp_path)
+
+
+def test_redis_is_durable_and_password_protected_from_the_secret(overlay):
+    _, docs = overlay
+    statefulset = one(docs, "StatefulSet", "kvserve-redis")
+    valkey = container(docs, "kvserve-redis", "valkey")
+    words = [str(w) for w in valkey["args"]]
+    assert flag(words, "--appendonly") == "yes"
+    password = re.fullmatch(r"\$\((\w+)\)", flag(words, "--requirepass"))
+    (var,) = [v for v in valkey["env"] if v["name"] == password.group(1)]
+    assert var["valueFrom"]["secretKeyRef"] == {"name": "kvserve-redis", "key": "password"}
+    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+    assert {"name": claim["metadata"]["name"], "mountPath": flag(words, "--dir")} in valkey["volumeMounts"]
+    # every kvserve container reaches it with the password from the same Secret, in its URL
+    for workload in ("kvserve-gateway", "kvserve-executor"):
+        for each in pod_specs(docs)[workload]["containers"]:
+            url = environment(each)["KVSERVE_REDIS_URL"]
+            assert url == f"redis://:{SAMPLE_SECRET}@kvserve-redis:6379/0", workload
+
+
+def test_the_model_is_pulled_into_one_shared_volume_that_every_pod_waits_for(overlay):
+    _, docs = overlay
+    claim = one(docs, "PersistentVolumeClaim", "kvserve-models")
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]
+    for workload in ("kvserve-gateway", "kvserve-executor"):
+        spec = pod_specs(docs)[workload]
+        volume = next(v for v in spec["volumes"] if v.get("persistentVolumeClaim"))
+        assert volume["persistentVolumeClaim"]["claimName"] == "kvserve-models"
+        (init,) = spec["initContainers"]
+        words = argv(init)
+        assert words[1:3] in (["model", "pull"], ["model", "wait"])
+        for each in containers(spec):
+            mount = next(m for m in each["volumeMounts"] if m["name"] == volume["name"])
+            assert environment(each)["KVSERVE_CACHE_DIR"] == mount["mountPath"]
+            # only the pull writes: serving containers mount it read-only
+            pulls = each is init and words[1:3] == ["model", "pull"]
+            assert mount.get("readOnly", False) is not pulls, f"{workload}/{each['name']}"
+
+
+def test_gpu_overlay_gives_each_executor_one_gpu_and_cuda(overlay):
+    name, docs = overlay
+    executor = container(docs, "kvserve-executor", "executor")
+    words = argv(executor)
+    if name == "gpu":
+        assert flag(words, "--device") == "cuda"
+        assert executor["resources"]["limits"]["nvidia.com/gpu"] == 1
+    else:
+        assert flag(words, "--device") == "cpu"
+        assert "nvidia.com/gpu" not in str(executor["resources"])
+
+
+def test_traces_and_metrics_are_configurable(overlay):
+    _, docs = overlay
+    configmap = next(
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kvserve-telemetry")
+    )
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in configmap["data"]
+    for workload in ("kvserve-gateway", "kvserve-executor"):
+        for each in pod_specs(docs)[workload]["containers"]:
+            assert {"configMapRef": {"name": configmap["metadata"]["name"]}} in each["envFrom"]
+    template = one(docs, "Deployment", "kvserve-gateway")["spec"]["template"]
+    annotations = template["metadata"]["annotations"]
+    gateway = argv(container(docs, "kvserve-gateway", "gateway"))
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == flag(gateway, "--metrics-port")
+
+
+# -- no secret in any manifest or in compose.yaml ---------------------------------------------------------------
+
+# a URL with a password that is not a $(VAR) / ${VAR} reference
+LITERAL_PASSWORD_URL = re.compile(r"\w+://[^/\s@]*:(?!\$\(\w+\)@|\$\{[^}]+\}@)[^/\s@]+@")
+
+
+def shipped_files() -> list[Path]:
+    return [REPO / "compose.yaml", *sorted(KUBERNETES.rglob("*.yaml"))]
+
+
+def test_no_secret_value_is_inline_in_a_manifest_or_compose():
+    for path in shipped_files():
+        text = path.read_text()
+        assert not LITERAL_PASSWORD_URL.search(text), f"{path}: a password written into a URL"
+        for doc in filter(None, yaml.safe_load_all(text)):
+            if doc.get("kind") == "Secret":
+                pytest.fail(f"{path}: a Secret with its values in the manifest (create it with kubectl)")
+            for generator in doc.get("secretGenerator", []):
+                assert not generator.get("literals"), f"{path}: secretGenerator literals"
+        for match in re.finditer(r"--requirepass\s*\n?\s*-?\s*(\S+)", text):
+            assert match.group(1).startswith(("$(", "${")), f"{path}: --requirepass {match.group(1)}"
+
+
+def test_the_secret_check_catches_a_literal_password():
+    assert LITERAL_PASSWORD_URL.search("KVSERVE_REDIS_URL: redis://:hunter2@redis:6379/0")
+    assert LITERAL_PASSWORD_URL.search("value: rediss://user:hunter2@redis:6379/0")
+    assert not LITERAL_PASSWORD_URL.search("value: redis://:$(KVSERVE_REDIS_PASSWORD)@kvserve-redis:6379/0")
+    assert not LITERAL_PASSWORD_URL.search("redis://:${KVSERVE_REDIS_PASSWORD:?set it in .env}@redis:6379/0")
+
+
+# -- the probes reach what a real gateway serves ----------------------------------------------------------------
+
+
+def test_gateway_probes_and_scrape_reach_a_real_gateway_run_as_the_manifest_runs_it(default_model, tmp_path):
+    docs = render("cpu")
+    gateway = container(docs, "kvserve-gateway", "gateway")
+    words = argv(gateway)
+    ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    # the manifest's own arguments, on free loopback ports (no cluster here): the same flags, the same routes
+    local = {int(flag(words, "--port")): free_port(), int(flag(words, "--metrics-port")): free_port()}
+    args = list(words[2:])
+    for option in ("--port", "--metrics-port"):
+        args[args.index(option) + 1] = str(local[int(flag(words, option))])
+    args[args.index("--host") + 1] = "127.0.0.1"
+    server = start_redis_server(password=SAMPLE_SECRET)
+    try:
+        assert (
+            main(["keys", "create", "--tenant", "probe", "--redis-url", server.url]) == 0
+        )  # --require-api-key
+        process = GatewayProcess(default_model, server.url, tmp_path / "gateway.log", *args)
+        try:
+
+            def answers(path: str, port: int) -> int | None:
+                try:
+                    return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5).status_code
+                except httpx.HTTPError:
+                    return None
+
+            public = local[int(flag(words, "--port"))]
+            assert eventually(lambda: answers("/health/live", public) == 200, 60), (
+                process.log_path.read_text()
+            )
+            for kind in ("readinessProbe", "livenessProbe"):
+                probe = gateway[kind]["httpGet"]
+                status = answers(probe["path"], local[ports[probe["port"]]])
+                # readiness: 503 while no executor is registered (none here); the route exists and answers
+                assert status == (200 if kind == "livenessProbe" else 503), (kind, status)
+            annotations = one(docs, "Deployment", "kvserve-gateway")["spec"]["template"]["metadata"][
+                "annotations"
+            ]
+            scrape = answers(annotations["prometheus.io/path"], local[int(annotations["prometheus.io/port"])])
+            assert scrape == 200
+        finally:
+            process.stop()
+    finally:
+        server.stop()
