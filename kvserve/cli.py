@@ -44,7 +44,18 @@ COMMANDS = (
     ),
     Command("gateway", "gateway.cli", "add_gateway_args", "the OpenAI-compatible HTTP gateway"),
     Command("up", "kvserve.up", "add_up_args", "the whole stack on this machine: Redis, executors, gateway"),
-    Command("keys", "gateway.keys_cli", "add_keys_args", "tenants' API keys: create, list, revoke, usage"),
+    Command(
+        "keys",
+        "gateway.keys_cli",
+        "add_keys_args",
+        "tenants' API keys: create, list, revoke, usage, export, import",
+    ),
+    Command(
+        "curve-keys",
+        "shared.curve_keys",
+        "add_curve_keys_args",
+        "write ZeroMQ CURVE key pairs with which executors let in only gateways",
+    ),
     Command(
         "bench",
         "bench.load",
