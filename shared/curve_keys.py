@@ -80,12 +80,13 @@ def write_keys(directory: Path, force: bool = False) -> list[Path]:
 def _read(path: Path, want_secret: bool) -> tuple[bytes, bytes | None]:
     """(public, secret) of one certificate file, each checked to be a 32-byte key in z85."""
     try:
-        with path.open("rb"):  # the permission error names the file, zmq.auth would not say why
+        with path.open("rb"):  # zmq.auth says only "Invalid certificate file", whatever the reason
             pass
         public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
-        raise CurveKeyError(f"{path}: cannot read a CURVE key: {reason}") from None
+    except OSError as error:
+        raise CurveKeyError(f"{path}: cannot read it: {error.strerror or error}") from None
+    except ValueError:
+        raise CurveKeyError(f"{path}: not a zmq CURVE certificate (no public-key line)") from None
     if want_secret and secret is None:
         raise CurveKeyError(f"{path}: no secret-key in it (is it the public .key file?)")
     for kind, key in (("public-key", public), ("secret-key", secret)):
