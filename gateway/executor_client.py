@@ -21,7 +21,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol
-from shared.curve_keys import GATEWAY, HANDSHAKE_EVENTS, CurveKeys, handshake_failure, secure_client
+from shared.curve_keys import DROPPED, GATEWAY, HANDSHAKE_EVENTS, CurveKeys, handshake_failure, secure_client
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -118,7 +118,10 @@ class ExecutorClient:
             if self.refused.pop(address, None) is not None:
                 log.info("executor %s accepts this gateway now (ZeroMQ handshake succeeded)", address)
             return
-        if self.refused.get(address) != cause:  # ZeroMQ retries every 100 ms: log the change, not each retry
+        known = self.refused.get(address)
+        if known is not None and cause == DROPPED:
+            cause = known  # a retry that tells less than the last: keep what is known
+        if known != cause:  # ZeroMQ retries every 100 ms: log what changes, not each retry
             log.error("executor %s refused this gateway's connection: %s", address, cause)
         self.refused[address] = cause
         # what waits there would wait forever: ZeroMQ holds it until a handshake succeeds. It goes elsewhere.
@@ -170,7 +173,11 @@ class ExecutorClient:
         self.awaiting.add(request.request_id)
         self.unanswered[address] += 1
         try:
-            await self._socket(address).send(protocol.encode(request))
+            await self._send(address, request)
+        except zmq.Again:
+            self._forget(request.request_id)
+            why = self.refused.get(address, "nothing it sends can be queued")
+            raise ExecutorRequestError(f"the executor at {address} cannot be reached: {why}", 503) from None
         except BaseException:
             self._forget(request.request_id)
             raise
@@ -234,9 +241,16 @@ class ExecutorClient:
 
     async def abort(self, address: str, request_id: str) -> None:
         try:
-            await self._socket(address).send(protocol.encode(protocol.AbortRequest(request_id)))
+            await self._send(address, protocol.AbortRequest(request_id))
+        except zmq.Again:  # no connection to queue it on: the request never got there either
+            log.debug("no abort for %s: %s has no connection to send it on", request_id, address)
         except zmq.ZMQError as error:
             log.warning("could not send abort for %s to %s: %s", request_id, address, error)
+
+    async def _send(self, address: str, msg: protocol.Message) -> None:
+        """Queue a message without waiting: a DEALER with no connection (ZeroMQ drops it after the executor
+        refused the handshake) would otherwise hold the send, and the request, forever. zmq.Again then."""
+        await self._socket(address).send(protocol.encode(msg), zmq.NOBLOCK)
 
     async def close(self) -> None:
         for task in [*self.readers.values(), *(task for task, _ in self.monitors.values())]:

@@ -156,6 +156,14 @@ HANDSHAKE_EVENTS = (
 )
 
 
+# what a gateway with keys sees when the executor closes without a word: it does so when our hello does not
+# decrypt under its secret key, and sometimes (a race) when it has no keys at all, which a later retry tells
+DROPPED = (
+    "the executor dropped the CURVE handshake: its public key is not the executor.key this gateway holds "
+    "(keys from another `kvserve curve-keys` run?), or it has no keys"
+)
+
+
 def handshake_failure(event: int, value: int, side: str, keyed: bool = True) -> str | None:
     """Why a handshake failed, as far as ZeroMQ tells; None for a success. side: who saw it (GATEWAY or
     EXECUTOR); keyed: whether that side has CURVE keys. Which event a mismatch gives is a race (the side
@@ -175,11 +183,7 @@ def handshake_failure(event: int, value: int, side: str, keyed: bool = True) -> 
                 f"the executor refused this gateway's CURVE key (ZAP status {value}): its --curve-keys "
                 "directory lacks this gateway's public key (gateway.key)"
             )
-        # the executor closes without a word when our hello does not decrypt under its secret key
-        return (
-            "the executor dropped the CURVE handshake: its public key is not the executor.key this gateway "
-            "holds (keys from another `kvserve curve-keys` run?)"
-        )
+        return DROPPED
     if mismatch:
         return "a peer without CURVE keys tried to connect"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:

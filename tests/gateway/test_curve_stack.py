@@ -4,6 +4,7 @@ keys and nobody else; a gateway with the wrong keys, or none, never counts it li
 from __future__ import annotations
 
 import shutil
+import time
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ import zmq.auth
 
 from shared.curve_keys import write_keys
 from shared.redis_server import start_redis_server
-from tests.processes import ExecutorProcess, GatewayProcess, eventually, raw_generate
+from tests.processes import ExecutorProcess, GatewayProcess, eventually, free_port, raw_generate
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 NOTHING_WITHIN_S = 3.0  # a served request answers in well under a second here
@@ -109,12 +110,61 @@ def test_gateway_with_wrong_keys_never_counts_the_executor_live_and_says_why(
         extra = ["--curve-keys", str(other)]
     gateway = _gateway(tiny_models["llama"], keyed, f"gateway-{case.replace(' ', '-')}", *extra)
     try:
-        assert eventually(lambda: _refusal(gateway) is not None, timeout=60), gateway.log_path.read_text()
-        body = _refusal(gateway)
-        assert body["executors"] == [] and cause in body["refused"][executor.id]
-        chat = httpx.post(f"{gateway.base}/v1/chat/completions", json=CHAT, timeout=30)
-        assert chat.status_code == 503 and chat.json()["error"]["type"] == "server_error"
-        assert cause in gateway.log_path.read_text(errors="replace")
-        assert not gateway.healthy()  # it stays unavailable, not only at first
+        _assert_refused(gateway, executor, cause)
     finally:
         gateway.stop()
+
+
+def _assert_refused(gateway: GatewayProcess, executor: ExecutorProcess, cause: str) -> None:
+    """The gateway's first request (before any /health) gets a 503 soon, not a hang; then /health names the
+    executor as refused, with the cause, and keeps doing so; the log says it too."""
+    assert eventually(lambda: _answers(f"{gateway.base}/v1/models"), timeout=60), gateway.log_path.read_text()
+    chat = httpx.post(f"{gateway.base}/v1/chat/completions", json=CHAT, timeout=30)
+    assert chat.status_code == 503 and chat.json()["error"]["type"] == "server_error", chat.text
+    # which event a mismatch gives the first time is a race; retries (every 100 ms) tell the rest
+    assert eventually(lambda: cause in _refusal(gateway)["refused"][executor.id], timeout=10), _refusal(
+        gateway
+    )
+    assert _refusal(gateway)["executors"] == []
+    assert cause in gateway.log_path.read_text(errors="replace")
+    time.sleep(1)
+    assert _refusal(gateway) is not None and not gateway.healthy()  # it stays unavailable, not only at first
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.slow
+def test_plain_executor_warns_on_an_open_address_and_a_keyed_gateway_says_it_has_no_keys(
+    tiny_models, tmp_path
+):
+    keys = tmp_path / "keys"
+    write_keys(keys)
+    server = start_redis_server()
+    port = free_port()
+    executor = ExecutorProcess(
+        tiny_models["llama"],
+        server.url,
+        tmp_path / "executor.log",
+        "--bind",  # the last --bind wins: every interface, as a container would
+        f"tcp://0.0.0.0:{port}",
+        "--advertise-address",
+        f"tcp://127.0.0.1:{port}",
+    )
+    gateway = GatewayProcess(
+        tiny_models["llama"], server.url, tmp_path / "gateway.log", "--curve-keys", str(keys)
+    )
+    try:
+        executor.wait_registered()
+        log = executor.log_path.read_text()
+        assert "without --curve-keys: anyone who reaches this port can run requests" in log
+        assert "no CURVE keys: open to any peer" in log
+        _assert_refused(gateway, executor, "the executor has no CURVE keys and this gateway has")
+    finally:
+        gateway.stop()
+        executor.stop()
+        server.stop()
