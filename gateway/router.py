@@ -107,10 +107,7 @@ class Router:
             raise APIError(503, "the executor index (Redis) is unreachable", "server_error") from None
         view = [(info, load) for info, load in view if info.executor_id not in exclude]
         reachable = [(info, load) for info, load in view if self.refused(info.address) is None]
-        if view and not reachable:
-            log.error(
-                "every live executor refuses this gateway's connection: %s", self.refused(view[0][0].address)
-            )
+        if view and not reachable:  # the client has logged why, once
             raise APIError(
                 503, "no executor accepts this gateway's connection (see the gateway's log)", "server_error"
             )
