@@ -5,6 +5,7 @@ only argparse and shared/ here, the engine and its torch inside the handlers, so
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 
 from shared import logs
+from shared.curve_keys import EXECUTOR, CurveKeyError, add_curve_keys_arg, executor_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 from shared.engine_config import add_engine_args, config_from_args
 from shared.model_paths import ModelLoadError
@@ -133,6 +135,7 @@ def add_executor_args(executor: argparse.ArgumentParser) -> None:
         default=None,
         help="log lines as JSON objects or plain text (default: KVSERVE_LOG_FORMAT, else json)",
     )
+    add_curve_keys_arg(executor, EXECUTOR)
     add_engine_args(executor)
     executor.set_defaults(handler=serve)
 
@@ -160,14 +163,18 @@ def serve(args: argparse.Namespace) -> int:
     try:
         executor_id = check_executor_id(args.executor_id)
         config = config_from_args(args)
+        curve = executor_keys(args.curve_keys) if args.curve_keys else None
         client = connect(args.redis_url)
         client.ping()
+    except CurveKeyError as error:
+        return fail(f"--curve-keys: {error}")
     except ValueError as error:
         return fail(str(error))
     except redis.RedisError as error:
         return fail(f"--redis-url: {describe_error(args.redis_url, error)}", 1)
 
     from executor.engine import Engine
+    from executor.gateway_auth import GatewayAuth
     from executor.service import ExecutorService
 
     # SIGTERM during the model load has nothing to drain: it just ends the process
@@ -175,11 +182,20 @@ def serve(args: argparse.Namespace) -> int:
     engine.pool.start_recording_events()
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
+    auth = GatewayAuth(context, socket, curve) if curve is not None else None
     try:
         socket.bind(args.bind)
     except zmq.ZMQError as error:
+        if auth is not None:
+            auth.stop()
         context.destroy(linger=0)
         return fail(f"--bind: cannot listen on {args.bind}: {error}", 1)
+    if auth is None and not _is_loopback(args.bind):
+        log.warning(
+            "listening on %s without --curve-keys: anyone who reaches this port can run requests, bypassing "
+            "the gateway's API keys, limits and cache salts; see `kvserve curve-keys`",
+            args.bind,
+        )
     index = IndexWriter(client, executor_id, cached_hashes=engine.pool.cached_hashes)
     service = ExecutorService(engine, socket, index, args.shutdown_grace_period)
     signal.signal(signal.SIGTERM, service.drain)
@@ -196,7 +212,13 @@ def serve(args: argparse.Namespace) -> int:
     )
     index.start_heartbeat()
     tracing.configure("kvserve-executor")
-    log.info("executor %s serving %s on %s", executor_id, engine.model_path, args.bind)
+    log.info(
+        "executor %s serving %s on %s (%s)",
+        executor_id,
+        engine.model_path,
+        args.bind,
+        f"CURVE: {len(curve.peers)} gateway key(s) let in" if curve else "no CURVE keys: open to any peer",
+    )
     try:
         service.run()
     finally:
@@ -204,8 +226,23 @@ def serve(args: argparse.Namespace) -> int:
             index.deregister()
         except redis.RedisError as error:
             log.warning("deregistering from Redis failed (its keys expire with the heartbeat): %s", error)
+        if auth is not None:
+            auth.stop()
         socket.close(linger=1000)  # let the last StepBatch messages leave
         context.term()
         tracing.shutdown()
     log.info("executor %s stopped", executor_id)
     return 0
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a ZeroMQ bind address is reachable from this machine only (ipc:// and inproc:// are too)."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # an interface name or a hostname: assume it is reachable from elsewhere
+        return False

@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.metrics_listener import MetricsListener
 from gateway.router import Router
 from gateway.tenancy import Tenancy
+from shared.curve_keys import CurveKeys
 
 __all__ = ["GatewayConfig", "build_app"]
 
@@ -35,6 +36,8 @@ log = logging.getLogger("kvserve.gateway")
 
 # a scrape waits this long for the executors' stats, then shows the gateway's own
 METRICS_REDIS_TIMEOUT_S = 2.0
+# /health waits this long for the first handshake with an executor it has not connected to yet
+HEALTH_HANDSHAKE_WAIT_S = 1.0
 
 
 @dataclass
@@ -49,6 +52,7 @@ class GatewayConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" is refused without one
+    curve: CurveKeys | None = None  # --curve-keys: this gateway's CURVE pair and the executors' public key
 
 
 class Gateway:
@@ -64,8 +68,9 @@ class Gateway:
 
     async def startup(self) -> None:
         await self.tenancy.startup()
-        self.client = ExecutorClient()  # needs the running event loop
+        self.client = ExecutorClient(self.config.curve)  # needs the running event loop
         self.router.unanswered = self.client.unanswered.__getitem__
+        self.router.refused = self.client.refused.get
         self.completions = Completions(
             self.config.model_name,
             self.config.tokenizer,
@@ -123,11 +128,19 @@ class Gateway:
                 503,
                 headers={EXECUTOR_HEADER: NO_EXECUTOR},
             )
+        # registered in Redis is not enough: an executor that refuses this gateway's handshake cannot serve it
+        causes = await asyncio.gather(
+            *(self.client.handshake(e.address, HEALTH_HANDSHAKE_WAIT_S) for e in executors)
+        )
+        refused = {e.executor_id: cause for e, cause in zip(executors, causes, strict=True) if cause}
+        executors = [e for e in executors if e.executor_id not in refused]
         status = 200 if executors else 503
         body = {
             "status": "ok" if executors else "no executors",
             "executors": [e.executor_id for e in executors],
         }
+        if refused:
+            body["refused"] = refused
         return JSONResponse(body, status, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
     async def live(self, request: Request) -> Response:

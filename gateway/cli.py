@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from gateway.routing_cost import ROUTING_POLICIES
 from gateway.tools import TOOL_CALL_PARSERS
+from shared.curve_keys import GATEWAY, CurveKeyError, add_curve_keys_arg, gateway_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         help="seconds SIGTERM (or Ctrl-C) lets requests in flight finish while new ones get 503 "
         "(default: %(default)s; `up` passes it on to its executors)",
     )
+    add_curve_keys_arg(parser, GATEWAY)
 
 
 def _seconds(text: str) -> float:
@@ -125,6 +127,11 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         print(f"kvserve gateway: error: {message}", file=sys.stderr)
         return code
     try:
+        curve = gateway_keys(args.curve_keys) if args.curve_keys else None
+    except CurveKeyError as error:
+        print(f"kvserve gateway: error: --curve-keys: {error}", file=sys.stderr)
+        return 2
+    try:
         tokenizer = load_tokenizer(args.model)
     except ModelLoadError as error:
         print(f"kvserve gateway: error: --model: {error}", file=sys.stderr)
@@ -145,6 +152,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         metrics_host=args.metrics_host or args.host,
         metrics_port=args.metrics_port,
         tool_call_parser=args.tool_call_parser,
+        curve=curve,
     )
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")

@@ -1,9 +1,15 @@
 """ZeroMQ DEALER connections from the gateway to executors: requests out, per-step updates back, routed by
-request id to the stream that waits for them."""
+request id to the stream that waits for them.
+
+Each connection's handshakes are watched (a monitor socket): an executor that refuses this gateway (CURVE keys
+missing on one side, or of another pair) is logged once with the likely cause, is not routed to, and shows as
+refused in /health; requests sent to it meanwhile go elsewhere. It comes back at its next handshake that
+succeeds."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -12,8 +18,10 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol
+from shared.curve_keys import DROPPED, GATEWAY, HANDSHAKE_EVENTS, CurveKeys, handshake_failure, secure_client
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -52,10 +60,15 @@ class ExecutorTiming:
 
 
 class ExecutorClient:
-    def __init__(self) -> None:
+    def __init__(self, curve: CurveKeys | None = None) -> None:
         self.context = zmq.asyncio.Context()
+        self.curve = curve
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.readers: dict[str, asyncio.Task] = {}
+        self.monitors: dict[str, tuple[asyncio.Task, zmq.asyncio.Socket]] = {}
+        # executor address -> why its last handshake failed; gone once one succeeds
+        self.refused: dict[str, str] = {}
+        self.handshaken: dict[str, asyncio.Event] = {}  # set once a handshake has succeeded or failed
         self.streams: dict[str, asyncio.Queue] = {}
         # the executor each open request was sent to: a request re-sent elsewhere must not take updates from
         # the one it left (a stopped executor that resumes still answers what it had queued)
@@ -71,10 +84,50 @@ class ExecutorClient:
         if socket is None:
             socket = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                secure_client(socket, self.curve)
+            monitor = socket.get_monitor_socket(HANDSHAKE_EVENTS)
+            self.handshaken[address] = asyncio.Event()
             socket.connect(address)
             self.sockets[address] = socket
-            self.readers[address] = asyncio.get_running_loop().create_task(self._read(address, socket))
+            loop = asyncio.get_running_loop()
+            self.readers[address] = loop.create_task(self._read(address, socket))
+            self.monitors[address] = (loop.create_task(self._watch(address, monitor)), monitor)
         return socket
+
+    async def handshake(self, address: str, wait_s: float) -> str | None:
+        """Connect if not yet connected and wait up to wait_s for the first handshake's outcome: why the
+        executor refused this gateway, or None (accepted, or not known yet: it may still be starting)."""
+        self._socket(address)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.handshaken[address].wait(), wait_s)
+        return self.refused.get(address)
+
+    async def _watch(self, address: str, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                self._handshake_event(address, event["event"], event["value"])
+        except (zmq.ZMQError, asyncio.CancelledError):
+            return
+
+    def _handshake_event(self, address: str, event: int, value: int) -> None:
+        cause = handshake_failure(event, value, GATEWAY, keyed=self.curve is not None)
+        self.handshaken[address].set()
+        if cause is None:
+            if self.refused.pop(address, None) is not None:
+                log.info("executor %s accepts this gateway now (ZeroMQ handshake succeeded)", address)
+            return
+        known = self.refused.get(address)
+        if known is not None and cause == DROPPED:
+            cause = known  # a retry that tells less than the last: keep what is known
+        if known != cause:  # ZeroMQ retries every 100 ms: log what changes, not each retry
+            log.error("executor %s refused this gateway's connection: %s", address, cause)
+        self.refused[address] = cause
+        # what waits there would wait forever: ZeroMQ holds it until a handshake succeeds. It goes elsewhere.
+        for request_id, sent_to in list(self.sent_to.items()):
+            if sent_to == address and request_id in self.awaiting and request_id in self.streams:
+                self.streams[request_id].put_nowait(ExecutorGone(address))
 
     async def _read(self, address: str, socket: zmq.asyncio.Socket) -> None:
         while True:
@@ -120,7 +173,11 @@ class ExecutorClient:
         self.awaiting.add(request.request_id)
         self.unanswered[address] += 1
         try:
-            await self._socket(address).send(protocol.encode(request))
+            await self._send(address, request)
+        except zmq.Again:
+            self._forget(request.request_id)
+            why = self.refused.get(address, "nothing it sends can be queued")
+            raise ExecutorRequestError(f"the executor at {address} cannot be reached: {why}", 503) from None
         except BaseException:
             self._forget(request.request_id)
             raise
@@ -152,6 +209,8 @@ class ExecutorClient:
                 if isinstance(item, ExecutorRequestError):
                     self._forget(request_id)  # refused: nothing runs there
                     raise item
+                if isinstance(item, ExecutorGone):  # it refused this gateway's connection
+                    raise item
                 received, item = item
                 if item.token_ids and timing is not None and timing.first_token is None:
                     timing.first_token = received
@@ -182,13 +241,22 @@ class ExecutorClient:
 
     async def abort(self, address: str, request_id: str) -> None:
         try:
-            await self._socket(address).send(protocol.encode(protocol.AbortRequest(request_id)))
+            await self._send(address, protocol.AbortRequest(request_id))
+        except zmq.Again:  # no connection to queue it on: the request never got there either
+            log.debug("no abort for %s: %s has no connection to send it on", request_id, address)
         except zmq.ZMQError as error:
             log.warning("could not send abort for %s to %s: %s", request_id, address, error)
 
+    async def _send(self, address: str, msg: protocol.Message) -> None:
+        """Queue a message without waiting: a DEALER with no connection (ZeroMQ drops it after the executor
+        refused the handshake) would otherwise hold the send, and the request, forever. zmq.Again then."""
+        await self._socket(address).send(protocol.encode(msg), zmq.NOBLOCK)
+
     async def close(self) -> None:
-        for task in self.readers.values():
+        for task in [*self.readers.values(), *(task for task, _ in self.monitors.values())]:
             task.cancel()
+        for _, monitor in self.monitors.values():
+            monitor.close(linger=0)  # an open monitor socket would hold context.term() forever
         for socket in self.sockets.values():
             socket.close(linger=0)
         self.context.term()

@@ -1,4 +1,5 @@
-"""`kvserve keys create|list|revoke|usage`: tenants' API keys and what they used, straight from Redis."""
+"""`kvserve keys create|list|revoke|usage|export|import`: tenants' API keys and what they used, straight from
+Redis; export and import (shared/key_backup.py) back them up as JSON lines, secrets only hashed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable, Sequence
 import redis
 
 from shared.api_keys import KeyRecord, KeyStore, key_id_of, parse_models
+from shared.key_backup import export_lines, import_lines
 from shared.redis_url import describe_error
 
 USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "rejected")
@@ -39,7 +41,27 @@ def add_keys_args(keys: argparse.ArgumentParser) -> None:
     usage.add_argument("--tenant", default=None)
     usage.set_defaults(run=show_usage)
 
-    for action in (create, listing, revoke, usage):
+    export = actions.add_parser(
+        "export", help="every tenant and key as JSON lines (secrets only as SHA-256; salts included)"
+    )
+    export.add_argument(
+        "--out", default=None, metavar="FILE", help="write here (mode 0600) instead of stdout"
+    )
+    export.set_defaults(run=export_keys)
+
+    restore = actions.add_parser(
+        "import",
+        help="restore an export; idempotent, and records Redis holds otherwise stop it unless --replace",
+    )
+    restore.add_argument("file", metavar="FILE", help="a `kvserve keys export` (- for stdin)")
+    restore.add_argument(
+        "--replace",
+        action="store_true",
+        help="overwrite tenants and keys Redis holds otherwise with the file's (others are kept)",
+    )
+    restore.set_defaults(run=import_keys)
+
+    for action in (create, listing, revoke, usage, export, restore):
         action.add_argument(
             "--redis-url", default=os.environ.get("KVSERVE_REDIS_URL"), help="default: $KVSERVE_REDIS_URL"
         )
@@ -133,4 +155,40 @@ def show_usage(store: KeyStore, args: argparse.Namespace) -> int:
         for tenant, counters in usage.items()
     ]
     _table(header, rows)
+    return 0
+
+
+def export_keys(store: KeyStore, args: argparse.Namespace) -> int:
+    lines = list(export_lines(store.client))  # read all before writing: a Redis error leaves no half file
+    text = "".join(f"{line}\n" for line in lines)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        # the salts are secrets: the file is the owner's only from its first byte
+        try:
+            fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(text)
+        except OSError as error:
+            raise ValueError(f"--out: {error}") from None
+    print(f"exported {len(lines) - 1} tenant and key records", file=sys.stderr)
+    return 0
+
+
+def import_keys(store: KeyStore, args: argparse.Namespace) -> int:
+    try:
+        if args.file == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(args.file, encoding="utf-8") as source:
+                lines = source.read().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{args.file}: {error}") from None
+    try:
+        result = import_lines(store.client, lines, replace=args.replace)
+    except ValueError as error:
+        raise ValueError(f"{args.file}: {error}") from None
+    for label in result.written:
+        print(f"imported {label}")
+    print(f"{len(result.written)} records written, {result.unchanged} already there", file=sys.stderr)
     return 0

@@ -43,6 +43,8 @@ class Router:
         self.policy = policy
         # executor address -> requests this gateway sent there that have had no answer yet (ExecutorClient's)
         self.unanswered: Callable[[str], int] = lambda address: 0
+        # executor address -> why it refused this gateway's connection, or None (ExecutorClient's refused)
+        self.refused: Callable[[str], str | None] = lambda address: None
 
     async def choose(
         self,
@@ -104,6 +106,11 @@ class Router:
             log.error("redis unreachable: %s", error)
             raise APIError(503, "the executor index (Redis) is unreachable", "server_error") from None
         view = [(info, load) for info, load in view if info.executor_id not in exclude]
-        if not view:
+        reachable = [(info, load) for info, load in view if self.refused(info.address) is None]
+        if view and not reachable:  # the client has logged why, once
+            raise APIError(
+                503, "no executor accepts this gateway's connection (see the gateway's log)", "server_error"
+            )
+        if not reachable:
             raise APIError(503, "no executor is available; try again shortly", "server_error")
-        return view
+        return reachable

@@ -47,7 +47,18 @@ COMMANDS = (
     Command(
         "ready", "kvserve.ready", "add_ready_args", "exit 0 when an executor is registered in Redis (a probe)"
     ),
-    Command("keys", "gateway.keys_cli", "add_keys_args", "tenants' API keys: create, list, revoke, usage"),
+    Command(
+        "keys",
+        "gateway.keys_cli",
+        "add_keys_args",
+        "tenants' API keys: create, list, revoke, usage, export, import",
+    ),
+    Command(
+        "curve-keys",
+        "shared.curve_keys",
+        "add_curve_keys_args",
+        "write ZeroMQ CURVE key pairs with which executors let in only gateways",
+    ),
     Command(
         "bench",
         "bench.load",

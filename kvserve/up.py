@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from gateway.cli import add_http_args, run_gateway
 from kvserve.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S
+from shared.curve_keys import CurveKeyError, executor_keys, gateway_keys, write_keys
 from shared.defaults import DEFAULT_MODEL
 from shared.engine_config import add_engine_args, config_from_args, engine_argv
 from shared.model_paths import check_model_dir, pulled_model_dir
@@ -71,7 +74,14 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"kvserve up: error: {error}", file=sys.stderr)
         return 2
     config.model = model_dir
+    fresh_keys = args.curve_keys is None
+    try:
+        args.curve_keys = _curve_keys(args.curve_keys)
+    except CurveKeyError as error:
+        print(f"kvserve up: error: --curve-keys: {error}", file=sys.stderr)
+        return 2
     flags = ["--log-format", args.log_format, "--shutdown-grace-period", str(args.shutdown_grace_period)]
+    flags += ["--curve-keys", args.curve_keys]
     plan = ExecutorPlan(args.executors, [*flags, *engine_argv(config)], config.device, args.executor_niceness)
     stack = LocalStack(plan, args.redis_url)
 
@@ -97,10 +107,24 @@ def run_up(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # stopping the children is bounded; let it finish
         stack.stop()
+        if fresh_keys:
+            shutil.rmtree(args.curve_keys, ignore_errors=True)
     if stack.failure is not None:
         print(f"kvserve up: error: {stack.failure}", file=sys.stderr)
         return 1
     return code
+
+
+def _curve_keys(given: str | None) -> str:
+    """The directory of the CURVE keys the stack runs with: the given one, checked for both sides before
+    anything starts, or a fresh pair for this run only (the caller removes it)."""
+    if given is not None:
+        executor_keys(given)
+        gateway_keys(given)
+        return given
+    directory = tempfile.mkdtemp(prefix="kvserve-curve-")
+    write_keys(Path(directory))
+    return directory
 
 
 def _exit_on_signal(signum: int, _frame) -> None:

@@ -61,7 +61,7 @@ def check_tenant(tenant: str) -> str:
     return tenant
 
 
-def _check_limit(name: str, value: int | None) -> int | None:
+def check_limit(name: str, value: int | None) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name}: {value!r} must be a positive integer (or unset for no limit)")
     return value
@@ -77,7 +77,7 @@ def parse_models(text: str | None) -> tuple[str, ...] | None:
     return models
 
 
-def _check_models(models: tuple[str, ...] | list[str] | None) -> tuple[str, ...] | None:
+def check_models(models: tuple[str, ...] | list[str] | None) -> tuple[str, ...] | None:
     if models is None:
         return None
     models = tuple(models)
@@ -105,7 +105,7 @@ def _optional_int(text: str) -> int | None:
     return int(text) if text else None
 
 
-def _record(key_id: str, fields: dict[str, str]) -> KeyRecord:
+def parse_record(key_id: str, fields: dict[str, str]) -> KeyRecord:
     return KeyRecord(
         key_id=key_id,
         tenant=fields["tenant"],
@@ -117,6 +117,20 @@ def _record(key_id: str, fields: dict[str, str]) -> KeyRecord:
         created_at=float(fields["created_at"]),
         revoked_at=float(fields["revoked_at"]) if fields["revoked_at"] else None,
     )
+
+
+def record_fields(record: KeyRecord, secret_sha256: str) -> dict[str, str]:
+    """A key's Redis hash: what parse_record reads back."""
+    limits = {name: getattr(record, name) for name in LIMITS}
+    return {
+        "secret_sha256": secret_sha256,
+        "tenant": record.tenant,
+        "cache_salt": record.cache_salt,
+        **{name: "" if value is None else str(value) for name, value in limits.items()},
+        "models": ",".join(record.models) if record.models else "",
+        "created_at": repr(record.created_at),
+        "revoked_at": "" if record.revoked_at is None else repr(record.revoked_at),
+    }
 
 
 class KeyStore:
@@ -136,27 +150,18 @@ class KeyStore:
         """(the full key, to show once, and its record)."""
         check_tenant(tenant)
         limits = {
-            name: _check_limit(name, value)
+            name: check_limit(name, value)
             for name, value in zip(LIMITS, (rpm, tpm, max_concurrency), strict=True)
         }
-        models = _check_models(models)
+        models = check_models(models)
         with self.client.pipeline() as pipe:  # MULTI: a tenant's first two keys race to the same salt
             pipe.hsetnx(redis_keys.tenant_key(tenant), "cache_salt", secrets.token_hex(32))
             pipe.hget(redis_keys.tenant_key(tenant), "cache_salt")
             _, salt = pipe.execute()
         key, key_id, secret = new_key()
         record = KeyRecord(key_id, tenant, _text(salt), **limits, models=models, created_at=time.time())
-        fields = {
-            "secret_sha256": _secret_hash(secret),
-            "tenant": tenant,
-            "cache_salt": record.cache_salt,
-            **{name: "" if value is None else str(value) for name, value in limits.items()},
-            "models": ",".join(models) if models else "",
-            "created_at": repr(record.created_at),
-            "revoked_at": "",
-        }
         with self.client.pipeline() as pipe:
-            pipe.hset(redis_keys.api_key_key(key_id), mapping=fields)
+            pipe.hset(redis_keys.api_key_key(key_id), mapping=record_fields(record, _secret_hash(secret)))
             pipe.sadd(redis_keys.API_KEYS, key_id)
             pipe.execute()
         return key, record
@@ -170,7 +175,9 @@ class KeyStore:
                 pipe.hgetall(redis_keys.api_key_key(key_id))
             rows = pipe.execute()
         records = [
-            _record(key_id, _decoded(fields)) for key_id, fields in zip(key_ids, rows, strict=True) if fields
+            parse_record(key_id, _decoded(fields))
+            for key_id, fields in zip(key_ids, rows, strict=True)
+            if fields
         ]
         if tenant is not None:
             records = [r for r in records if r.tenant == tenant]
@@ -191,7 +198,7 @@ class KeyStore:
                 pipe.hset(record_key, "revoked_at", fields["revoked_at"])
                 pipe.srem(redis_keys.API_KEYS, key_id)
                 pipe.execute()
-        return _record(key_id, fields)
+        return parse_record(key_id, fields)
 
     def usage(self, tenant: str | None = None) -> dict[str, dict[str, int]]:
         """tenant -> its counters (requests, prompt_tokens, completion_tokens, cached_tokens, rejected)."""
@@ -220,7 +227,7 @@ async def authenticate(client: aioredis.Redis, presented: str) -> KeyRecord | No
     fields = _decoded(await client.hgetall(redis_keys.api_key_key(key_id)))
     if not fields or not hmac.compare_digest(_secret_hash(secret), fields["secret_sha256"]):
         return None
-    record = _record(key_id, fields)
+    record = parse_record(key_id, fields)
     return None if record.revoked_at is not None else record
 
 

@@ -163,3 +163,31 @@ def keeps_data_across_a_kill(args: list[str], data_dir: Path) -> None:
     finally:
         process.kill()
         process.wait()
+
+
+def raw_generate(
+    address: str, wait_s: float, client_keys: tuple[bytes, bytes, bytes] | None = None
+) -> bytes | None:
+    """Send a valid GenerateRequest from a bare DEALER (plain, or CURVE with (public, secret, server public))
+    and return the executor's first reply within wait_s, or None when nothing came."""
+    import zmq
+
+    from shared import protocol
+    from shared.block_hash import hash_blocks
+
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.linger = 0
+    if client_keys is not None:
+        socket.curve_publickey, socket.curve_secretkey, socket.curve_serverkey = client_keys
+    try:
+        socket.connect(address)
+        prompt = list(range(100, 120))
+        request = protocol.GenerateRequest(
+            f"raw-{uuid.uuid4().hex[:8]}", prompt, hash_blocks(prompt, 16), {"max_tokens": 2}
+        )
+        socket.send(protocol.encode(request))
+        return socket.recv() if socket.poll(int(wait_s * 1000)) else None
+    finally:
+        socket.close(linger=0)
+        context.term()

@@ -1,4 +1,6 @@
 import asyncio
+import json
+import stat
 import subprocess
 import sys
 
@@ -117,3 +119,147 @@ def test_the_key_is_stdouts_first_line_alone(db_url):
     command = [sys.executable, "-m", "kvserve.cli", "keys", "create", "--tenant", "t", "--redis-url", db_url]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     assert _authenticates(db_url, done.stdout.splitlines()[0])
+
+
+# -- export and import -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def empty_url(monkeypatch):
+    """A Redis server of its own, empty: where a backup is restored."""
+    from shared.redis_server import start_redis_server
+
+    monkeypatch.delenv("KVSERVE_REDIS_URL", raising=False)
+    server = start_redis_server()
+    yield server.url
+    server.stop()
+
+
+def _create(capsys, url: str, *args: str) -> str:
+    status, out, _ = _kvserve(capsys, "keys", "create", *args, "--redis-url", url)
+    assert status == 0
+    return out[0]
+
+
+def _records(url: str) -> list[dict]:
+    client = redis.Redis.from_url(url, decode_responses=True)
+    rows = [client.hgetall(k) for k in sorted(client.scan_iter(match=redis_keys.api_key_key("*")))]
+    tenants = {
+        k: client.hgetall(k) for k in client.scan_iter(match=redis_keys.tenant_key("*")) if ":usage" not in k
+    }
+    return [rows, tenants, sorted(client.smembers(redis_keys.API_KEYS))]
+
+
+def test_export_then_import_into_an_empty_redis_restores_every_tenant_and_key(
+    db_url, empty_url, capsys, tmp_path
+):
+    limited = _create(capsys, db_url, "--tenant", "acme", "--rpm", "60", "--tpm", "9000", "--models", "m1,m2")
+    plain = _create(capsys, db_url, "--tenant", "acme")
+    other = _create(capsys, db_url, "--tenant", "globex", "--max-concurrency", "2")
+    revoked = _create(capsys, db_url, "--tenant", "globex")
+    assert _kvserve(capsys, "keys", "revoke", revoked, "--redis-url", db_url)[0] == 0
+    redis.Redis.from_url(db_url).hset(redis_keys.tenant_usage_key("acme"), "requests", 5)  # not a tenant
+
+    backup = tmp_path / "keys.jsonl"
+    status, out, err = _kvserve(capsys, "keys", "export", "--out", str(backup), "--redis-url", db_url)
+    assert status == 0 and out == [] and "6" in err  # two tenants, four keys
+    assert stat.S_IMODE(backup.stat().st_mode) == 0o600
+    text = backup.read_text()
+    for key in (limited, plain, other, revoked):
+        assert key.rsplit("_", 1)[1] not in text  # never a plaintext secret
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert lines[0] == {"type": "header", "format": "kvserve-keys", "version": 1}
+    assert sorted(line["tenant"] for line in lines if line["type"] == "tenant") == ["acme", "globex"]
+
+    status, out, _ = _kvserve(capsys, "keys", "import", str(backup), "--redis-url", empty_url)
+    assert status == 0 and len(out) == 6
+    assert _records(empty_url) == _records(db_url)
+    for key in (limited, plain, other):
+        assert _authenticates(empty_url, key)
+    assert not _authenticates(empty_url, revoked)
+
+    # idempotent: again, nothing to write and nothing changes
+    status, out, err = _kvserve(capsys, "keys", "import", str(backup), "--redis-url", empty_url)
+    assert status == 0 and out == [] and "6 already there" in err
+    assert _records(empty_url) == _records(db_url)
+
+    # and stdout round-trips as well as --out
+    status, out, _ = _kvserve(capsys, "keys", "export", "--redis-url", empty_url)
+    assert status == 0 and [json.loads(line) for line in out] == lines
+
+
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        ("not json", "line 3"),
+        ('["a list"]', "line 3: not a JSON object"),
+        ('{"type": "user", "tenant": "x"}', "line 3: type"),
+        ('{"type": "tenant", "tenant": "bad name!", "cache_salt": "' + "0" * 64 + '"}', "line 3: tenant"),
+        ('{"type": "tenant", "tenant": "t2", "cache_salt": "short"}', "line 3: tenant t2: cache_salt"),
+        (
+            '{"type": "tenant", "tenant": "t2", "cache_salt": "' + "0" * 64 + '", "extra": 1}',
+            "line 3: unknown field(s) extra",
+        ),
+    ],
+)
+def test_import_refuses_a_malformed_line_naming_it_and_writes_nothing(
+    empty_url, capsys, tmp_path, bad, problem
+):
+    salt = "ab" * 32
+    good = [
+        json.dumps({"type": "header", "format": "kvserve-keys", "version": 1}),
+        json.dumps({"type": "tenant", "tenant": "t1", "cache_salt": salt}),
+    ]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([*good, bad]) + "\n")
+    status, out, err = _kvserve(capsys, "keys", "import", str(path), "--redis-url", empty_url)
+    assert status == 2 and problem in err and str(path) in err, err
+    assert redis.Redis.from_url(empty_url).dbsize() == 0
+
+
+def test_import_refuses_a_key_line_that_would_not_authenticate_or_has_no_tenant(empty_url, capsys, tmp_path):
+    header = json.dumps({"type": "header", "format": "kvserve-keys", "version": 1})
+    key = {
+        "type": "key",
+        "key_id": "0123456789abcdef",
+        "tenant": "t1",
+        "secret_sha256": "cd" * 32,
+        "rpm": None,
+        "tpm": None,
+        "max_concurrency": None,
+        "models": None,
+        "created_at": 1.0,
+        "revoked_at": None,
+    }
+    for line, problem in [
+        (key, "line 2: key 0123456789abcdef: tenant t1 has no tenant line"),
+        ({**key, "secret_sha256": "kvs_plaintext"}, "secret_sha256"),
+        ({**key, "rpm": 0}, "rpm"),
+    ]:
+        tenant = (
+            []
+            if "tenant t1 has no" in problem
+            else [json.dumps({"type": "tenant", "tenant": "t1", "cache_salt": "ab" * 32})]
+        )
+        path = tmp_path / "key.jsonl"
+        path.write_text("\n".join([header, *tenant, json.dumps(line)]))
+        status, _, err = _kvserve(capsys, "keys", "import", str(path), "--redis-url", empty_url)
+        assert status == 2 and problem in err, err
+    assert redis.Redis.from_url(empty_url).dbsize() == 0
+
+
+def test_import_over_records_held_otherwise_needs_replace(db_url, empty_url, capsys, tmp_path):
+    exported = _create(capsys, db_url, "--tenant", "acme")
+    backup = tmp_path / "keys.jsonl"
+    assert _kvserve(capsys, "keys", "export", "--out", str(backup), "--redis-url", db_url)[0] == 0
+    local = _create(capsys, empty_url, "--tenant", "acme")  # the same tenant, another salt, another key
+    status, _, err = _kvserve(capsys, "keys", "import", str(backup), "--redis-url", empty_url)
+    assert status == 2 and "tenant acme" in err and "--replace" in err
+    assert not _authenticates(empty_url, exported)  # nothing was written
+
+    status, out, _ = _kvserve(capsys, "keys", "import", str(backup), "--replace", "--redis-url", empty_url)
+    assert status == 0 and _authenticates(empty_url, exported) and _authenticates(empty_url, local)
+    client = redis.Redis.from_url(empty_url, decode_responses=True)
+    salt = client.hget(redis_keys.tenant_key("acme"), "cache_salt")
+    salts = {client.hget(k, "cache_salt") for k in client.scan_iter(match=redis_keys.api_key_key("*"))}
+    assert salts == {salt}  # the key the file did not name follows its tenant's restored salt

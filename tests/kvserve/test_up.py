@@ -19,7 +19,8 @@ import pytest
 import redis
 
 from kvserve.supervisor import RESTART_LIMIT
-from tests.processes import REPO, eventually, free_port
+from shared import redis_keys
+from tests.processes import REPO, eventually, free_port, raw_generate
 
 
 def children(pid: int) -> list[int]:
@@ -128,9 +129,20 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
         assert len(up.children()) == 3  # Redis and two executors
         response = up.complete()
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+        # its executors run with a key pair made for this run, and a client without it gets nothing
+        keys = re.search(r"--curve-keys (\S+)", command_line(up.child("--executor-id executor-0"))).group(1)
+        assert sorted(p.name for p in Path(keys).iterdir()) == [
+            "executor.key",
+            "executor.key_secret",
+            "gateway.key",
+            "gateway.key_secret",
+        ]
+        address = redis.Redis.from_url(up.redis_url()).hget(redis_keys.executor_key("executor-0"), "address")
+        assert raw_generate(address.decode(), wait_s=3) is None
         up.process.send_signal(signal.SIGINT)
         assert up.process.wait(60) == 0
         assert eventually(up.none_left, timeout=10)
+        assert not Path(keys).exists()  # the run's keys go with it
     finally:
         up.stop()
 
