@@ -122,15 +122,15 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
             "kvserve gateway: error: --redis-url: not given and KVSERVE_REDIS_URL is not set", file=sys.stderr
         )
         return 2
-    if (problem := _check_redis(args.redis_url, args.require_api_key)) is not None:
-        message, code = problem
-        print(f"kvserve gateway: error: {message}", file=sys.stderr)
-        return code
-    try:
+    try:  # local files first: a bad one is said without waiting on Redis
         curve = gateway_keys(args.curve_keys) if args.curve_keys else None
     except CurveKeyError as error:
         print(f"kvserve gateway: error: --curve-keys: {error}", file=sys.stderr)
         return 2
+    if (problem := _check_redis(args.redis_url, args.require_api_key)) is not None:
+        message, code = problem
+        print(f"kvserve gateway: error: {message}", file=sys.stderr)
+        return code
     try:
         tokenizer = load_tokenizer(args.model)
     except ModelLoadError as error:
