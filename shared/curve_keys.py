@@ -193,12 +193,22 @@ def handshake_failure(event: int, value: int, side: str, keyed: bool = True) -> 
 
 def add_curve_keys_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for the four key files")
-    parser.add_argument("--force", action="store_true", help="replace key files already there")
+    kept = parser.add_mutually_exclusive_group()
+    kept.add_argument("--force", action="store_true", help="replace key files already there")
+    kept.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="keep the four files when they are all there and sound (an init step that runs at every start)",
+    )
     parser.set_defaults(handler=generate)
 
 
 def generate(args: argparse.Namespace) -> int:
     try:
+        if args.if_missing and all(f.exists() for f in key_files(Path(args.out))):
+            executor_keys(args.out), gateway_keys(args.out)  # sound, or the error names the file
+            print(f"kvserve curve-keys: {args.out} holds both key pairs already; kept", file=sys.stderr)
+            return 0
         files = write_keys(Path(args.out), args.force)
     except (CurveKeyError, OSError) as error:
         print(f"kvserve curve-keys: error: {error}", file=sys.stderr)

@@ -132,7 +132,12 @@ def test_the_gateway_target_installs_no_torch_and_the_executor_target_the_engine
                 )
     assert [".[executor]"] in pip_installs(built["executor"])
     targets = {name: svc["build"]["target"] for name, svc in kvserve_services(compose).items()}
-    assert targets == {"model": "executor", "executor-0": "executor", "gateway": "gateway"}
+    assert targets == {
+        "model": "executor",
+        "executor-0": "executor",
+        "gateway": "gateway",
+        "curve-keys": "gateway",
+    }
     for service in kvserve_services(compose).values():
         assert service["build"]["context"] == "."
         assert service["build"]["target"] in built
@@ -183,3 +188,17 @@ def test_every_kvserve_health_check_parses(compose):
             build_parser(test[2]).parse_args(test[2:])
             checked += 1
     assert checked >= 1
+
+
+def test_executors_and_gateways_get_curve_keys_made_once_before_they_start(compose):
+    services = compose["services"]
+    keys = services["curve-keys"]
+    words = [str(w) for w in keys["command"]]
+    assert words[:2] == ["kvserve", "curve-keys"] and "--if-missing" in words  # kept across restarts
+    out = words[words.index("--out") + 1]
+    assert f"curve-keys:{out}" in keys["volumes"]  # writable where it writes
+    for name in ("executor-0", "gateway"):
+        service = services[name]
+        directory = service["environment"]["KVSERVE_CURVE_KEYS"]
+        assert directory == out and f"curve-keys:{directory}:ro" in service["volumes"]
+        assert service["depends_on"]["curve-keys"]["condition"] == "service_completed_successfully"

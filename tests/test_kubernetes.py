@@ -285,6 +285,32 @@ def test_the_model_is_pulled_into_one_shared_volume_that_every_pod_waits_for(ove
             assert mount.get("readOnly", False) is not pulls, f"{workload}/{each['name']}"
 
 
+def test_executors_and_gateways_hold_their_sides_curve_keys_from_secrets(overlay, tmp_path):
+    """Each side mounts a Secret at its KVSERVE_CURVE_KEYS; files named as `kvserve curve-keys` writes them
+    and, split as the README's secrets split them, load on each side."""
+    from shared.curve_keys import executor_keys, gateway_keys, write_keys
+
+    _, docs = overlay
+    wanted = {
+        "executor": ("executor.key_secret", "gateway.key"),
+        "gateway": ("gateway.key_secret", "executor.key"),
+    }
+    write_keys(tmp_path / "all")
+    for side, files in wanted.items():
+        spec = pod_specs(docs)[f"kvserve-{side}"]
+        main_container = container(docs, f"kvserve-{side}", side)
+        directory = environment(main_container)["KVSERVE_CURVE_KEYS"]
+        mount = next(m for m in main_container["volumeMounts"] if m["mountPath"] == directory)
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == f"kvserve-curve-{side}" and mount["readOnly"] is True
+        assert volume["secret"]["defaultMode"] == 0o400
+        only_these = tmp_path / side  # what `kubectl create secret --from-file` of the two files mounts
+        only_these.mkdir()
+        for name in files:
+            (only_these / name).write_bytes((tmp_path / "all" / name).read_bytes())
+        (executor_keys if side == "executor" else gateway_keys)(only_these)
+
+
 def test_gpu_overlay_gives_each_executor_one_gpu_and_cuda(overlay):
     name, docs = overlay
     executor = container(docs, "kvserve-executor", "executor")

@@ -55,6 +55,21 @@ def test_curve_keys_writes_both_pairs_secrets_private_and_refuses_to_overwrite(t
     assert forced.returncode == 0 and (out / "executor.key").read_bytes() != before["executor.key"]
 
 
+def test_if_missing_makes_keys_once_and_then_keeps_them_as_an_init_step_needs(tmp_path):
+    out = tmp_path / "keys"
+    assert kvserve("curve-keys", "--out", str(out), "--if-missing").returncode == 0
+    made = {name: (out / name).read_bytes() for name in KEY_FILES}
+    kept = kvserve("curve-keys", "--out", str(out), "--if-missing")
+    assert kept.returncode == 0 and "kept" in kept.stderr
+    assert {name: (out / name).read_bytes() for name in KEY_FILES} == made
+    (out / "gateway.key_secret").write_text("not a certificate\n")  # broken, not missing: said, not replaced
+    broken = kvserve("curve-keys", "--out", str(out), "--if-missing")
+    assert broken.returncode == 2 and "gateway.key_secret" in broken.stderr
+    (out / "gateway.key_secret").unlink()  # one missing of four: refused like a plain run, nothing replaced
+    partial = kvserve("curve-keys", "--out", str(out), "--if-missing")
+    assert partial.returncode == 2 and (out / "executor.key").read_bytes() == made["executor.key"]
+
+
 def test_executor_authorizes_every_other_public_key_in_its_directory(tmp_path):
     kvserve("curve-keys", "--out", str(tmp_path))
     public, _ = zmq.auth.create_certificates(tmp_path, "second-gateway")
