@@ -17,6 +17,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int = 1
 
 
 def generation(tokenizer, endpoint: str = "chat", prompt_ids=(1, 2, 3), **fields) -> Generation:

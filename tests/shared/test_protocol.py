@@ -37,6 +37,7 @@ MESSAGES = [
             RequestUpdate("a", [5], [[5, -0.25, 1, [[5, -0.25], [9, -2.5]]]], None, 16),
             RequestUpdate("b", [6, 7], None, "length", 0),
             RequestUpdate("c", [], None, "abort", 0),
+            RequestUpdate("d", [], None, "length", 0, [[9, -3.5, 4, [[2, -0.5]]], [4, -0.125, 1, []]]),
         ]
     ),
     StepBatch([]),
@@ -117,6 +118,23 @@ def test_version_mismatch_is_refused_with_a_clear_error():
                 ],
             ),
             "field 'logprobs' must be nil or a list of",
+        ),
+        (
+            _raw(
+                v=PROTOCOL_VERSION,
+                type="step",
+                outputs=[
+                    dict(
+                        request_id="a",
+                        token_ids=[],
+                        logprobs=None,
+                        finish_reason="length",
+                        num_cached_tokens=0,
+                        prompt_logprobs=[None],
+                    )
+                ],
+            ),
+            "field 'prompt_logprobs' must be nil or a list of",
         ),
     ],
 )
