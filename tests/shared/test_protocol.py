@@ -62,6 +62,12 @@ def _raw(**body):
     return msgpack.packb(body, use_bin_type=True)
 
 
+def _step(**output):
+    """A step message with one update for request "a"."""
+    update = {"request_id": "a", "num_cached_tokens": 0, **output}
+    return _raw(v=PROTOCOL_VERSION, type="step", outputs=[update])
+
+
 def test_version_mismatch_is_refused_with_a_clear_error():
     with pytest.raises(
         ProtocolError, match=rf"protocol version 2 from peer, this side speaks {PROTOCOL_VERSION}"
@@ -104,36 +110,11 @@ def test_version_mismatch_is_refused_with_a_clear_error():
         ),
         (_raw(v=PROTOCOL_VERSION, type="step", outputs=[1]), r"outputs\[0\] must be a map"),
         (
-            _raw(
-                v=PROTOCOL_VERSION,
-                type="step",
-                outputs=[
-                    dict(
-                        request_id="a",
-                        token_ids=[1],
-                        logprobs=[[1, 0.5]],
-                        finish_reason=None,
-                        num_cached_tokens=0,
-                    )
-                ],
-            ),
+            _step(token_ids=[1], logprobs=[[1, 0.5]], finish_reason=None),
             "field 'logprobs' must be nil or a list of",
         ),
         (
-            _raw(
-                v=PROTOCOL_VERSION,
-                type="step",
-                outputs=[
-                    dict(
-                        request_id="a",
-                        token_ids=[],
-                        logprobs=None,
-                        finish_reason="length",
-                        num_cached_tokens=0,
-                        prompt_logprobs=[None],
-                    )
-                ],
-            ),
+            _step(token_ids=[], logprobs=None, finish_reason="length", prompt_logprobs=[None]),
             "field 'prompt_logprobs' must be nil or a list of",
         ),
     ],
