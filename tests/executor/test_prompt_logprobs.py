@@ -84,3 +84,22 @@ def test_prompt_logprobs_bounds():
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         SamplingParams(max_tokens=0)
     assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
+
+
+def test_prompt_logprobs_survive_preemption(tiny_models):
+    """Preempted requests (some mid-prefill) recompute: their prompt logprobs are those of a run alone, each
+    position once."""
+    prompts = [list(range(start, start + 60)) for start in (5, 300, 900)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    alone = LLM(tiny_models["llama"], kv_cache_memory="4MiB")
+    expected = [alone.generate([p], params)[0] for p in prompts]
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, float32
+    tight = LLM(tiny_models["llama"], kv_cache_memory=12 * block_bytes, max_num_batched_tokens=16)
+    outs = tight.generate(prompts, params)
+    assert tight.stats()["num_preemptions"] > 0
+    for out, want in zip(outs, expected, strict=True):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert len(out.prompt_logprobs) == len(want.prompt_logprobs) == 60
+        for got, ref in zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            assert (got.token_id, got.rank) == (ref.token_id, ref.rank)
+            assert abs(got.logprob - ref.logprob) < 1e-4
