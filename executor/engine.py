@@ -21,7 +21,7 @@ from executor.engine_setup import (
 )
 from executor.kv_sizing import pick_device_and_dtype
 from executor.request import Request, RequestStatus
-from executor.sampler import Sampler, SamplingRow, TokenLogprobs
+from executor.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from executor.scheduler import NewTokens
 from executor.spec_decode import SpecBackoff, verify
 from executor.structured_output import Grammars, step_bitmask
@@ -46,6 +46,8 @@ class StepOutput:
     num_cached_tokens: int
     num_accepted_tokens: int = 0  # proposals of this request the target has accepted so far
     error: str | None = None  # refused after it was queued (its grammar failed to compile): a 400's message
+    # params.prompt_logprobs: every prompt token's but the first (which has none), with its first new token
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Engine:
@@ -241,6 +243,8 @@ class Engine:
             return refused
         self._zero_fresh_blocks()
         step = self.runner.execute(sched.scheduled, self.kv)
+        if step.prompt_rows:
+            self._score_prompts(step)
         token_ids, logprobs = self._sample(step)
         news = self.scheduler.update_from_output(sched, step.requests, token_ids)
         now = time.time_ns()
@@ -258,6 +262,9 @@ class Engine:
         if request.finish_reason is not None:
             self.requests.pop(request.request_id, None)
             self.backoff.forget(request.request_id)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.num_prompt_tokens_to_score:
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None  # sent once
         return StepOutput(
             request.request_id,
             new.token_ids,
@@ -265,7 +272,22 @@ class Engine:
             request.finish_reason,
             request.num_cached_tokens,
             request.num_accepted_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _score_prompts(self, step) -> None:
+        """Prompt logprobs from the rows of this step's forward pass: raw distribution, log-softmax in float32."""
+        targets, num_top = [], []
+        for request, first, count in step.prompt_rows:
+            targets += request.prompt_token_ids[first : first + count]
+            num_top += [request.params.prompt_logprobs] * count
+        index = torch.tensor(targets, device=step.prompt_logits.device)
+        scored = logprobs_of(step.prompt_logits, index, num_top)
+        done = 0
+        for request, first, count in step.prompt_rows:
+            request.prompt_logprobs += scored[done : done + count]
+            request.num_scored_prompt_tokens = first + count
+            done += count
 
     def _sample(self, step) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """Each request's new tokens: one sampled, or its accepted proposals and one more when it verifies."""

@@ -41,8 +41,12 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return []
         self._update_hashes(request)
+        limit = max_cached_blocks(request.num_tokens, self.block_size)
+        if request.num_prompt_tokens_to_score:
+            # a cached block has KV but no logits: only positions whose next token is scored may come from it
+            limit = min(limit, (request.num_scored_prompt_tokens - 1) // self.block_size)
         hit = []
-        for block_hash in request.block_hashes[: max_cached_blocks(request.num_tokens, self.block_size)]:
+        for block_hash in request.block_hashes[:limit]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break

@@ -32,6 +32,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     num_accepted_tokens: int = 0  # speculative decoding: proposals the target accepted for this request
+    # SamplingParams(prompt_logprobs=k): one entry per prompt token, the first None (nothing precedes it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -127,6 +129,8 @@ class LLM:
         output, completion = tracked.output, tracked.output.outputs[0]
         output.num_cached_tokens = step_out.num_cached_tokens
         output.num_accepted_tokens = step_out.num_accepted_tokens
+        if step_out.prompt_logprobs is not None:
+            output.prompt_logprobs = [None, *step_out.prompt_logprobs]
         token_ids, reason = step_out.new_token_ids, step_out.finish_reason
         kept = tracked.text.add(token_ids, finished=reason is not None)
         completion.token_ids.extend(token_ids[:kept])
@@ -139,7 +143,7 @@ class LLM:
             reason = "stop"
             if step_out.finish_reason is None:
                 self.engine.abort(output.request_id)
-        elif reason == "stop" and token_ids[-1] in tracked.params.stop_token_ids:
+        elif reason == "stop" and token_ids and token_ids[-1] in tracked.params.stop_token_ids:
             completion.stop_reason = token_ids[-1]  # EOS leaves it None, as in vLLM
         if reason is not None:
             completion.finish_reason = reason

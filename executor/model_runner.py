@@ -22,6 +22,10 @@ class StepLogits:
     logits: torch.Tensor  # [sum(num_rows), V] float32, each request's rows after one another
     # per request: 1, plus the proposals it verifies this step (one row of logits each)
     num_rows: list[int]
+    # prompt logprobs: (request, first prompt token scored, how many) per request that asked, and their rows'
+    # logits [sum(how many), V] in that order: the row of position p scores prompt token p + 1
+    prompt_rows: list[tuple[Request, int, int]]
+    prompt_logits: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -32,6 +36,9 @@ class Chunk:
     start: int
     token_ids: list[int]
     num_logits: int  # logits wanted for the last num_logits tokens
+    # prompt logprobs: logits also wanted for num_prompt_rows tokens from the chunk's first_prompt_row on
+    first_prompt_row: int = 0
+    num_prompt_rows: int = 0
 
 
 class ModelRunner:
@@ -92,7 +99,7 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager) -> StepLogits:
         """One step of the scheduler's work; a request whose tokens all have KV after it gets logits at its last
         token and at each of the proposals scheduled for verification."""
-        chunks, sampled, num_rows = [], [], []
+        chunks, sampled, num_rows, prompt_rows = [], [], [], []
         for req, n in scheduled:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             token_ids = req.token_ids[start:end]
@@ -102,12 +109,25 @@ class ModelRunner:
                 num_logits = end - req.num_tokens + 1
                 sampled.append(req)
                 num_rows.append(num_logits)
-            chunks.append(Chunk(kv.block_ids(req), start, token_ids, num_logits))
-        return StepLogits(sampled, self.run(chunks), num_rows)
+            chunk = Chunk(kv.block_ids(req), start, token_ids, num_logits)
+            if req.num_prompt_tokens_to_score:
+                # positions first..last - 1 score prompt tokens first + 1..last; the last prompt position's
+                # row predicts the first output token, so it is the sampled row, not a prompt row
+                first = max(start, req.num_scored_prompt_tokens - 1)
+                last = min(end, req.num_prompt_tokens - 1)
+                if last > first:
+                    chunk.first_prompt_row, chunk.num_prompt_rows = first - start, last - first
+                    prompt_rows.append((req, first + 1, last - first))
+            chunks.append(chunk)
+        logits = self.run(chunks)
+        num_sampled = sum(num_rows)
+        prompt_logits = logits[num_sampled:] if prompt_rows else None
+        return StepLogits(sampled, logits[:num_sampled], num_rows, prompt_rows, prompt_logits)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
-        """One forward pass over every chunk; logits [sum(num_logits), V] in chunk order."""
+        """One forward pass over every chunk; logits [sum(num_logits), V] in chunk order, then the prompt rows'
+        [sum(num_prompt_rows), V], also in chunk order."""
         rows = self._decode_rows(chunks)
         if rows is not None:
             return self.model.compute_logits(self.decode_graphs.run(rows))
@@ -126,7 +146,7 @@ class ModelRunner:
             or not graphs.fits(len(chunks), max(len(c.block_ids) for c in chunks))
         ):
             return None
-        if any(len(c.token_ids) != 1 or c.num_logits != 1 for c in chunks):
+        if any(len(c.token_ids) != 1 or c.num_logits != 1 or c.num_prompt_rows for c in chunks):
             return None
         return [DecodeRow(c.token_ids[0], c.start, c.block_ids) for c in chunks]
 
@@ -155,6 +175,10 @@ class ModelRunner:
         slots = table[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         # each chunk's last num_logits tokens
         wanted = np.repeat(ends - num_logits, num_logits) + _ramps(num_logits)
+        if any(c.num_prompt_rows for c in chunks):  # then the prompt rows of the requests that asked
+            num_prompt = np.fromiter((c.num_prompt_rows for c in chunks), np.int64, count)
+            first = np.fromiter((c.first_prompt_row for c in chunks), np.int64, count) + query_start[:-1]
+            wanted = np.concatenate([wanted, np.repeat(first, num_prompt) + _ramps(num_prompt)])
         dev = self.device
         batch = AttentionBatch(
             slot_mapping=torch.from_numpy(slots).to(dev),

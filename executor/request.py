@@ -12,6 +12,7 @@ import torch
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from executor.sampler import TokenLogprobs
     from executor.structured_output import RequestGrammar
 
 
@@ -55,9 +56,22 @@ class Request:
     num_accepted_tokens: int = 0  # of which the target accepted
     # structured outputs (executor/structured_output.py): its grammar's matcher, None when unconstrained
     grammar: RequestGrammar | None = None
+    # prompt logprobs (params.prompt_logprobs): the first num_scored_prompt_tokens prompt tokens have theirs (the
+    # first token has none, so it counts from 1); they gather in prompt_logprobs until its first token goes out
+    # with them, which sets it to None. A preemption keeps both, so no position is scored or sent twice.
+    num_scored_prompt_tokens: int = 1
+    prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.prompt_logprobs = [] if self.params.prompt_logprobs is not None else None
+
+    @property
+    def num_prompt_tokens_to_score(self) -> int:
+        """Prompt tokens still without their logprob: 0 for requests that did not ask."""
+        if self.prompt_logprobs is None:
+            return 0
+        return max(0, self.num_prompt_tokens - self.num_scored_prompt_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -194,18 +194,25 @@ def token_logprobs(
     if not wanted:
         return result
     index = torch.tensor(wanted, device=raw_logits.device)
-    logprobs = torch.log_softmax(raw_logits[index], dim=-1, dtype=torch.float32)
-    chosen_ids = token_ids[index].unsqueeze(1)
+    found = logprobs_of(raw_logits[index], token_ids[index], [rows[i].params.logprobs for i in wanted])
+    for i, entry in zip(wanted, found, strict=True):
+        result[i] = entry
+    return result
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Row i's log-softmax (in float32) at token_ids[i], its rank, and the row's best num_top[i] entries."""
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    chosen_ids = token_ids.unsqueeze(1)
     chosen = logprobs.gather(1, chosen_ids)
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    num_top = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
-    top_logprobs, top_ids = (t.tolist() for t in logprobs.topk(num_top, dim=-1))
-    chosen_rows = zip(wanted, chosen_ids.squeeze(1).tolist(), chosen.squeeze(1).tolist(), strict=True)
-    for j, (i, token_id, logprob) in enumerate(chosen_rows):
-        n = rows[i].params.logprobs
+    top_logprobs, top_ids = (t.tolist() for t in logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1))
+    result = []
+    chosen_rows = zip(chosen_ids.squeeze(1).tolist(), chosen.squeeze(1).tolist(), num_top, strict=True)
+    for j, (token_id, logprob, n) in enumerate(chosen_rows):
         # a structured output's mask leaves some rows fewer than n possible tokens: the impossible are not listed
         top = [(t, lp) for t, lp in zip(top_ids[j][:n], top_logprobs[j][:n], strict=True) if lp != -math.inf]
-        result[i] = TokenLogprobs(token_id, logprob, ranks[j], top)
+        result.append(TokenLogprobs(token_id, logprob, ranks[j], top))
     return result
 
 

@@ -181,6 +181,10 @@ class Scheduler:
     def _append(self, request: Request, token_ids: list[int]) -> NewTokens:
         """Append the step's tokens up to a stop; give back the KV positions of rejected proposals."""
         new = NewTokens(request, token_ids, len(request.spec_token_ids), len(token_ids) - 1)
+        if request.params.max_tokens == 0:  # it only scored its prompt: the token sampled is not output
+            del token_ids[:]
+            request.finish_reason = "length"
+            return new
         if new.num_proposed:
             request.num_draft_tokens += new.num_proposed
             request.num_accepted_tokens += new.num_accepted

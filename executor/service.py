@@ -212,9 +212,17 @@ class ExecutorService:
         logprobs = None
         if any(lp is not None for lp in out.new_logprobs):
             logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = [_wire_logprobs(lp) for lp in out.prompt_logprobs]
         self.outbox[owned.identity].append(
             protocol.RequestUpdate(
-                out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.num_cached_tokens
+                out.request_id,
+                out.new_token_ids,
+                logprobs,
+                out.finish_reason,
+                out.num_cached_tokens,
+                prompt_logprobs,
             )
         )
         if out.finish_reason is not None:

@@ -429,7 +429,11 @@ class Completions:
         try:
             async for update in self._updates(routed):
                 text = stream.update(
-                    update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
+                    update.token_ids,
+                    update.logprobs,
+                    update.finish_reason,
+                    update.num_cached_tokens,
+                    update.prompt_logprobs,
                 )
                 if text:
                     yield text
@@ -461,7 +465,11 @@ class Completions:
             async for update in self._updates(routed):
                 generation = routed.generation  # a restart on another executor replaces it
                 generation.feed(
-                    update.token_ids, update.logprobs, update.finish_reason, update.num_cached_tokens
+                    update.token_ids,
+                    update.logprobs,
+                    update.finish_reason,
+                    update.num_cached_tokens,
+                    update.prompt_logprobs,
                 )
                 if generation.finished:
                     return

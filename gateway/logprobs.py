@@ -9,18 +9,25 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
+    logprob: float | None  # None: a prompt's first token, which nothing precedes
+    top: list[tuple[int, float]] | None  # (token id, logprob), best first
+    rank: int | None = None  # of token_id in its distribution, 1 = most likely
+
+    def cut(self, num_top: int) -> TokenLogprob:
+        """The same entry with its best num_top only: the executor computes one list for several uses."""
+        return TokenLogprob(
+            self.token_id, self.logprob, None if self.top is None else self.top[:num_top], self.rank
+        )
 
 
 def token_logprob(entry) -> TokenLogprob:
     """From the wire's `[token_id, logprob, rank, [[id, logprob], ...]]` (shared.protocol) or an object with
     those attributes (executor.sampler.TokenLogprobs), so the gateway reads either without caring which."""
     if isinstance(entry, (list, tuple)):
-        token_id, logprob, _rank, top = entry
+        token_id, logprob, rank, top = entry
     else:
-        token_id, logprob, top = entry.token_id, entry.logprob, entry.top
-    return TokenLogprob(token_id, logprob, [(t, lp) for t, lp in top])
+        token_id, logprob, rank, top = entry.token_id, entry.logprob, entry.rank, entry.top
+    return TokenLogprob(token_id, logprob, [(t, lp) for t, lp in top], rank)
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -93,6 +100,25 @@ class LogprobFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [
+                None if e.top is None else {self.token_text(t): lp for t, lp in e.top} for e in entries
+            ],
             "text_offset": offsets,
         }
+
+    def prompt_logprobs(self, entries: Sequence[TokenLogprob], num_top: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {token id: {logprob, rank,
+        decoded_token}} holding the token itself and its position's best num_top."""
+        listed: list[dict | None] = [None]
+        for e in entries[1:]:
+            position = {
+                str(t): {"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)}
+                for rank, (t, lp) in enumerate(e.top[:num_top], start=1)
+            }
+            position[str(e.token_id)] = {
+                "logprob": e.logprob,
+                "rank": e.rank,
+                "decoded_token": self.token_text(e.token_id),
+            }
+            listed.append(position)
+        return listed

@@ -11,7 +11,7 @@ from typing import Literal
 from gateway.api_error import APIError, invalid_request
 from gateway.chat_template import ChatMessage, parse_messages
 from gateway.tools import ToolCalling, parse_tool_calling
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
 from shared.structured_outputs import StructuredOutputsParams
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # larger bodies get 413 before any parsing
@@ -49,6 +49,8 @@ class OpenAIRequest:
     max_tokens: int | None  # as asked; None lets fit_to_context choose
     sampling: SamplingParams  # validated; its max_tokens is final only after fit_to_context
     tools: ToolCalling | None = None  # chat: the tools the model may call (gateway/tools.py)
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the output's
+    prompt_logprobs: int | None = None  # vLLM's extension as asked: top entries per prompt position
 
 
 def body_too_large(size: str) -> APIError:
@@ -183,8 +185,6 @@ def _refuse_unsupported(body: dict) -> None:
     best_of = _typed(body, "best_of", int, "an integer", 1)
     if best_of != 1:
         raise invalid_request("best_of other than 1 is not supported", "best_of")
-    if _typed(body, "echo", bool, "a boolean", False):
-        raise invalid_request("echo is not supported", "echo")
     if _typed(body, "suffix", str, "a string", ""):
         raise invalid_request("suffix is not supported", "suffix")
     for name in ("functions", "function_call"):  # OpenAI's deprecated form of tools and tool_choice
@@ -276,7 +276,11 @@ def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
 
 
 def _sampling(
-    body: dict, max_tokens: int | None, logprobs: int | None, renamed: dict[str, str]
+    body: dict,
+    max_tokens: int | None,
+    logprobs: int | None,
+    renamed: dict[str, str],
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams checks every value; its ValueError starts with the field, mapped back to the request's name."""
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
@@ -285,6 +289,7 @@ def _sampling(
         return SamplingParams(
             max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             structured_outputs=structured_outputs,
             **fields,
         )
@@ -332,10 +337,24 @@ def parse_chat_request(
         renamed["logprobs"] = "top_logprobs"
     elif body.get("top_logprobs") is not None:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    sampling = _sampling(body, max_tokens, logprobs, renamed)
+    if body.get("echo") is not None:
+        raise invalid_request("echo is served on /v1/completions only; see prompt_logprobs", "echo")
+    prompt_logprobs = _typed(body, "prompt_logprobs", int, "an integer")
+    sampling = _sampling(body, max_tokens, logprobs, renamed, prompt_logprobs)
     tools = parse_tool_calling(body, tool_call_parser)
     sampling = _constrain_to_call(sampling, tools)
-    return OpenAIRequest("chat", model, messages, None, stream, include_usage, max_tokens, sampling, tools)
+    return OpenAIRequest(
+        "chat",
+        model,
+        messages,
+        None,
+        stream,
+        include_usage,
+        max_tokens,
+        sampling,
+        tools,
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def _constrain_to_call(sampling: SamplingParams, tools: ToolCalling | None) -> SamplingParams:
@@ -389,8 +408,39 @@ def parse_completion_request(raw: bytes, served_models: Collection[str]) -> Open
     _refuse_tools(body)
     max_tokens = _typed(body, "max_tokens", int, "an integer")
     logprobs = _typed(body, "logprobs", int, "an integer")
-    sampling = _sampling(body, max_tokens, logprobs, {})
-    return OpenAIRequest("completion", model, None, prompt, stream, include_usage, max_tokens, sampling)
+    echo = _typed(body, "echo", bool, "a boolean", False)
+    prompt_logprobs = _typed(body, "prompt_logprobs", int, "an integer")
+    sampling = _sampling(
+        body, max_tokens, logprobs, {}, _prompt_scoring(echo, logprobs, max_tokens, prompt_logprobs)
+    )
+    return OpenAIRequest(
+        "completion",
+        model,
+        None,
+        prompt,
+        stream,
+        include_usage,
+        max_tokens,
+        sampling,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _prompt_scoring(
+    echo: bool, logprobs: int | None, max_tokens: int | None, asked: int | None
+) -> int | None:
+    """The top entries per prompt position the executor computes: what prompt_logprobs asks, and with echo what
+    logprobs asks of the prompt's tokens too; echo with max_tokens 0 scores the prompt even without logprobs
+    (a cheap pass), since scoring is how the executor serves a request that generates nothing."""
+    if asked is not None and not 0 <= asked <= MAX_PROMPT_LOGPROBS:
+        return asked  # SamplingParams refuses it by name
+    wanted = [] if asked is None else [asked]
+    if echo and logprobs is not None and 0 <= logprobs <= MAX_PROMPT_LOGPROBS:  # else logprobs is refused
+        wanted.append(logprobs)
+    if echo and max_tokens == 0 and not wanted:
+        wanted.append(0)
+    return max(wanted, default=None)
 
 
 def fit_to_context(request: OpenAIRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:

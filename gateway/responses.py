@@ -22,7 +22,7 @@ class Delta:
 
     text: str
     logprobs: list[TokenLogprob]
-    text_offset: int  # where text starts in the whole output (completions' logprobs need it)
+    text_offset: int  # where text starts in the whole output, echoed prompt included (completions' logprobs)
     finish_reason: str | None
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
@@ -42,6 +42,13 @@ class Generation:
     )
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    # prompt logprobs: echo (completions) puts the prompt's text, and with logprobs its tokens' columns, before
+    # the output's; prompt_logprobs_top is vLLM's extension as asked, its list on the choice (chat: the response)
+    echo: str | None = None
+    prompt_token_ids: Sequence[int] = ()
+    num_top_logprobs: int = 0
+    prompt_logprobs_top: int | None = None
+    scored_prompt: list[TokenLogprob] | None = field(default=None, init=False)  # the first token's is empty
     cached_tokens: int = field(default=0, init=False)
     finish_reason: str | None = field(default=None, init=False)
     logprobs: list[TokenLogprob] = field(default_factory=list, init=False)  # of the output's tokens so far
@@ -56,6 +63,9 @@ class Generation:
     ) -> Generation:
         """stop comes from the final SamplingParams (already a list)."""
         tools = request.tools
+        echo = None
+        if request.echo:  # a text prompt is echoed as sent; token ids as they decode
+            echo = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(prompt_token_ids)
         return cls(
             request.endpoint,
             request.model,
@@ -66,6 +76,10 @@ class Generation:
             None
             if tools is None
             else ToolCallParser(tools.names, tools.constrained, None if tools.parallel else 1),
+            echo=echo,
+            prompt_token_ids=prompt_token_ids,
+            num_top_logprobs=request.sampling.logprobs or 0,
+            prompt_logprobs_top=request.prompt_logprobs,
         )
 
     @property
@@ -83,12 +97,16 @@ class Generation:
         logprobs: Sequence[object | None] | None,  # wire lists or TokenLogprobs objects, one per token
         finish_reason: str | None,
         cached_tokens: int,
+        prompt_logprobs: Sequence[object] | None = None,  # the prompt's, but its first token's (comes once)
     ) -> Delta:
         """Apply one executor update; after the output has ended, updates change nothing."""
         if self.finished:
             return Delta("", [], len(self.output.text), None)
         self.cached_tokens = cached_tokens
-        offset = len(self.output.text)
+        if prompt_logprobs is not None:
+            first = TokenLogprob(self.prompt_token_ids[0], None, None)
+            self.scored_prompt = [first, *map(token_logprob, prompt_logprobs)]
+        offset = len(self.echo or "") + len(self.output.text)
         text = self.output.add(token_ids, finished=finish_reason is not None)
         if self.output.stopped:
             finish_reason = (
@@ -126,6 +144,22 @@ class Generation:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
+    def echo_entries(self) -> list[TokenLogprob]:
+        """The prompt's tokens as echo's logprobs columns show them: the first with neither logprob nor top."""
+        if not self.echo:
+            return []
+        if self.scored_prompt is None:  # not scored (echo without logprobs): the tokens alone
+            return [TokenLogprob(t, None, None) for t in self.prompt_token_ids]
+        return [entry.cut(self.num_top_logprobs) for entry in self.scored_prompt]
+
+    def prompt_logprobs(self) -> dict:
+        """{"prompt_logprobs": [...]} when vLLM's extension was asked (and the prompt scored), else {}."""
+        if self.prompt_logprobs_top is None or self.scored_prompt is None:
+            return {}
+        return {
+            "prompt_logprobs": self.formatter.prompt_logprobs(self.scored_prompt, self.prompt_logprobs_top)
+        }
+
     def logprobs_object(self, entries: Sequence[TokenLogprob], text_offset: int) -> dict | None:
         """None (JSON null) unless logprobs were asked for, as OpenAI answers."""
         if not self.want_logprobs:
@@ -137,16 +171,19 @@ class Generation:
 
 def response_body(generation: Generation) -> dict:
     """The non-streaming answer: chat.completion or text_completion, once the generation has finished."""
-    logprobs = generation.logprobs_object(generation.logprobs, 0)
+    logprobs = generation.logprobs_object(generation.echo_entries() + generation.logprobs, 0)
+    prompt_logprobs = generation.prompt_logprobs()
     if generation.endpoint == "chat":
         object_name = "chat.completion"
         choice = {"index": 0, "message": generation.message()}
         choice |= {"logprobs": logprobs, "finish_reason": generation.finish_reason}
     else:
         object_name = "text_completion"
-        choice = {"index": 0, "text": generation.output.text, "logprobs": logprobs}
+        text = (generation.echo or "") + generation.output.text
+        choice = {"index": 0, "text": text, "logprobs": logprobs}
         choice["finish_reason"] = generation.finish_reason
-    return {
+        choice |= prompt_logprobs
+    body = {
         "id": generation.id,
         "object": object_name,
         "created": generation.created,
@@ -154,6 +191,9 @@ def response_body(generation: Generation) -> dict:
         "choices": [choice],
         "usage": generation.usage(),
     }
+    if generation.endpoint == "chat":
+        body |= prompt_logprobs
+    return body
 
 
 def _event(payload: dict) -> str:
@@ -169,7 +209,7 @@ class EventStream:
         self.include_usage = include_usage
         self._started = False
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+    def _chunk(self, choices: list[dict], usage: dict | None = None, extra: dict | None = None) -> str:
         chat = self.generation.endpoint == "chat"
         payload = {
             "id": self.generation.id,
@@ -180,7 +220,7 @@ class EventStream:
         }
         if self.include_usage:  # OpenAI then sends `usage: null` on every chunk but the last
             payload["usage"] = usage
-        return _event(payload)
+        return _event(payload | (extra or {}))
 
     def _choice(
         self, text: str | None, logprobs: dict | None, finish_reason: str | None, tool_calls=()
@@ -198,16 +238,23 @@ class EventStream:
         logprobs: Sequence[object | None] | None,  # wire lists or TokenLogprobs objects, one per token
         finish_reason: str | None,
         cached_tokens: int,
+        prompt_logprobs: Sequence[object] | None = None,
     ) -> str:
         """The events one executor update produces (possibly none); the last call's end with [DONE]."""
-        if self.generation.finished:
+        generation = self.generation
+        if generation.finished:
             return ""
         events = []
-        if not self._started and self.generation.endpoint == "chat":
+        delta = generation.feed(token_ids, logprobs, finish_reason, cached_tokens, prompt_logprobs)
+        if not self._started and generation.endpoint == "chat":
             role = {"role": "assistant", "content": ""}
-            events.append(self._chunk([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}]))
+            choice = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
+            events.append(self._chunk([choice], extra=generation.prompt_logprobs()))
+        elif not self._started and (generation.echo or generation.prompt_logprobs_top is not None):
+            echoed = generation.logprobs_object(generation.echo_entries(), 0) if generation.echo else None
+            choice = self._choice(generation.echo or "", echoed, None) | generation.prompt_logprobs()
+            events.append(self._chunk([choice]))  # the prompt comes first
         self._started = True
-        delta = self.generation.feed(token_ids, logprobs, finish_reason, cached_tokens)
         logprobs_object = (
             self.generation.logprobs_object(delta.logprobs, delta.text_offset) if delta.logprobs else None
         )

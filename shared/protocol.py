@@ -9,6 +9,7 @@ a version without breaking older peers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -60,6 +61,9 @@ class RequestUpdate:
     logprobs: list[TokenLogprobsWire | None] | None  # one entry per new token; None when not asked for
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     num_cached_tokens: int
+    # sampling prompt_logprobs: every prompt token's but the first (which has none), in order, once, with the
+    # request's first update that has tokens (or its end); each entry at most MAX_PROMPT_LOGPROBS top entries
+    prompt_logprobs: list[TokenLogprobsWire] | None = None
 
 
 @dataclass(slots=True)
@@ -165,6 +169,14 @@ def _logprobs_entry(value: object) -> bool:
     )
 
 
+def _logprobs_list(value: object, entry_may_be_nil: bool = True) -> bool:
+    if value is None:
+        return True
+    return isinstance(value, list) and all(
+        _logprobs_entry(e) and (entry_may_be_nil or e is not None) for e in value
+    )
+
+
 def _read_generate(f: _Fields) -> GenerateRequest:
     return GenerateRequest(
         request_id=f.text("request_id"),
@@ -199,11 +211,17 @@ def _read_step(f: _Fields) -> StepBatch:
                 token_ids=u.get("token_ids", _int_list, "a list of integers"),
                 logprobs=u.get(
                     "logprobs",
-                    lambda v: v is None or (isinstance(v, list) and all(map(_logprobs_entry, v))),
+                    _logprobs_list,
                     "nil or a list of [token_id, logprob, rank, top] entries",
                 ),
                 finish_reason=u.optional_text("finish_reason"),
                 num_cached_tokens=u.get("num_cached_tokens", _is_int, "an integer"),
+                prompt_logprobs=u.get(
+                    "prompt_logprobs",
+                    functools.partial(_logprobs_list, entry_may_be_nil=False),
+                    "nil or a list of [token_id, logprob, rank, top] entries",
+                    None,
+                ),
             )
         )
     return StepBatch(outputs=updates)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from shared.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+# top entries per prompt position: each position's logprobs cross the wire, so a request's size grows with it
+MAX_PROMPT_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_REPETITION_PENALTY = 2.0  # SGLang's range is [0, 2]; 0 would divide by zero here, so (0, 2]
@@ -81,10 +83,22 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to the logits before penalties; normalised to a dict
     # the output must match this (shared/structured_outputs.py); a dict (the wire's form) is read into one
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # vLLM's: the logprob of every prompt token (the first has none) and this many top entries per position
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if _integer("max_tokens", self.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        wants_prompt = self.prompt_logprobs is not None
+        if wants_prompt and not 0 <= _integer("prompt_logprobs", self.prompt_logprobs) <= MAX_PROMPT_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {self.prompt_logprobs}"
+            )
+        # max_tokens 0 scores the prompt without generating, which only prompt logprobs can report
+        least = 0 if self.prompt_logprobs is not None else 1
+        if _integer("max_tokens", self.max_tokens) < least:
+            raise ValueError(
+                f"max_tokens must be at least {least}, got {self.max_tokens}"
+                + ("" if least == 0 else " (0 only scores the prompt: with prompt_logprobs, or echo)")
+            )
         self.temperature = _number("temperature", self.temperature)
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")

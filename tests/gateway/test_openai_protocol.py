@@ -171,6 +171,8 @@ def test_body_too_large_is_413():
         ({"logprobs": True, "top_logprobs": "5"}, "top_logprobs", "top_logprobs must be an integer"),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs requires logprobs"),
         ({"n": 2}, "n", "n > 1 is not supported"),
+        ({"echo": True}, "echo", "echo is served on /v1/completions only"),
+        ({"prompt_logprobs": 50}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
         ({"logit_bias": {"a": 1}}, "logit_bias", "logit_bias keys must be token ids"),
         ({"logit_bias": {"5": 200}}, "logit_bias", "logit_bias[5] must be in [-100, 100]"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "got 'xml'"),
@@ -280,7 +282,14 @@ def test_missing_messages_is_400():
         ({"prompt": [[1], [2]]}, "prompt", "batched prompts are not supported"),
         ({"logprobs": True}, "logprobs", "logprobs must be an integer"),
         ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
-        ({"echo": True}, "echo", "echo is not supported"),
+        ({"echo": 1}, "echo", "echo must be a boolean"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
+        (
+            {"echo": True, "prompt_logprobs": -1, "logprobs": 2},
+            "prompt_logprobs",
+            "prompt_logprobs must be in",
+        ),
+        ({"max_tokens": 0, "logprobs": 2}, "max_tokens", "max_tokens must be at least 1"),
         ({"suffix": "end"}, "suffix", "suffix is not supported"),
         ({"seed": 2**70}, "seed", "seed must fit in a signed 64-bit integer"),
         ({"logit_bias": {str(10**25): 1}}, "logit_bias", "logit_bias keys must be token ids"),
@@ -400,3 +409,20 @@ def test_context_overflow_is_400_context_length_exceeded(request_raw, parse, num
         param,
     )
     assert "maximum context length is 2048 tokens" in err.message
+
+
+def test_echo_and_prompt_logprobs_decide_what_the_executor_scores():
+    def scored(**fields):
+        return parse_completion_request(completion(**fields), MODELS).sampling
+
+    assert scored().prompt_logprobs is None
+    assert scored(echo=True).prompt_logprobs is None  # the prompt's text needs no scoring
+    assert scored(echo=True, logprobs=3).prompt_logprobs == 3
+    assert scored(logprobs=3).prompt_logprobs is None  # without echo, logprobs is about the output
+    assert scored(echo=True, logprobs=1, prompt_logprobs=4).prompt_logprobs == 4
+    zero = scored(echo=True, max_tokens=0)
+    assert (zero.max_tokens, zero.prompt_logprobs) == (0, 0)
+    request = parse_completion_request(completion(prompt_logprobs=2), MODELS)
+    assert (request.echo, request.prompt_logprobs, request.sampling.prompt_logprobs) == (False, 2, 2)
+    chat_request = parse_chat_request(chat(prompt_logprobs=0, max_tokens=0), MODELS)
+    assert (chat_request.sampling.max_tokens, chat_request.prompt_logprobs) == (0, 0)

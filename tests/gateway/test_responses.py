@@ -17,6 +17,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int = 1
 
 
 def generation(tokenizer, endpoint: str = "chat", prompt_ids=(1, 2, 3), **fields) -> Generation:
@@ -210,3 +211,31 @@ def test_wire_logprobs_and_offsets_across_split_characters(tokenizer):
     assert logprobs["token_logprobs"] == [-1.0] * len(ids)
     assert logprobs["text_offset"] == [0] * (len(ids) - 1) + [1]  # "a" starts after the one emoji character
     assert logprobs["top_logprobs"] == [{}] * len(ids)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_echo_puts_the_prompt_and_its_columns_first(tokenizer, stream):
+    """Streamed or whole, the same columns: the prompt's (its first token without logprob or top), then the
+    output's, offsets running on from the prompt's text."""
+    prompt = "Köln 日本"
+    ids = tokenizer.encode(prompt)
+    gen = generation(tokenizer, "completion", ids, prompt=prompt, echo=True, logprobs=1, stream=stream)
+    scored = [[t, -1.5, 2, [[HELLO, -0.5], [BANG, -0.7]]] for t in ids[1:]]  # top 2 computed, 1 shown
+    update = ([HELLO], [Logprob(HELLO, -0.1, [(HELLO, -0.1)])], "length", 0, scored)
+    if stream:
+        out = events(EventStream(gen, include_usage=False).update(*update))
+        choices = [json.loads(e[6:])["choices"][0] for e in out[:-1]]
+        assert choices[0]["text"] == prompt and choices[1]["text"] == "Hello"  # the prompt comes first
+        columns = choices[0]["logprobs"]
+        assert choices[1]["logprobs"]["text_offset"] == [len(prompt)]
+    else:
+        gen.feed(*update)
+        choice = response_body(gen)["choices"][0]
+        assert choice["text"] == prompt + "Hello"
+        columns = choice["logprobs"]
+        assert columns["text_offset"][-1] == len(prompt) and columns["token_logprobs"][-1] == -0.1
+    n = len(ids)
+    assert columns["token_logprobs"][:n] == [None] + [-1.5] * (n - 1)
+    assert columns["top_logprobs"][:n] == [None] + [{"Hello": -0.5}] * (n - 1)
+    assert columns["text_offset"][0] == 0 and columns["text_offset"][n - 1] < len(prompt)
+    assert "prompt_logprobs" not in choices[0] if stream else "prompt_logprobs" not in choice

@@ -37,6 +37,7 @@ MESSAGES = [
             RequestUpdate("a", [5], [[5, -0.25, 1, [[5, -0.25], [9, -2.5]]]], None, 16),
             RequestUpdate("b", [6, 7], None, "length", 0),
             RequestUpdate("c", [], None, "abort", 0),
+            RequestUpdate("d", [], None, "length", 0, [[9, -3.5, 4, [[2, -0.5]]], [4, -0.125, 1, []]]),
         ]
     ),
     StepBatch([]),
@@ -59,6 +60,12 @@ def test_every_map_carries_version_and_type():
 
 def _raw(**body):
     return msgpack.packb(body, use_bin_type=True)
+
+
+def _step(**output):
+    """A step message with one update for request "a"."""
+    update = {"request_id": "a", "num_cached_tokens": 0, **output}
+    return _raw(v=PROTOCOL_VERSION, type="step", outputs=[update])
 
 
 def test_version_mismatch_is_refused_with_a_clear_error():
@@ -103,20 +110,12 @@ def test_version_mismatch_is_refused_with_a_clear_error():
         ),
         (_raw(v=PROTOCOL_VERSION, type="step", outputs=[1]), r"outputs\[0\] must be a map"),
         (
-            _raw(
-                v=PROTOCOL_VERSION,
-                type="step",
-                outputs=[
-                    dict(
-                        request_id="a",
-                        token_ids=[1],
-                        logprobs=[[1, 0.5]],
-                        finish_reason=None,
-                        num_cached_tokens=0,
-                    )
-                ],
-            ),
+            _step(token_ids=[1], logprobs=[[1, 0.5]], finish_reason=None),
             "field 'logprobs' must be nil or a list of",
+        ),
+        (
+            _step(token_ids=[], logprobs=None, finish_reason="length", prompt_logprobs=[None]),
+            "field 'prompt_logprobs' must be nil or a list of",
         ),
     ],
 )
