@@ -22,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xgrammar as xgr
 
-from executor.json_schema_support import unenforced_keyword
 from shared.structured_outputs import StructuredOutputsParams
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, least recently used dropped first
@@ -37,6 +36,20 @@ def _library_message(error: Exception) -> str:
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF rule matching exactly one of the strings (JSON escapes are EBNF's string escapes)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+# xgrammar 0.2.9 writes a string with minLength/maxLength as a run of [^"\\\r\n]: raw tabs and other control
+# characters, which JSON forbids inside strings, pass, and escapes do not. Each such character is made the one
+# plain strings use, or one escape (a JSON escape is one character of the string's length).
+_LOOSE_STRING_CHARACTER = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+_STRING_CHARACTER = r' ::= (([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+
+
+def json_grammar(schema: str) -> str:
+    """The EBNF of a JSON schema, as the library writes it, with its strings held to JSON's rules. No free
+    whitespace: a small model given the choice can fill max_tokens with newlines."""
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return _LOOSE_STRING_CHARACTER.sub(lambda rule: rule.group(1) + _STRING_CHARACTER, ebnf)
 
 
 class Grammars:
@@ -78,13 +91,8 @@ class Grammars:
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = spec.kind
         try:
-            if kind == "json":
-                if (unenforced := unenforced_keyword(json.loads(spec.json))) is not None:
-                    raise ValueError(f"the schema uses {unenforced}, which this server cannot enforce")
-                # no free whitespace: a small model given the choice can fill max_tokens with newlines
-                return self._compiler.compile_json_schema(spec.json, any_whitespace=False)
-            if kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind in ("json", "json_object"):
+                return self._compiler.compile_grammar(json_grammar(spec.json or '{"type": "object"}'))
             if kind == "regex":
                 return self._compiler.compile_regex(spec.regex)
             if kind == "choice":

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -21,7 +22,7 @@ from typing import TypeVar
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.api_error import APIError, internal_error
+from gateway.api_error import APIError, internal_error, invalid_request
 from gateway.backlog import Backlog
 from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError, ExecutorTiming
 from gateway.index_reader import ExecutorInfo, IndexReader
@@ -44,6 +45,9 @@ from gateway.tenancy import Caller, Tenancy
 from shared import logs, protocol
 
 log = logging.getLogger("kvserve.gateway")
+_GRAMMAR_ERROR = re.compile(
+    r"structured_outputs\.\w+: "
+)  # how the executor names a grammar it could not compile
 T = TypeVar("T")
 
 EXECUTOR_HEADER = "x-kvserve-executor"
@@ -75,6 +79,7 @@ class Routed:
     held_s: float = 0.0  # time it waited at the gateway for an executor with room (gateway.backlog)
     status: int = 200  # what the request's metrics and span report at its end
     error: str | None = None
+    constraint_field: str | None = None  # OpenAIRequest.constraint_field
 
 
 def error_response(error: APIError, request_id: str, executor_id: str = NO_EXECUTOR) -> JSONResponse:
@@ -133,6 +138,18 @@ def _as_api_error(caught: Exception, request_id: str) -> APIError:
         return APIError(caught.code, str(caught), kind)
     log.error("request failed unexpectedly", exc_info=caught)
     return internal_error(request_id)
+
+
+def _named_for_client(error: ExecutorRequestError, field: str | None) -> Exception:
+    """A grammar the executor could not compile is named by the request's own field (response_format, a tool's
+    parameters, ...), not by the structured_outputs the gateway sent for it."""
+    compiled = _GRAMMAR_ERROR.match(str(error))
+    if error.code != 400 or field is None or compiled is None:
+        return error
+    reason = str(error)[compiled.end() :]
+    if field == "tools":  # tool_choice "required" or a named function: held to the tools' parameters
+        return invalid_request(f"tools: a function's parameters schema cannot be enforced: {reason}", field)
+    return invalid_request(f"{field}: {reason}", field)
 
 
 async def _body(request: Request) -> bytes:
@@ -353,6 +370,7 @@ class Completions:
             reserved_tokens=len(ids) + params.max_tokens,
             prefill_estimate=choice.prefill_estimate,
             held_s=choice.held_s,
+            constraint_field=parsed.constraint_field,
         )
 
     def _record_route(self, span: RequestSpan, started_ns: int, choice: Choice) -> None:
@@ -390,7 +408,7 @@ class Completions:
                 return
             except ExecutorRequestError as error:
                 if answered or error.code not in protocol.REROUTABLE:
-                    raise
+                    raise _named_for_client(error, routed.constraint_field) from None
                 await self._reroute(routed, avoid={executor.executor_id})
             except ExecutorGone:
                 log.warning(

@@ -51,6 +51,7 @@ class OpenAIRequest:
     tools: ToolCalling | None = None  # chat: the tools the model may call (gateway/tools.py)
     echo: bool = False  # completions: the prompt's text (and logprobs) before the output's
     prompt_logprobs: int | None = None  # vLLM's extension as asked: top entries per prompt position
+    constraint_field: str | None = None  # the field the output's constraint came from, for errors naming it
 
 
 def body_too_large(size: str) -> APIError:
@@ -243,8 +244,9 @@ def _response_format(body: dict) -> dict | None:
     )
 
 
-def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
-    """What the output must match, from whichever of OpenAI's and vLLM's fields the request uses (one at most)."""
+def _constraint(body: dict) -> tuple[str, dict] | None:
+    """(the request's field, StructuredOutputsParams fields) from whichever of OpenAI's and vLLM's fields the
+    request uses to constrain its output (one at most)."""
     given: dict[str, dict] = {}
     response_format = _response_format(body)
     if response_format is not None:
@@ -259,20 +261,42 @@ def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
     for name, kind in _GUIDED.items():
         if body.get(name) is not None:
             given[name] = {kind: body[name]}
-    if not given:
-        return None
     if len(given) > 1:
         names = ", ".join(given)
         raise invalid_request(f"give one way of constraining the output, got {names}", next(iter(given)))
-    ((param, value),) = given.items()
+    return next(iter(given.items()), None)
+
+
+def _field_used(param: str, kind: str | None) -> str:
+    """The field of the request that holds a constraint of this kind: what errors about it name."""
+    if param == "structured_outputs":
+        return f"structured_outputs.{kind}" if kind else param
+    if (param, kind) == ("response_format", "json"):
+        return "response_format.json_schema.schema"
+    return param
+
+
+def constraint_field(body: dict) -> str | None:
+    """The field the request's constraint came from (checked already by _sampling), or None."""
+    given = _constraint(body)
+    return None if given is None else _field_used(given[0], next(iter(given[1]), None))
+
+
+def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    given = _constraint(body)
+    if given is None:
+        return None
+    param, value = given
     try:
         return StructuredOutputsParams.from_wire(value)
     except ValueError as exc:
-        message = str(exc)
+        message, kind = str(exc), next(iter(value), None)
+        used = _field_used(param, kind)
         if param != "structured_outputs":  # name the field the request used
-            message = message.replace(f"structured_outputs.{next(iter(value))}", param, 1)
-            message = message.replace("structured_outputs", param, 1)
-        raise invalid_request(message, param) from exc
+            message = message.replace(f"structured_outputs.{kind}", used, 1).replace(
+                "structured_outputs", used, 1
+            )
+        raise invalid_request(message, used if message.startswith(used) else param) from exc
 
 
 def _sampling(
@@ -343,6 +367,7 @@ def parse_chat_request(
     sampling = _sampling(body, max_tokens, logprobs, renamed, prompt_logprobs)
     tools = parse_tool_calling(body, tool_call_parser)
     sampling = _constrain_to_call(sampling, tools)
+    field = "tools" if tools is not None and tools.constrained else constraint_field(body)
     return OpenAIRequest(
         "chat",
         model,
@@ -354,6 +379,7 @@ def parse_chat_request(
         sampling,
         tools,
         prompt_logprobs=prompt_logprobs,
+        constraint_field=field,
     )
 
 
@@ -424,6 +450,7 @@ def parse_completion_request(raw: bytes, served_models: Collection[str]) -> Open
         sampling,
         echo=echo,
         prompt_logprobs=prompt_logprobs,
+        constraint_field=constraint_field(body),
     )
 
 

@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass
 
 from gateway.api_error import invalid_request
-from shared.structured_outputs import StructuredOutputsParams
+from shared.json_schema_support import SCHEMA_MAPS
+from shared.structured_outputs import StructuredOutputsParams, check_enforceable
 
 TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser's choices
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -49,33 +50,60 @@ class ToolCalling:
         "arguments", so the model writes (or is given) the name first, as Hermes does."""
         if not self.constrained:
             return None
-        calls = [
-            call_schema(tool["function"])
+        functions = [
+            tool["function"]
             for tool in self.tools
             if self.choice == "required" or tool["function"]["name"] == self.function
         ]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if len(functions) == 1:
+            schema = call_schema(functions[0])
+        else:
+            schema = {"anyOf": [call_schema(f, at=f"/anyOf/{i}") for i, f in enumerate(functions)]}
         return StructuredOutputsParams(json=json.dumps(schema, ensure_ascii=False))
 
 
-def call_schema(function: dict) -> dict:
-    """One call of `function`, as the JSON object inside a Hermes <tool_call>."""
+def call_schema(function: dict, at: str = "") -> dict:
+    """One call of `function`, as the JSON object inside a Hermes <tool_call>, placed at JSON pointer `at` of
+    the schema it goes into: the parameters' own references ($defs of a Pydantic model) point where they land."""
+    parameters = function.get("parameters", _NO_PARAMETERS)
     return {
         "type": "object",
         "properties": {
             "name": {"const": function["name"]},
-            "arguments": function.get("parameters", _NO_PARAMETERS),
+            "arguments": _moved(parameters, f"{at}/properties/arguments"),
         },
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
 
 
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas: a "$ref" there is data
+
+
+def _moved(schema: object, to: str) -> object:
+    """`schema` with each local $ref ("#", "#/...") pointing into where it now sits, at JSON pointer `to`."""
+    if isinstance(schema, list):
+        return [_moved(item, to) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            moved[key] = "#" + to + value[1:]
+        elif key in _DATA_KEYWORDS:
+            moved[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):  # names there are the client's, not keywords
+            moved[key] = {name: _moved(sub, to) for name, sub in value.items()}
+        else:
+            moved[key] = _moved(value, to)
+    return moved
+
+
 def parse_tool_calling(body: dict, tool_call_parser: str | None) -> ToolCalling | None:
     """None when the model may call nothing: no tools, or tool_choice "none" (the prompt then leaves them
     out). OpenAI's default is "auto" when tools are given."""
     tools = _tools(body.get("tools"))
-    choice, function = _tool_choice(body.get("tool_choice"), tools)
+    choice, function_name = _tool_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls", True)
     if parallel is None:
         parallel = True
@@ -85,13 +113,21 @@ def parse_tool_calling(body: dict, tool_call_parser: str | None) -> ToolCalling 
         )
     if not tools or choice == "none":
         return None
+    for i, tool in enumerate(tools):  # the schemas a required or named call is held to
+        function = tool["function"]
+        if choice == "required" or (choice == "function" and function["name"] == function_name):
+            where = f"tools[{i}].function.parameters"
+            try:
+                check_enforceable(function.get("parameters", _NO_PARAMETERS), where)
+            except ValueError as exc:
+                raise invalid_request(str(exc), where) from None
     if choice == "auto" and tool_call_parser is None:
         raise invalid_request(
             'tool_choice "auto" (the default when tools are given) needs a gateway started with '
             '--tool-call-parser hermes; send tool_choice "required", a named function or "none"',
             "tool_choice",
         )
-    return ToolCalling(tools, choice, function, parallel)
+    return ToolCalling(tools, choice, function_name, parallel)
 
 
 def _tools(raw: object) -> list[dict]:

@@ -1,11 +1,14 @@
 """What a request's output must match, vLLM's StructuredOutputsParams: one of a JSON schema, any JSON object, a
-regex, a choice of strings or an EBNF grammar. Checked for shape here (both sides); whether a schema, regex or
-grammar compiles is the executor's grammar library's to say."""
+regex, a choice of strings or an EBNF grammar. Checked for shape here (both sides), and a schema for keywords the
+grammar library would not enforce (shared/json_schema_support.py); whether a schema, regex or grammar compiles is
+the executor's grammar library's to say."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
+from shared.json_schema_support import unenforced_keyword
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -36,6 +39,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
+        if self.json is not None:
+            check_enforceable(json.loads(self.json), "structured_outputs.json")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
         for name in ("regex", "grammar"):
@@ -73,6 +78,12 @@ class StructuredOutputsParams:
                 f"structured_outputs: unknown field {sorted(unknown)[0]!r} (expected {', '.join(KINDS)})"
             )
         return cls(**value)
+
+
+def check_enforceable(schema: object, field: str) -> None:
+    """ValueError naming `field` when the schema asks what the grammar library would not hold."""
+    if (unenforced := unenforced_keyword(schema)) is not None:
+        raise ValueError(f"{field} uses {unenforced}, which this server cannot enforce")
 
 
 def _schema_text(schema: dict) -> str:

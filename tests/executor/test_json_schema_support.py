@@ -1,4 +1,6 @@
-"""The schema keywords refused as unenforced are exactly ones the grammar library compiles to nothing."""
+"""The schema keywords refused as unenforced are ones the grammar library does not hold: compiled to nothing, or,
+for those it holds in some uses only, letting through a value the schema forbids. Also the string rule
+executor/structured_output.py rewrites."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import pytest
 
 xgr = pytest.importorskip("xgrammar")
 
-from executor.json_schema_support import UNENFORCED, unenforced_keyword  # noqa: E402
+import jsonschema  # noqa: E402
+
+from executor.structured_output import json_grammar  # noqa: E402
+from shared.json_schema_support import UNENFORCED, unenforced_keyword  # noqa: E402
 
 ITEMS = {"type": "array", "items": {"type": "integer"}}
 OBJECT = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}
@@ -67,3 +72,62 @@ def test_schemas_without_them_pass():
     }
     assert unenforced_keyword(pydantic_like) is None
     assert unenforced_keyword(True) is None
+
+
+def prop(schema: dict) -> dict:
+    return {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+
+
+# a schema using a keyword the library holds only in some uses, a value it forbids, and what names it
+PARTLY = [
+    (prop({"type": "number", "multipleOf": 0.5}), 1.3, "multipleOf at /properties/a"),
+    (prop({"not": {"type": "integer"}}), 1, "not at /properties/a"),
+    (prop({"type": "string", "pattern": "^a+$", "maxLength": 3}), "aaaa", "maxLength at /properties/a"),
+    (prop({"type": "string", "pattern": "^a+$", "minLength": 3}), "a", "minLength at /properties/a"),
+]
+
+
+@pytest.fixture(scope="module")
+def compiler(default_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    return xgr.GrammarCompiler(info), tokenizer.eos_token_id
+
+
+def accepts(compiler, grammar_text: str, text: str) -> bool:
+    compiled_with, eos = compiler
+    matcher = xgr.GrammarMatcher(compiled_with.compile_grammar(grammar_text))
+    return matcher.accept_string(text) and matcher.accept_token(eos)
+
+
+@pytest.mark.parametrize(("schema", "value", "named"), PARTLY, ids=[named for *_, named in PARTLY])
+def test_each_partly_held_keyword_lets_a_forbidden_value_through(compiler, schema, value, named):
+    assert not jsonschema.Draft202012Validator(schema).is_valid({"a": value})
+    assert accepts(compiler, grammar(schema), '{"a": ' + json.dumps(value) + "}")  # refusing it is right
+    assert unenforced_keyword(schema).startswith(named)
+
+
+def test_the_uses_the_library_holds_pass(compiler):
+    held = [
+        (prop({"type": "integer", "multipleOf": 3}), 10),
+        (prop({"type": "string", "pattern": "^a+$"}), "b"),
+        (prop({"type": "string", "maxLength": 3}), "aaaa"),
+        (prop({"type": "string", "format": "email"}), "not-an-email"),
+    ]
+    for schema, value in held:
+        assert unenforced_keyword(schema) is None, schema
+        assert not accepts(compiler, json_grammar(json.dumps(schema)), '{"a": ' + json.dumps(value) + "}")
+
+
+def test_strings_with_a_length_are_held_to_json_string_rules(compiler):
+    schema = json.dumps(prop({"type": "string", "maxLength": 3}))
+    raw = '{"a": "x\ty"}'  # a raw tab: not JSON
+    assert accepts(compiler, grammar(json.loads(schema)), raw)  # the library's own rule lets it through
+    assert not accepts(compiler, json_grammar(schema), raw)
+    for value in ["x\ty", 'a"b', "\u00e9ab", "\n", "abc"]:  # escapes count as one character
+        assert accepts(compiler, json_grammar(schema), json.dumps({"a": value})), value
+        assert accepts(compiler, json_grammar(schema), json.dumps({"a": value}, ensure_ascii=False)), value
+    assert not accepts(compiler, json_grammar(schema), json.dumps({"a": "abcd"}))
+    assert not accepts(compiler, json_grammar(schema), json.dumps({"a": 'a"bc'}))

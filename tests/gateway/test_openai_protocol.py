@@ -204,6 +204,26 @@ def test_body_too_large_is_413():
             "got response_format, guided_regex",
         ),
         ({"response_format": "json"}, "response_format", "response_format must be an object"),
+        (  # a keyword the grammar library would not hold: named where the request wrote it
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"properties": {"t": {"uniqueItems": True}}}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "response_format.json_schema.schema uses uniqueItems at /properties/t (distinct array items), which",
+        ),
+        (
+            {"structured_outputs": {"json": {"not": {"type": "null"}}}},
+            "structured_outputs.json",
+            "structured_outputs.json uses not at / (",
+        ),
+        (
+            {"guided_json": {"properties": {"x": {"type": "number", "multipleOf": 0.1}}}},
+            "guided_json",
+            "guided_json uses multipleOf at /properties/x",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "--tool-call-parser"),
         ({"functions": [{"name": "f"}]}, "functions", "send tools and tool_choice instead"),
         ({"n": 0}, "n", "n must be at least 1"),

@@ -143,7 +143,10 @@ def test_a_schema_the_executor_cannot_compile_is_a_400_and_others_continue(stack
             assert refused.status_code == 400, refused.text
             error = refused.json()["error"]
             assert error["type"] == "invalid_request_error"
-            assert error["message"].startswith("structured_outputs.json: Cannot find field 'nowhere'")
+            assert error["param"] == "response_format.json_schema.schema"
+            assert error["message"].startswith(
+                "response_format.json_schema.schema: Cannot find field 'nowhere'"
+            )
         assert plain.result().status_code == 200
     assert chat(stack, messages=[{"role": "user", "content": "Hi"}], guided_regex="(ab").status_code == 400
     assert chat(stack, messages=[{"role": "user", "content": "Hi"}], max_tokens=2).status_code == 200

@@ -3,6 +3,7 @@ constrains tool_choice "required" or a named function to one valid call."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
@@ -11,7 +12,7 @@ import pytest
 from gateway.api_error import APIError
 from gateway.openai_protocol import parse_chat_request, parse_completion_request
 from gateway.tools import call_schema
-from tests.gateway.tool_examples import TIME, WEATHER
+from tests.gateway.tool_examples import ADOPT, TIME, WEATHER
 
 MODELS = ["m"]
 
@@ -79,6 +80,21 @@ def test_required_is_constrained_to_a_call_of_any_tool():
             jsonschema.validate(wrong, schema)
 
 
+@pytest.mark.parametrize("tools", [[ADOPT], [WEATHER, ADOPT]], ids=["alone", "in-anyof"])
+def test_parameters_referring_to_their_own_defs_still_resolve_inside_the_call(tools):
+    tools = copy.deepcopy(tools)
+    parameters = tools[-1]["function"]["parameters"]  # and to their own root
+    parameters["properties"]["owners"] = {"type": "array", "items": {"$ref": "#"}}
+    schema = json.loads(chat(tools=tools, tool_choice="required").sampling.structured_outputs.json)
+    pet = {"name": "Rex", "kind": "dog"}
+    jsonschema.validate({"name": "adopt", "arguments": {"pet": pet}}, schema)
+    jsonschema.validate({"name": "adopt", "arguments": {"pet": pet, "owners": [{"pet": pet}]}}, schema)
+    for wrong in ({"pet": {"name": "Rex"}}, {"pet": pet, "owners": [{"pet": {"kind": "cat"}}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": "adopt", "arguments": wrong}, schema)
+    assert parameters["properties"]["pet"] == {"$ref": "#/$defs/Pet"}  # the request's own left as sent
+
+
 def test_a_single_tool_required_is_its_call_without_anyof():
     schema = json.loads(chat(tools=[WEATHER], tool_choice="required").sampling.structured_outputs.json)
     assert schema == call_schema(WEATHER["function"])
@@ -140,6 +156,27 @@ def test_bad_tool_fields_are_400_naming_the_field(fields, param, message):
     error = error_of(**fields)
     assert (error.status, error.type, error.param) == (400, "invalid_request_error", param)
     assert message in error.message
+
+
+UNHELD = {  # a tool whose parameters use a keyword the grammar library would not hold
+    "type": "function",
+    "function": {"name": "tag", "parameters": {"type": "object", "properties": {"t": {"uniqueItems": True}}}},
+}
+
+
+def test_a_constrained_tools_unheld_keyword_is_400_naming_its_parameters():
+    for choice in ["required", {"type": "function", "function": {"name": "tag"}}]:
+        error = error_of(tools=[WEATHER, UNHELD], tool_choice=choice)
+        assert (error.status, error.param) == (400, "tools[1].function.parameters")
+        assert error.message.startswith(
+            "tools[1].function.parameters uses uniqueItems at /properties/t (distinct array items)"
+        )
+    # held to WEATHER's schema only, or to none: the other tool's schema goes to the prompt alone
+    named = chat(
+        tools=[WEATHER, UNHELD], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    assert named.constraint_field == "tools"
+    assert chat(tools=[WEATHER, UNHELD]).tools.choice == "auto"
 
 
 @pytest.mark.parametrize("field", ["tools", "tool_choice"])

@@ -1,10 +1,8 @@
 """Tool calling through the real stack (Redis, an executor with the default model, gateways) with the `openai`
-client. The tests that need the executor to enforce structured outputs (tool_choice "required" and a named
-function always giving a valid call) are skipped until it does (executor/structured_output.py)."""
+client."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import jsonschema
@@ -14,17 +12,9 @@ import pytest
 from gateway.chat_template import chat_prompt_token_ids, parse_messages
 from gateway.tokenizer import Tokenizer
 from shared.redis_server import start_redis_server
-from tests.gateway.tool_examples import TIME, WEATHER
+from tests.gateway.tool_examples import ADOPT, TIME, WEATHER
 from tests.processes import ExecutorProcess, GatewayProcess
 
-
-def _enforced() -> bool:
-    return importlib.util.find_spec("executor.structured_output") is not None
-
-
-needs_enforcement = pytest.mark.skipif(
-    not _enforced(), reason="the executor does not enforce structured outputs yet"
-)
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # a --chat-template of the test's own that renders tools (so it is used as it is)
@@ -96,7 +86,7 @@ def whole_answer(response) -> tuple[str, list[dict], str]:
 
 def assert_valid_calls(calls: list[dict], names: list[str]) -> None:
     assert calls, "no tool call"
-    schemas = {tool["function"]["name"]: tool["function"].get("parameters", {}) for tool in TOOLS}
+    schemas = {tool["function"]["name"]: tool["function"].get("parameters", {}) for tool in [*TOOLS, ADOPT]}
     for call in calls:
         assert call["id"].startswith("call_") and call["name"] in names
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
@@ -109,7 +99,6 @@ def chat(client, stream: bool, **fields) -> tuple[str, list[dict], str]:
     return whole_answer(client.chat.completions.create(**fields))
 
 
-@needs_enforcement
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_gives_a_call_valid_against_its_tools_schema(client, stream):
     content, calls, finish = chat(client, stream, tool_choice="required")
@@ -117,7 +106,6 @@ def test_required_gives_a_call_valid_against_its_tools_schema(client, stream):
     assert finish == "tool_calls" and content == ""
 
 
-@needs_enforcement
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_function_gives_a_call_of_it(client, stream):
     named = {"type": "function", "function": {"name": "get_time"}}
@@ -126,7 +114,6 @@ def test_a_named_function_gives_a_call_of_it(client, stream):
     assert finish == "tool_calls" and len(calls) == 1
 
 
-@needs_enforcement
 def test_a_two_turn_conversation_from_a_required_call(client):
     content, calls, _ = chat(client, False, tool_choice="required")
     assert_valid_calls(calls, ["get_weather", "get_time"])
@@ -214,3 +201,27 @@ def test_bad_tool_requests_are_400_naming_the_field(servers):
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, False, tools=[{"type": "function", "function": {"name": "has space"}}])
     assert info.value.body["param"] == "tools[0].function.name"
+
+
+def test_a_tool_of_nested_models_gives_a_call_valid_against_its_defs(client):
+    named = {"type": "function", "function": {"name": "adopt"}}
+    ask = [{"role": "user", "content": "Adopt a dog called Rex."}]
+    content, calls, finish = chat(client, False, messages=ask, tools=[WEATHER, ADOPT], tool_choice=named)
+    assert_valid_calls(calls, ["adopt"])
+    assert finish == "tool_calls"
+
+
+def test_a_tool_schema_the_executor_cannot_compile_is_a_400_naming_tools(client):
+    bad = {
+        "type": "function",
+        "function": {"name": "bad", "parameters": {"properties": {"a": {"$ref": "#/x"}}}},
+    }
+    for choice in ["required", {"type": "function", "function": {"name": "bad"}}]:
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, False, tools=[bad], tool_choice=choice)
+        assert info.value.body["param"] == "tools"
+        message = info.value.body["message"]
+        assert message.startswith(
+            "tools: a function's parameters schema cannot be enforced: Cannot find field 'x'"
+        )
+    assert chat(client, False, tool_choice="required")[2] == "tool_calls"  # the next request is served

@@ -13,3 +13,24 @@ WEATHER = {
     },
 }
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: it takes none
+# what openai.pydantic_function_tool makes of a model with a nested one: the parameters refer to their own $defs
+ADOPT = {
+    "type": "function",
+    "function": {
+        "name": "adopt",
+        "parameters": {
+            "$defs": {
+                "Pet": {
+                    "properties": {"name": {"type": "string"}, "kind": {"enum": ["cat", "dog"]}},
+                    "required": ["name", "kind"],
+                    "type": "object",
+                    "additionalProperties": False,
+                }
+            },
+            "properties": {"pet": {"$ref": "#/$defs/Pet"}},
+            "required": ["pet"],
+            "type": "object",
+            "additionalProperties": False,
+        },
+    },
+}
