@@ -55,9 +55,20 @@ class Request:
     num_accepted_tokens: int = 0  # of which the target accepted
     # structured outputs (executor/structured_output.py): its grammar's matcher, None when unconstrained
     grammar: RequestGrammar | None = None
+    # parallel sampling (n > 1): the group's id (what the gateway knows it by) and this choice's index in it; the
+    # choice-0 request carries the others in forks until its prompt is prefilled, then they fork from it
+    group_id: str = ""
+    index: int = 0
+    forks: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.group_id = self.group_id or self.request_id
+
+    @property
+    def group_size(self) -> int:
+        """Sequences it will run as: itself and the choices still to fork from it."""
+        return 1 + len(self.forks)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,9 @@ MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_REPETITION_PENALTY = 2.0  # SGLang's range is [0, 2]; 0 would divide by zero here, so (0, 2]
+# choices one request may ask for (OpenAI allows 128, vLLM sets no bound): each is a sequence of its own in the
+# executor's batch, so a few dozen already fill a CPU step; an executor also refuses n above its --max-num-seqs
+MAX_N = 32
 
 
 def _integer(name: str, value: object) -> int:
@@ -81,8 +84,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to the logits before penalties; normalised to a dict
     # the output must match this (shared/structured_outputs.py); a dict (the wire's form) is read into one
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # choices sampled from the one prompt (parallel sampling: the prompt's KV blocks are shared between them)
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= _integer("n", self.n) <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if _integer("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         self.temperature = _number("temperature", self.temperature)
@@ -123,6 +130,11 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_wire(self.structured_outputs)
+
+    def choice_seed(self, index: int) -> int | None:
+        """Choice index's seed: the request's own for the first (so n=1 and choice 0 agree), then seed + index as
+        vLLM derives them, so a seeded request is reproducible and its choices differ."""
+        return None if self.seed is None else self.seed + index
 
     @property
     def greedy(self) -> bool:
