@@ -132,13 +132,17 @@ class ExecutorService:
         elif isinstance(msg, protocol.AbortRequest):
             # only the gateway that sent a request may abort it; an unknown id has most likely just finished
             owned = self.owners.get(msg.request_id)
-            if owned is not None and owned.identity == identity and self.engine.abort(msg.request_id):
+            if owned is None or owned.identity != identity:
+                return
+            stopped = self.engine.abort(msg.request_id, msg.index)
+            if stopped:
                 log.debug(
-                    "request %s aborted by its gateway",
+                    "request %s aborted by its gateway (choices %s)",
                     msg.request_id,
+                    stopped,
                     extra=_ids(msg.request_id, owned.trace_id),
                 )
-                self._finished(msg.request_id, "abort", 0)
+                self._finished(msg.request_id, stopped)
         else:
             request_id = getattr(msg, "request_id", None)
             raise protocol.ProtocolError(
@@ -214,17 +218,26 @@ class ExecutorService:
             logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]
         self.outbox[owned.identity].append(
             protocol.RequestUpdate(
-                out.request_id, out.new_token_ids, logprobs, out.finish_reason, out.num_cached_tokens
+                out.request_id,
+                out.new_token_ids,
+                logprobs,
+                out.finish_reason,
+                out.num_cached_tokens,
+                out.index,
             )
         )
-        if out.finish_reason is not None:
+        if out.group_finished:
             self._release(out.request_id, out.finish_reason)
 
-    def _finished(self, request_id: str, reason: str, num_cached_tokens: int) -> None:
-        owned = self._release(request_id, reason)
-        self.outbox[owned.identity].append(
-            protocol.RequestUpdate(request_id, [], None, reason, num_cached_tokens)
-        )
+    def _finished(self, request_id: str, indexes: list[int]) -> None:
+        """Aborted choices end with an update each; the request is released once none of it runs."""
+        owned = self.owners[request_id]
+        for index in indexes or [0]:  # none left to stop: the gateway still hears that it ended
+            self.outbox[owned.identity].append(
+                protocol.RequestUpdate(request_id, [], None, "abort", 0, index)
+            )
+        if request_id not in self.engine.groups:
+            self._release(request_id, "abort")
 
     def _release(self, request_id: str, reason: str) -> Owned:
         """Forget a request that ended, for whatever reason; a traced one's spans go out now its life is known."""
@@ -254,8 +267,7 @@ class ExecutorService:
     def _abort_all(self, why: str) -> None:
         for request_id, owned in list(self.owners.items()):
             log.info("aborting request %s: %s", request_id, why, extra=_ids(request_id, owned.trace_id))
-            self.engine.abort(request_id)
-            self._finished(request_id, "abort", 0)
+            self._finished(request_id, self.engine.abort(request_id))
 
     def _fail(self, identity: bytes, request_id: str, message: str) -> None:
         """An internal fault: the request ends with a 500, whatever state the engine has for it is dropped."""

@@ -35,6 +35,7 @@ _SAMPLING_FIELDS = (
     "ignore_eos",
     "repetition_penalty",
     "logit_bias",
+    "n",  # choices: up to shared.sampling_params.MAX_N
 )
 
 
@@ -177,9 +178,6 @@ def model_not_found(model: str | None, served_models: Collection[str]) -> APIErr
 
 def _refuse_unsupported(body: dict) -> None:
     """Features we do not serve are refused by name rather than silently ignored."""
-    n = _typed(body, "n", int, "an integer", 1)
-    if n != 1:
-        raise invalid_request("n > 1 is not supported" if n > 1 else f"n must be at least 1, got {n}", "n")
     best_of = _typed(body, "best_of", int, "an integer", 1)
     if best_of != 1:
         raise invalid_request("best_of other than 1 is not supported", "best_of")

@@ -49,6 +49,7 @@ class AbortRequest:
     TYPE: ClassVar[str] = "abort"
 
     request_id: str
+    index: int | None = None  # n > 1: only this choice (a stop string ended it); None: every choice
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class RequestUpdate:
     logprobs: list[TokenLogprobsWire | None] | None  # one entry per new token; None when not asked for
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     num_cached_tokens: int
+    index: int = 0  # which choice of the request (n > 1); absent from older peers, which send one choice
 
 
 @dataclass(slots=True)
@@ -183,7 +185,8 @@ def _read_generate(f: _Fields) -> GenerateRequest:
 
 
 def _read_abort(f: _Fields) -> AbortRequest:
-    return AbortRequest(request_id=f.text("request_id"))
+    index = f.get("index", lambda v: v is None or (_is_int(v) and v >= 0), "nil or an integer >= 0", None)
+    return AbortRequest(request_id=f.text("request_id"), index=index)
 
 
 def _read_step(f: _Fields) -> StepBatch:
@@ -204,6 +207,7 @@ def _read_step(f: _Fields) -> StepBatch:
                 ),
                 finish_reason=u.optional_text("finish_reason"),
                 num_cached_tokens=u.get("num_cached_tokens", _is_int, "an integer"),
+                index=u.get("index", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0),
             )
         )
     return StepBatch(outputs=updates)
