@@ -166,3 +166,12 @@ def test_n_out_of_range_is_refused_naming_n(tiny_models):
     with pytest.raises(ValueError, match="n 8 x max_tokens 64 need more KV blocks than the whole pool"):
         small.generate([list(range(1, 40))], SamplingParams(n=8, max_tokens=64))
     assert_no_blocks_held(small)
+
+
+def test_structured_outputs_constrain_every_choice(llm):
+    words = ["alpha", "beta", "gamma", "delta"]
+    params = SamplingParams(max_tokens=10, n=6, temperature=1.0, seed=11, structured_outputs={"choice": words})
+    out = llm.generate([[1, 2, 3]], params)[0]
+    assert all(c.text in words and c.finish_reason == "stop" for c in out.outputs)
+    assert len({c.text for c in out.outputs}) > 1  # each choice's own matcher, not one shared
+    assert_no_blocks_held(llm)
