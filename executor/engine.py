@@ -193,8 +193,8 @@ class Engine:
         with it, since the prompt it waits for is the first one's."""
         group = self.groups.get(request_id, [])
         stopped = [c for c in group if c.request_id in self.requests and index in (None, c.index)]
-        if stopped and stopped[0].forks:
-            stopped += stopped[0].forks
+        if any(c.forks for c in stopped):
+            stopped = [c for c in group if c.request_id in self.requests]
         for choice in stopped:
             self._forget(choice)
             self.scheduler.finish(choice, "abort")

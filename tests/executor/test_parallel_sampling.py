@@ -170,8 +170,24 @@ def test_n_out_of_range_is_refused_naming_n(tiny_models):
 
 def test_structured_outputs_constrain_every_choice(llm):
     words = ["alpha", "beta", "gamma", "delta"]
-    params = SamplingParams(max_tokens=10, n=6, temperature=1.0, seed=11, structured_outputs={"choice": words})
+    params = SamplingParams(
+        max_tokens=10, n=6, temperature=1.0, seed=11, structured_outputs={"choice": words}
+    )
     out = llm.generate([[1, 2, 3]], params)[0]
     assert all(c.text in words and c.finish_reason == "stop" for c in out.outputs)
     assert len({c.text for c in out.outputs}) > 1  # each choice's own matcher, not one shared
+    assert_no_blocks_held(llm)
+
+
+def test_aborting_one_choice_leaves_the_others_running(llm):
+    engine = llm.engine
+    engine.add_request("cut", list(range(10, 40)), SamplingParams(max_tokens=20, n=3, **GREEDY))
+    engine.step()
+    assert engine.abort("cut", 1) == [1]
+    assert engine.abort("cut", 1) == []  # already stopped
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert {o.index for o in outs} == {0, 2} and all(len(o.new_token_ids) == 1 for o in outs)
+    assert sum(o.group_finished for o in outs) == 1 and outs[-1].group_finished
     assert_no_blocks_held(llm)
