@@ -210,3 +210,34 @@ def test_wire_logprobs_and_offsets_across_split_characters(tokenizer):
     assert logprobs["token_logprobs"] == [-1.0] * len(ids)
     assert logprobs["text_offset"] == [0] * (len(ids) - 1) + [1]  # "a" starts after the one emoji character
     assert logprobs["top_logprobs"] == [{}] * len(ids)
+
+
+def test_n_choices_stream_with_their_index_each_ends_on_its_own_and_usage_counts_the_prompt_once(tokenizer):
+    body = {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    request = parse_chat_request(json.dumps(body).encode(), MODELS)
+    params = fit_to_context(request, 5, 2048)
+    choices = Generation.start_all(request, [1, 2, 3, 4, 5], params.stop, tokenizer)
+    assert [c.index for c in choices] == [0, 1] and len({(c.id, c.created) for c in choices}) == 1
+    stream = EventStream(choices, include_usage=True)
+    out = events(
+        stream.update([HELLO], None, None, 0, index=1) + stream.update([THERE], None, "length", 0, index=1)
+    )
+    payloads = [json.loads(e[len("data: ") :]) for e in out]
+    assert [(p["choices"][0]["index"], p["choices"][0]["finish_reason"]) for p in payloads] == [
+        (1, None),  # its role chunk
+        (1, None),
+        (1, None),
+        (1, "length"),
+    ]
+    assert DONE_EVENT not in out  # choice 0 is still going
+    out = events(stream.update([BANG], None, "stop", 0, index=0))
+    assert out[-1] == DONE_EVENT and stream.finished
+    usage = json.loads(out[-2][len("data: ") :])["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (5, 3)
+    whole = response_body(choices)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "!", "stop"),
+        (1, "Hello there", "length"),
+    ]
+    assert whole["usage"]["total_tokens"] == 8
