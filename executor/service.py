@@ -43,10 +43,11 @@ class Owned:
     """A request running here for a gateway."""
 
     identity: bytes  # the gateway's ZeroMQ identity
-    request: Request
+    request: Request  # its first choice, which carries the prompt (n > 1: choices lists them all)
     tenant: str | None
     trace_id: str | None  # from the gateway's traceparent, for log lines, with tracing on or off
     parent: Context | None  # the gateway's span, only while tracing is on: its spans go out when it ends
+    choices: list[Request]
 
 
 class ExecutorService:
@@ -170,7 +171,8 @@ class ExecutorService:
             self._send_error(identity, msg.request_id, str(error), 400, trace_id)
             return
         parent = tracing.parent_context(msg.traceparent) if tracing.enabled() else None
-        self.owners[msg.request_id] = Owned(identity, request, msg.tenant, trace_id, parent)
+        choices = list(self.engine.groups[msg.request_id])
+        self.owners[msg.request_id] = Owned(identity, request, msg.tenant, trace_id, parent, choices)
         log.debug(
             "request %s received from %s (tenant %s)",
             msg.request_id,
@@ -244,13 +246,14 @@ class ExecutorService:
         owned = self.owners.pop(request_id)
         r = owned.request
         log.info(
-            "request %s ended (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
+            "request %s ended (%s): %d prompt tokens (%d cached), %d choices, %d output tokens, %d preemptions",
             request_id,
             reason,
             r.num_prompt_tokens,
             max(0, r.num_cached_tokens),
-            r.num_output_tokens,
-            r.num_preemptions,
+            len(owned.choices),
+            sum(c.num_output_tokens for c in owned.choices),
+            sum(c.num_preemptions for c in owned.choices),
             extra=_ids(request_id, owned.trace_id),
         )
         if owned.parent is not None:
