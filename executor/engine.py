@@ -20,9 +20,10 @@ from executor.engine_setup import (
     num_kv_blocks,
 )
 from executor.kv_sizing import pick_device_and_dtype
+from executor.model_runner import StepLogits
 from executor.request import Request, RequestStatus
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
-from executor.scheduler import NewTokens
+from executor.scheduler import NewTokens, SchedulerOutput
 from executor.spec_decode import SpecBackoff, verify
 from executor.structured_output import Grammars, step_bitmask
 from kernels.backend import choose_attention_backend
@@ -33,6 +34,11 @@ from shared.sampling_params import SamplingParams
 log = logging.getLogger("kvserve.engine")
 
 HASHES_CHECKED = 4  # leading blocks of a prompt whose gateway hashes are compared with the engine's
+
+
+def choice_request_id(group_id: str, index: int) -> str:
+    """The engine's own id for choice index > 0 of a request with n > 1 (choice 0 keeps the request's id)."""
+    return f"{group_id}/{index}"
 
 
 @dataclass(slots=True)
@@ -48,6 +54,8 @@ class StepOutput:
     error: str | None = None  # refused after it was queued (its grammar failed to compile): a 400's message
     # params.prompt_logprobs: every prompt token's but the first (which has none), with its first new token
     prompt_logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # the choice (parallel sampling, n > 1); request_id is the whole group's
+    group_finished: bool = True  # no choice of the group runs any more: its last output
 
 
 class Engine:
@@ -74,7 +82,8 @@ class Engine:
         )
         self.backoff = SpecBackoff(config.speculative_disable_by_batch_size)
         self.sampler = Sampler()
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # unfinished, by their own id (a choice's, for n > 1)
+        self.groups: dict[str, list[Request]] = {}  # by the id they were added under: every choice
         self.first_scheduled: list[Request] = []  # requests the last step scheduled for the first time
         self.block_hash_mismatches = 0  # requests whose gateway hashed their prompt otherwise
         # structured outputs: grammars compiled for this tokenizer (built on first use), and the requests
@@ -101,42 +110,64 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt)
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} prompt tokens + max_tokens {params.max_tokens} = {total} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-        if -(-total // self.block_size) > self.pool.num_blocks:
-            raise ValueError(
-                f"prompt: {len(token_ids)} prompt tokens + max_tokens {params.max_tokens} need more KV blocks "
-                f"than the whole pool holds ({self.pool.num_blocks} x {self.block_size} tokens)"
-            )
+        self._check_fits(len(token_ids), params)
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        grammar = None
-        if params.structured_outputs is not None:  # structured outputs hook
-            grammar = self.grammars.start(params.structured_outputs)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        request = Request(
-            request_id,
-            token_ids,
-            params,
-            self.eos_token_ids,
-            cache_salt=cache_salt,
-            generator=generator,
-            grammar=grammar,
-        )
+        ids = [request_id] + [choice_request_id(request_id, i) for i in range(1, params.n)]
+        taken = next((i for i in ids if i in self.requests or i in self.groups), None)
+        if taken is not None:
+            raise ValueError(f"request_id: {taken!r} is already in use")
+        spec = params.structured_outputs
+        choices = [
+            Request(
+                choice_id,
+                token_ids,
+                params,
+                self.eos_token_ids,
+                cache_salt=cache_salt,
+                generator=self._generator(params.choice_seed(index)),
+                grammar=None if spec is None else self.grammars.start(spec),  # structured outputs hook
+                group_id=request_id,
+                index=index,
+            )
+            for index, choice_id in enumerate(ids)
+        ]
+        request, request.forks = choices[0], choices[1:]
         if block_hashes:
             self._check_block_hashes(request, block_hashes)
-        self.requests[request_id] = request
-        if grammar is not None and not grammar.ready:
+        for choice in choices:
+            self.requests[choice.request_id] = choice
+        self.groups[request_id] = choices
+        if request.grammar is not None and not request.grammar.ready:
             self.compiling.append(request)
         self.scheduler.add(request)
         return request
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse what could never run: past max_model_len, or more blocks than the pool holds for the whole
+        group (the prompt's full blocks once, then each choice's own), or more choices than --max-num-seqs."""
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} prompt tokens + max_tokens {params.max_tokens} = {total} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n: {params.n} choices exceed this executor's max_num_seqs {self.config.max_num_seqs}"
+            )
+        shared = num_prompt_tokens // self.block_size
+        needed = shared + params.n * (-(-total // self.block_size) - shared)
+        if needed > self.pool.num_blocks:
+            what = f"n {params.n} x " if params.n > 1 else ""
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} prompt tokens + {what}max_tokens {params.max_tokens} need more "
+                f"KV blocks than the whole pool holds ({self.pool.num_blocks} x {self.block_size} tokens)"
+            )
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        return None if seed is None else torch.Generator(self.device).manual_seed(seed)
 
     def _check_block_hashes(self, request: Request, sent: Sequence[bytes]) -> None:
         """Compare the gateway's first block hashes with this engine's chain: where they disagree, routing by
@@ -158,13 +189,27 @@ class Engine:
                 self.block_size,
             )
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if it is unknown or already finished."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
+    def abort(self, request_id: str, index: int | None = None) -> list[int]:
+        """Stop a request, every choice of it or only choice index, and free their blocks; the indexes of the
+        choices it stopped (none: unknown or already finished). A choice still to fork from the first one ends
+        with it, since the prompt it waits for is the first one's."""
+        group = self.groups.get(request_id, [])
+        stopped = [c for c in group if c.request_id in self.requests and index in (None, c.index)]
+        if any(c.forks for c in stopped):
+            stopped = [c for c in group if c.request_id in self.requests]
+        for choice in stopped:
+            self._forget(choice)
+            self.scheduler.finish(choice, "abort")
+        return sorted({c.index for c in stopped})
+
+    def _forget(self, request: Request) -> bool:
+        """Drop a finishing choice; whether it was its group's last."""
+        self.requests.pop(request.request_id, None)
+        self.backoff.forget(request.request_id)
+        group = self.groups.get(request.group_id, [])
+        if any(c.request_id in self.requests for c in group):
             return False
-        self.scheduler.finish(request, "abort")
-        self.backoff.forget(request_id)
+        self.groups.pop(request.group_id, None)
         return True
 
     @property
@@ -198,9 +243,10 @@ class Engine:
             if request.grammar.error is None:
                 still.append(request)
                 continue
-            self.requests.pop(request.request_id, None)
-            self.scheduler.finish(request, "error")
-            refused.append(StepOutput(request.request_id, [], [], "error", 0, error=request.grammar.error))
+            for choice in [request, *request.forks]:  # none has started: they wait for the first one's prompt
+                self._forget(choice)
+                self.scheduler.finish(choice, "error")
+            refused.append(StepOutput(request.group_id, [], [], "error", 0, error=request.grammar.error))
         self.compiling = still
         return refused
 
@@ -241,10 +287,11 @@ class Engine:
                     "scheduler made no progress with requests waiting"
                 )  # admission forbids this
             return refused
-        self._zero_fresh_blocks()
+        self._prepare_blocks()
         step = self.runner.execute(sched.scheduled, self.kv)
         if step.prompt_rows:
             self._score_prompts(step)
+        step = self._fork(sched, step)  # after scoring: forks start past the prompt and score none of it
         token_ids, logprobs = self._sample(step)
         news = self.scheduler.update_from_output(sched, step.requests, token_ids)
         now = time.time_ns()
@@ -259,20 +306,20 @@ class Engine:
         request.first_token_ns = request.first_token_ns or now
         if new.num_proposed:
             self.backoff.record(request.request_id, new.num_proposed, new.num_accepted)
-        if request.finish_reason is not None:
-            self.requests.pop(request.request_id, None)
-            self.backoff.forget(request.request_id)
+        group_finished = request.finish_reason is not None and self._forget(request)
         prompt_logprobs = None
         if request.prompt_logprobs is not None and not request.num_prompt_tokens_to_score:
             prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None  # sent once
         return StepOutput(
-            request.request_id,
+            request.group_id,
             new.token_ids,
             logprobs[: len(new.token_ids)],
             request.finish_reason,
             request.num_cached_tokens,
             request.num_accepted_tokens,
             prompt_logprobs=prompt_logprobs,
+            index=request.index,
+            group_finished=group_finished,
         )
 
     def _score_prompts(self, step) -> None:
@@ -288,6 +335,24 @@ class Engine:
             request.prompt_logprobs += scored[done : done + count]
             request.num_scored_prompt_tokens = first + count
             done += count
+
+    def _fork(self, sched: SchedulerOutput, step: StepLogits) -> StepLogits:
+        """Parallel sampling: a group whose prompt this step finished becomes its n choices, each sampling its
+        first token from the prompt's one row of logits (a copy each, as masks and penalties work in place)."""
+        if not any(r.forks for r in step.requests):
+            return step
+        requests, num_rows, rows, offset = [], [], [], 0
+        for request, n in zip(step.requests, step.num_rows, strict=True):
+            group = [request, *self.scheduler.fork(sched, request)] if request.forks else [request]
+            for choice in group:
+                requests.append(choice)
+                num_rows.append(n)
+                rows.extend(range(offset, offset + n))
+            offset += n
+        index = torch.tensor(rows, device=step.logits.device)
+        return StepLogits(
+            requests, step.logits.index_select(0, index), num_rows, step.prompt_rows, step.prompt_logits
+        )
 
     def _sample(self, step) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """Each request's new tokens: one sampled, or its accepted proposals and one more when it verifies."""
@@ -329,18 +394,21 @@ class Engine:
             elif self.kv.allocate(request, k):
                 work.append((request, k))
         if work:
-            self._zero_fresh_blocks()  # before the draft writes into blocks it just took
+            self._prepare_blocks()  # before the draft writes into blocks it just took
             self.draft.propose(work, self.kv)
         for request in sampled:  # structured outputs: one-hot proposals stop where the grammar refuses one
             # (cutting drawn ones by their value would bias rejection sampling; verification rejects them)
             if request.grammar is not None and request.spec_token_ids and request.draft_probs is None:
                 request.truncate_spec_tokens(request.grammar.valid_prefix(request.spec_token_ids))
 
-    def _zero_fresh_blocks(self) -> None:
-        fresh = self.pool.drain_fresh()
-        self.runner.zero_blocks(fresh)
-        if self.draft is not None:
-            self.draft.runner.zero_blocks(fresh)
+    def _prepare_blocks(self) -> None:
+        """Before a forward pass writes into blocks just handed out: zero fresh ones, then fill copy-on-write
+        copies from the blocks they were copied from (in the draft model's cache too)."""
+        fresh, copies = self.pool.drain_fresh(), self.kv.drain_copies()
+        runners = [self.runner] if self.draft is None else [self.runner, self.draft.runner]
+        for runner in runners:
+            runner.zero_blocks(fresh)
+            runner.copy_blocks(copies)
 
     # -- introspection ----------------------------------------------------------------------------
 

@@ -28,6 +28,9 @@ class KVCacheManager:
         self.block_table = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)  # both grow when needed
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(rows - 1, -1, -1))
+        # (source, destination) block ids whose KV the model runner must copy before the next forward pass:
+        # copy-on-write of a block that forked choices share and one of them is about to write into
+        self.pending_copies: list[tuple[int, int]] = []
 
     def block_ids(self, request: Request) -> np.ndarray:
         """The request's block ids, a view into block_table: valid until its blocks change."""
@@ -53,17 +56,31 @@ class KVCacheManager:
             hit.append(block)
         return hit
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = ()) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = (), reserve: int = 0
+    ) -> bool:
         """Make room for num_new_tokens more tokens past the computed ones and the cached prefix, which joins
-        the table; False if the pool is short. The caller counts the prefix as computed."""
+        the table; False if the pool is short, or would keep fewer than reserve blocks free (a group's choices
+        still to fork each need one soon). The caller counts the prefix as computed. A block the new tokens
+        land in that forked choices still share is first copied (copy-on-write)."""
         table = self.tables.get(request.request_id, [])
-        num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        first_written = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        num_tokens = first_written + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - len(table) - len(cached_prefix)
+        shared = [
+            i
+            for i in range(
+                first_written // self.block_size, min(len(table), -(-num_tokens // self.block_size))
+            )
+            if table[i].ref_count > 1
+        ]
         # cached blocks nobody holds sit in the free queue: taking them shrinks what is left to allocate
         num_reclaimed = sum(1 for b in cached_prefix if b.ref_count == 0)
-        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+        if max(num_needed, 0) + len(shared) + reserve > self.pool.num_free_blocks - num_reclaimed:
             return False
         old_len = len(table)
+        if shared:
+            table = self._copy_on_write(request.request_id, table, shared)
         if cached_prefix:
             self.pool.touch(list(cached_prefix))
             table = table + list(cached_prefix)
@@ -71,9 +88,36 @@ class KVCacheManager:
         if num_needed > 0:
             table = table + self.pool.allocate(num_needed)
         self.tables[request.request_id] = table
-        if len(table) > old_len:
+        if shared:
+            self._write_row(request.request_id, shared[0], table)
+        elif len(table) > old_len:
             self._write_row(request.request_id, old_len, table)
         return True
+
+    def _copy_on_write(self, request_id: str, table: list[Block], shared: list[int]) -> list[Block]:
+        """The table with its shared blocks at these positions replaced by private copies of them."""
+        table = list(table)
+        copies = self.pool.allocate(len(shared))
+        self.pool.free([table[i] for i in shared])  # the siblings keep theirs
+        for i, copy in zip(shared, copies, strict=True):
+            self.pending_copies.append((table[i].block_id, copy.block_id))
+            table[i] = copy
+        return table
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """child shares every block of parent's table by reference; whichever writes into a shared block first
+        copies it then (allocate). Both must have the same tokens computed."""
+        table = list(self.tables.get(parent.request_id, []))
+        self.pool.touch(table)
+        self.tables[child.request_id] = table
+        self._num_cached[child.request_id] = self._num_cached.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes)
+        if table:
+            self._write_row(child.request_id, 0, table)
+
+    def drain_copies(self) -> list[tuple[int, int]]:
+        out, self.pending_copies = self.pending_copies, []
+        return out
 
     def _write_row(self, request_id: str, start: int, table: list[Block]) -> None:
         row = self._row_of.get(request_id)

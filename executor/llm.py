@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from executor.engine import Engine, StepOutput
 from executor.sampler import TokenLogprobs
@@ -38,12 +38,11 @@ class RequestOutput:
 
 @dataclass
 class _Tracked:
-    """One request's output as it grows: tokens, text, and stop-string state."""
+    """One request's output as it grows: each choice's tokens, text, and stop-string state."""
 
     output: RequestOutput
     params: SamplingParams
-    text: CompletionText
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    texts: list[CompletionText]  # by choice
 
 
 class LLM:
@@ -103,10 +102,12 @@ class LLM:
             request_id,
             prompt if isinstance(prompt, str) else None,
             request.prompt_token_ids,
-            [CompletionOutput(0, "", [])],
+            [CompletionOutput(i, "", []) for i in range(params.n)],
         )
-        text = CompletionText(self.tokenizer, request.prompt_token_ids, params.stop)
-        self._tracked[request_id] = _Tracked(output, params, text)
+        texts = [
+            CompletionText(self.tokenizer, request.prompt_token_ids, params.stop) for _ in range(params.n)
+        ]
+        self._tracked[request_id] = _Tracked(output, params, texts)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -126,26 +127,28 @@ class LLM:
     def _apply(self, tracked: _Tracked, step_out: StepOutput) -> None:
         if step_out.error is not None:  # add_request compiled its grammar first, so this is not expected
             raise RuntimeError(f"request {step_out.request_id}: {step_out.error}")
-        output, completion = tracked.output, tracked.output.outputs[0]
+        output, completion = tracked.output, tracked.output.outputs[step_out.index]
+        text = tracked.texts[step_out.index]
         output.num_cached_tokens = step_out.num_cached_tokens
         output.num_accepted_tokens = step_out.num_accepted_tokens
         if step_out.prompt_logprobs is not None:
             output.prompt_logprobs = [None, *step_out.prompt_logprobs]
         token_ids, reason = step_out.new_token_ids, step_out.finish_reason
-        kept = tracked.text.add(token_ids, finished=reason is not None)
+        kept = text.add(token_ids, finished=reason is not None)
         completion.token_ids.extend(token_ids[:kept])
         if tracked.params.logprobs is not None:
             completion.logprobs = completion.logprobs or []
             completion.logprobs.extend(step_out.new_logprobs[:kept])
-        completion.text = tracked.text.text
-        if tracked.text.stopped:
-            completion.stop_reason = tracked.text.stop_reason
+        completion.text = text.text
+        if text.stopped:
+            completion.stop_reason = text.stop_reason
             reason = "stop"
             if step_out.finish_reason is None:
-                self.engine.abort(output.request_id)
+                self.engine.abort(output.request_id, step_out.index)
         elif reason == "stop" and token_ids and token_ids[-1] in tracked.params.stop_token_ids:
             completion.stop_reason = token_ids[-1]  # EOS leaves it None, as in vLLM
         if reason is not None:
             completion.finish_reason = reason
+        if all(c.finish_reason is not None for c in output.outputs):
             output.finished = True
             self._tracked.pop(output.request_id, None)

@@ -96,6 +96,12 @@ class ModelRunner:
             rows = self.kv_cache.view(layers * kv, num_blocks, -1)
             rows.index_fill_(1, torch.tensor(block_ids), 0)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, destination) block's KV, every layer, K and V."""
+        if copies:
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies, strict=True))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager) -> StepLogits:
         """One step of the scheduler's work; a request whose tokens all have KV after it gets logits at its last
         token and at each of the proposals scheduled for verification."""

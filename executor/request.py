@@ -61,10 +61,18 @@ class Request:
     # with them, which sets it to None. A preemption keeps both, so no position is scored or sent twice.
     num_scored_prompt_tokens: int = 1
     prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
+    # parallel sampling (n > 1): the group's id (what the gateway knows it by) and this choice's index in it; the
+    # choice-0 request carries the others in forks until its prompt is prefilled, then they fork from it. Only
+    # choice 0 scores the prompt: the others start past it
+    group_id: str = ""
+    index: int = 0
+    forks: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        self.prompt_logprobs = [] if self.params.prompt_logprobs is not None else None
+        self.group_id = self.group_id or self.request_id
+        wants_prompt = self.params.prompt_logprobs is not None and self.index == 0
+        self.prompt_logprobs = [] if wants_prompt else None
 
     @property
     def num_prompt_tokens_to_score(self) -> int:
@@ -72,6 +80,11 @@ class Request:
         if self.prompt_logprobs is None:
             return 0
         return max(0, self.num_prompt_tokens - self.num_scored_prompt_tokens)
+
+    @property
+    def group_size(self) -> int:
+        """Sequences it will run as: itself and the choices still to fork from it."""
+        return 1 + len(self.forks)
 
     @property
     def num_prompt_tokens(self) -> int:

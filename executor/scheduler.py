@@ -112,7 +112,7 @@ class Scheduler:
                 # proposals never preempt anyone: drop them and schedule the plain decode
                 request.set_spec_tokens([])
                 num_new = request.num_tokens - request.num_computed_tokens
-            while not self.kv.allocate(request, num_new):
+            while not self.kv.allocate(request, num_new, reserve=len(request.forks)):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 budget = self.max_num_batched_tokens - out.num_tokens  # the victim's tokens come back
@@ -127,7 +127,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         for request in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or len(self.running) + request.group_size > self.max_num_seqs:
                 break
             if request.grammar is not None and not request.grammar.ready:
                 continue  # structured outputs: its grammar is still compiling; the ones behind it may start
@@ -136,7 +136,7 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate(request, num_new, cached):
+            if not self.kv.allocate(request, num_new, cached, reserve=len(request.forks)):
                 break
             self.waiting.remove(request)
             request.num_computed_tokens = len(cached) * self.kv.block_size
@@ -148,6 +148,26 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+
+    def fork(self, out: SchedulerOutput, parent: Request) -> list[Request]:
+        """Parallel sampling: the step out scheduled has just prefilled parent's prompt, so the choices waiting
+        in its forks start now, sharing its blocks, as if this step had computed their prompt too (their first
+        tokens come from the same logits). They run from here on as requests of their own."""
+        children = [
+            c for c in parent.forks if c.status is not RequestStatus.FINISHED
+        ]  # not aborted meanwhile
+        parent.forks = []
+        num_new = next(n for r, n in out.scheduled if r is parent)
+        for child in children:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.num_draft_computed = parent.num_draft_computed
+            child.first_scheduled_ns = parent.first_scheduled_ns
+            child.status = RequestStatus.RUNNING
+            self.kv.fork(parent, child)
+            self.running.append(child)
+            out.scheduled.append((child, num_new))
+        return children
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute later: drop its KV (the prefix cache keeps most of it) and requeue it first in line."""

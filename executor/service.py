@@ -43,10 +43,11 @@ class Owned:
     """A request running here for a gateway."""
 
     identity: bytes  # the gateway's ZeroMQ identity
-    request: Request
+    request: Request  # its first choice, which carries the prompt (n > 1: choices lists them all)
     tenant: str | None
     trace_id: str | None  # from the gateway's traceparent, for log lines, with tracing on or off
     parent: Context | None  # the gateway's span, only while tracing is on: its spans go out when it ends
+    choices: list[Request]
 
 
 class ExecutorService:
@@ -132,13 +133,17 @@ class ExecutorService:
         elif isinstance(msg, protocol.AbortRequest):
             # only the gateway that sent a request may abort it; an unknown id has most likely just finished
             owned = self.owners.get(msg.request_id)
-            if owned is not None and owned.identity == identity and self.engine.abort(msg.request_id):
+            if owned is None or owned.identity != identity:
+                return
+            stopped = self.engine.abort(msg.request_id, msg.index)
+            if stopped:
                 log.debug(
-                    "request %s aborted by its gateway",
+                    "request %s aborted by its gateway (choices %s)",
                     msg.request_id,
+                    stopped,
                     extra=_ids(msg.request_id, owned.trace_id),
                 )
-                self._finished(msg.request_id, "abort", 0)
+                self._finished(msg.request_id, stopped)
         else:
             request_id = getattr(msg, "request_id", None)
             raise protocol.ProtocolError(
@@ -166,7 +171,8 @@ class ExecutorService:
             self._send_error(identity, msg.request_id, str(error), 400, trace_id)
             return
         parent = tracing.parent_context(msg.traceparent) if tracing.enabled() else None
-        self.owners[msg.request_id] = Owned(identity, request, msg.tenant, trace_id, parent)
+        choices = list(self.engine.groups[msg.request_id])
+        self.owners[msg.request_id] = Owned(identity, request, msg.tenant, trace_id, parent, choices)
         log.debug(
             "request %s received from %s (tenant %s)",
             msg.request_id,
@@ -222,30 +228,36 @@ class ExecutorService:
                 logprobs,
                 out.finish_reason,
                 out.num_cached_tokens,
-                prompt_logprobs,
+                prompt_logprobs=prompt_logprobs,
+                index=out.index,
             )
         )
-        if out.finish_reason is not None:
+        if out.group_finished:
             self._release(out.request_id, out.finish_reason)
 
-    def _finished(self, request_id: str, reason: str, num_cached_tokens: int) -> None:
-        owned = self._release(request_id, reason)
-        self.outbox[owned.identity].append(
-            protocol.RequestUpdate(request_id, [], None, reason, num_cached_tokens)
-        )
+    def _finished(self, request_id: str, indexes: list[int]) -> None:
+        """Aborted choices end with an update each; the request is released once none of it runs."""
+        owned = self.owners[request_id]
+        for index in indexes or [0]:  # none left to stop: the gateway still hears that it ended
+            self.outbox[owned.identity].append(
+                protocol.RequestUpdate(request_id, [], None, "abort", 0, index)
+            )
+        if request_id not in self.engine.groups:
+            self._release(request_id, "abort")
 
     def _release(self, request_id: str, reason: str) -> Owned:
         """Forget a request that ended, for whatever reason; a traced one's spans go out now its life is known."""
         owned = self.owners.pop(request_id)
         r = owned.request
         log.info(
-            "request %s ended (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
+            "request %s ended (%s): %d prompt tokens (%d cached), %d choices, %d output tokens, %d preemptions",
             request_id,
             reason,
             r.num_prompt_tokens,
             max(0, r.num_cached_tokens),
-            r.num_output_tokens,
-            r.num_preemptions,
+            len(owned.choices),
+            sum(c.num_output_tokens for c in owned.choices),
+            sum(c.num_preemptions for c in owned.choices),
             extra=_ids(request_id, owned.trace_id),
         )
         if owned.parent is not None:
@@ -262,8 +274,7 @@ class ExecutorService:
     def _abort_all(self, why: str) -> None:
         for request_id, owned in list(self.owners.items()):
             log.info("aborting request %s: %s", request_id, why, extra=_ids(request_id, owned.trace_id))
-            self.engine.abort(request_id)
-            self._finished(request_id, "abort", 0)
+            self._finished(request_id, self.engine.abort(request_id))
 
     def _fail(self, identity: bytes, request_id: str, message: str) -> None:
         """An internal fault: the request ends with a 500, whatever state the engine has for it is dropped."""

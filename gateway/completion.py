@@ -63,14 +63,14 @@ MAX_EXECUTOR_LOSSES = 3
 class Routed:
     executor: ExecutorInfo  # changes if the first choice dies before answering
     request: protocol.GenerateRequest
-    generation: Generation
-    fresh: Callable[[], Generation]  # the generation as it starts, for a restart on another executor
+    generations: list[Generation]  # one per choice (n)
+    fresh: Callable[[], list[Generation]]  # the choices as they start, for a restart on another executor
     stream: bool
     include_usage: bool
     arrival: float  # time.monotonic() when the HTTP request came in
     caller: Caller
     span: RequestSpan
-    reserved_tokens: int  # prompt + max_tokens, taken from the caller's tokens-per-minute budget
+    reserved_tokens: int  # prompt + n x max_tokens, taken from the caller's tokens-per-minute budget
     tried: set[str] = dataclasses.field(default_factory=set)  # executors lost while serving it
     timing: ExecutorTiming = dataclasses.field(default_factory=ExecutorTiming)
     prefill_estimate: int = 0  # prompt tokens the chosen executor has to prefill, by its cached blocks
@@ -292,10 +292,11 @@ class Completions:
         self._uncount(routed)
         await self.client.release(routed.executor.address, routed.request.request_id)
         self.backlog.freed()
-        generation = routed.generation
-        usage = (generation.num_prompt_tokens, generation.output.num_tokens, generation.cached_tokens)
+        generation = routed.generations[0]
+        completion_tokens = sum(g.output.num_tokens for g in routed.generations)
+        usage = (generation.num_prompt_tokens, completion_tokens, generation.cached_tokens)
         tenant = routed.caller.tenant
-        self.metrics.requests.labels(tenant, routed.generation.endpoint, str(routed.status)).inc()
+        self.metrics.requests.labels(tenant, generation.endpoint, str(routed.status)).inc()
         self.metrics.prompt_tokens.labels(tenant).inc(usage[0])
         self.metrics.e2e.observe(time.monotonic() - routed.arrival)
         routed.span.finish(
@@ -354,8 +355,8 @@ class Completions:
             traceparent=span.traceparent(),
         )
 
-        def fresh() -> Generation:
-            return Generation.start(parsed, ids, params.stop, self.tokenizer)
+        def fresh() -> list[Generation]:
+            return Generation.start_all(parsed, ids, params.stop, self.tokenizer)
 
         return Routed(
             choice.executor,
@@ -367,7 +368,7 @@ class Completions:
             arrival,
             caller,
             span,
-            reserved_tokens=len(ids) + params.max_tokens,
+            reserved_tokens=len(ids) + params.n * params.max_tokens,  # n choices: n outputs, one prompt
             prefill_estimate=choice.prefill_estimate,
             held_s=choice.held_s,
             constraint_field=parsed.constraint_field,
@@ -397,7 +398,7 @@ class Completions:
             answered = False
             try:
                 async for update in self.client.updates(
-                    executor.address, routed.request.request_id, alive, routed.timing
+                    executor.address, routed.request.request_id, alive, routed.timing, len(routed.generations)
                 ):
                     if not answered:
                         answered = True
@@ -426,8 +427,10 @@ class Completions:
                         502, f"{len(routed.tried)} executors stopped answering this request", "server_error"
                     ) from None
                 if answered:  # nothing reached the client: what the lost executor made is discarded
-                    old = routed.generation
-                    routed.generation = dataclasses.replace(routed.fresh(), id=old.id, created=old.created)
+                    old = routed.generations[0]
+                    routed.generations = routed.fresh()
+                    for generation in routed.generations:
+                        generation.id, generation.created = old.id, old.created
                 await self._reroute(routed)
 
     async def _reroute(self, routed: Routed, avoid: set[str] = frozenset()) -> None:
@@ -443,7 +446,7 @@ class Completions:
         await self._submit(routed)
 
     async def _events(self, routed: Routed):
-        stream = EventStream(routed.generation, routed.include_usage)
+        stream = EventStream(routed.generations, routed.include_usage)
         try:
             async for update in self._updates(routed):
                 text = stream.update(
@@ -451,16 +454,23 @@ class Completions:
                     update.logprobs,
                     update.finish_reason,
                     update.num_cached_tokens,
+                    update.index,
                     update.prompt_logprobs,
                 )
                 if text:
                     yield text
-                if routed.generation.finished:
+                if stream.finished:
                     return  # a stop string matched: leaving the loop aborts the executor request
+                await self._stop_choice(routed, update)
         except Exception as caught:
             error = _as_api_error(caught, routed.request.request_id)
             self._failed(routed, error)
             yield error.sse_event()
+
+    async def _stop_choice(self, routed: Routed, update: protocol.RequestUpdate) -> None:
+        """n > 1: a stop string ended one choice while the others go on; the executor stops generating it."""
+        if update.finish_reason is None and routed.generations[update.index].stop_matched:
+            await self.client.abort(routed.executor.address, routed.request.request_id, update.index)
 
     def _failed(self, routed: Routed, error: APIError) -> None:
         routed.status, routed.error = error.status, error.message
@@ -481,16 +491,17 @@ class Completions:
     async def _whole(self, request: Request, routed: Routed) -> Response:
         async def collect() -> None:
             async for update in self._updates(routed):
-                generation = routed.generation  # a restart on another executor replaces it
-                generation.feed(
+                generations = routed.generations  # a restart on another executor replaces them
+                generations[update.index].feed(
                     update.token_ids,
                     update.logprobs,
                     update.finish_reason,
                     update.num_cached_tokens,
                     update.prompt_logprobs,
                 )
-                if generation.finished:
+                if all(g.finished for g in generations):
                     return
+                await self._stop_choice(routed, update)
 
         try:
             await _while_connected(request, collect())
@@ -505,6 +516,6 @@ class Completions:
                 EXECUTOR_HEADER: routed.executor.executor_id,
                 REQUEST_ID_HEADER: routed.request.request_id,
             }
-            return JSONResponse(response_body(routed.generation), headers=headers)
+            return JSONResponse(response_body(routed.generations), headers=headers)
         self._failed(routed, error)
         return error_response(error, routed.request.request_id, routed.executor.executor_id)

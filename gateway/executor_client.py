@@ -190,12 +190,15 @@ class ExecutorClient:
         request_id: str,
         is_alive: Callable[[], Awaitable[bool]],
         timing: ExecutorTiming | None = None,
+        num_choices: int = 1,
     ) -> AsyncIterator[protocol.RequestUpdate]:
-        """A submitted request's updates until it finishes. Leaving early (a client that went away, a stop
-        string matched) aborts it on the executor, so its blocks are freed. While no update comes, is_alive
-        is asked every LIVENESS_CHECK_S; an executor gone LIVENESS_MISSES times in a row raises ExecutorGone."""
+        """A submitted request's updates until it finishes (each of its num_choices has had its finish reason).
+        Leaving early (a client that went away, a stop string matched) aborts it on the executor, so its
+        blocks are freed. While no update comes, is_alive is asked every LIVENESS_CHECK_S; an executor gone
+        LIVENESS_MISSES times in a row raises ExecutorGone."""
         queue = self.streams[request_id]
         misses = 0
+        finished: set[int] = set()
         try:
             while True:
                 try:
@@ -215,9 +218,12 @@ class ExecutorClient:
                 if item.token_ids and timing is not None and timing.first_token is None:
                     timing.first_token = received
                 if item.finish_reason is not None:
+                    finished.add(item.index)
+                done = len(finished) >= num_choices
+                if done:
                     self._forget(request_id)
                 yield item
-                if item.finish_reason is not None:
+                if done:
                     return
         finally:
             await self.release(address, request_id)
@@ -239,9 +245,10 @@ class ExecutorClient:
             self.awaiting.discard(request_id)
             self.unanswered[self.sent_to[request_id]] -= 1
 
-    async def abort(self, address: str, request_id: str) -> None:
+    async def abort(self, address: str, request_id: str, index: int | None = None) -> None:
+        """Stop the request on the executor: every choice of it, or only choice index."""
         try:
-            await self._send(address, protocol.AbortRequest(request_id))
+            await self._send(address, protocol.AbortRequest(request_id, index))
         except zmq.Again:  # no connection to queue it on: the request never got there either
             log.debug("no abort for %s: %s has no connection to send it on", request_id, address)
         except zmq.ZMQError as error:

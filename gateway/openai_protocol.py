@@ -35,6 +35,7 @@ _SAMPLING_FIELDS = (
     "ignore_eos",
     "repetition_penalty",
     "logit_bias",
+    "n",  # choices: up to shared.sampling_params.MAX_N
 )
 
 
@@ -180,9 +181,6 @@ def model_not_found(model: str | None, served_models: Collection[str]) -> APIErr
 
 def _refuse_unsupported(body: dict) -> None:
     """Features we do not serve are refused by name rather than silently ignored."""
-    n = _typed(body, "n", int, "an integer", 1)
-    if n != 1:
-        raise invalid_request("n > 1 is not supported" if n > 1 else f"n must be at least 1, got {n}", "n")
     best_of = _typed(body, "best_of", int, "an integer", 1)
     if best_of != 1:
         raise invalid_request("best_of other than 1 is not supported", "best_of")
@@ -436,6 +434,12 @@ def parse_completion_request(raw: bytes, served_models: Collection[str]) -> Open
     logprobs = _typed(body, "logprobs", int, "an integer")
     echo = _typed(body, "echo", bool, "a boolean", False)
     prompt_logprobs = _typed(body, "prompt_logprobs", int, "an integer")
+    n = body.get("n")
+    if echo and isinstance(n, int) and n > 1 and (logprobs is not None or max_tokens == 0):
+        raise invalid_request(
+            f"echo with logprobs or max_tokens 0 scores the prompt, which is served with n = 1, got n = {n}",
+            "echo",
+        )
     sampling = _sampling(
         body, max_tokens, logprobs, {}, _prompt_scoring(echo, logprobs, max_tokens, prompt_logprobs)
     )

@@ -40,6 +40,7 @@ class Generation:
     tool_calls: ToolCallParser | None = (
         None  # a chat request with tools: the output's text is parsed for calls
     )
+    index: int = 0  # the choice it is (n > 1: each choice is a Generation of its own, under one id)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     # prompt logprobs: echo (completions) puts the prompt's text, and with logprobs its tokens' columns, before
@@ -58,8 +59,26 @@ class Generation:
         self.id = self.id or ("chatcmpl-" if self.endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
 
     @classmethod
-    def start(
+    def start_all(
         cls, request: OpenAIRequest, prompt_token_ids: Sequence[int], stop: Sequence[str], tokenizer
+    ) -> list[Generation]:
+        """Every choice the request asks for (its sampling's n), one id and creation time for all."""
+        first = cls.start(request, prompt_token_ids, stop, tokenizer)
+        others = [
+            cls.start(request, prompt_token_ids, stop, tokenizer, i) for i in range(1, request.sampling.n)
+        ]
+        for other in others:
+            other.id, other.created = first.id, first.created
+        return [first, *others]
+
+    @classmethod
+    def start(
+        cls,
+        request: OpenAIRequest,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str],
+        tokenizer,
+        index: int = 0,
     ) -> Generation:
         """stop comes from the final SamplingParams (already a list)."""
         tools = request.tools
@@ -80,6 +99,7 @@ class Generation:
             prompt_token_ids=prompt_token_ids,
             num_top_logprobs=request.sampling.logprobs or 0,
             prompt_logprobs_top=request.prompt_logprobs,
+            index=index,
         )
 
     @property
@@ -136,13 +156,7 @@ class Generation:
         return {"role": "assistant", "content": self.tool_calls.content or None, "tool_calls": calls}
 
     def usage(self) -> dict:
-        completion_tokens = self.output.num_tokens
-        return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.num_prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
+        return usage([self])
 
     def echo_entries(self) -> list[TokenLogprob]:
         """The prompt's tokens as echo's logprobs columns show them: the first with neither logprob nor top."""
@@ -169,30 +183,51 @@ class Generation:
         return self.formatter.completion(entries, text_offset)
 
 
-def response_body(generation: Generation) -> dict:
-    """The non-streaming answer: chat.completion or text_completion, once the generation has finished."""
-    logprobs = generation.logprobs_object(generation.echo_entries() + generation.logprobs, 0)
-    prompt_logprobs = generation.prompt_logprobs()
-    if generation.endpoint == "chat":
-        object_name = "chat.completion"
-        choice = {"index": 0, "message": generation.message()}
-        choice |= {"logprobs": logprobs, "finish_reason": generation.finish_reason}
-    else:
-        object_name = "text_completion"
-        text = (generation.echo or "") + generation.output.text
-        choice = {"index": 0, "text": text, "logprobs": logprobs}
-        choice["finish_reason"] = generation.finish_reason
-        choice |= prompt_logprobs
-    body = {
-        "id": generation.id,
-        "object": object_name,
-        "created": generation.created,
-        "model": generation.model,
-        "choices": [choice],
-        "usage": generation.usage(),
+def usage(choices: Sequence[Generation]) -> dict:
+    """The prompt counted once, however many choices were sampled from it; their completions all counted."""
+    first = choices[0]
+    completion_tokens = sum(c.output.num_tokens for c in choices)
+    return {
+        "prompt_tokens": first.num_prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": first.num_prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
-    if generation.endpoint == "chat":
-        body |= prompt_logprobs
+
+
+def _choices(generation: Generation | Sequence[Generation]) -> list[Generation]:
+    return [generation] if isinstance(generation, Generation) else list(generation)
+
+
+def response_body(generation: Generation | Sequence[Generation]) -> dict:
+    """The non-streaming answer: chat.completion or text_completion, once every choice has finished."""
+    generations = _choices(generation)
+    first = generations[0]
+    choices = []
+    for gen in generations:
+        logprobs = gen.logprobs_object(gen.echo_entries() + gen.logprobs, 0)
+        if gen.endpoint == "chat":
+            choice = {"index": gen.index, "message": gen.message()}
+            choices.append(choice | {"logprobs": logprobs, "finish_reason": gen.finish_reason})
+        else:
+            text = (gen.echo or "") + gen.output.text
+            choice = {
+                "index": gen.index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": gen.finish_reason,
+            }
+            choices.append(choice | gen.prompt_logprobs())
+    body = {
+        "id": first.id,
+        "object": "chat.completion" if first.endpoint == "chat" else "text_completion",
+        "created": first.created,
+        "model": first.model,
+        "choices": choices,
+        "usage": usage(generations),
+    }
+    if first.endpoint == "chat":
+        body |= first.prompt_logprobs()  # vLLM puts a chat's on the response
     return body
 
 
@@ -204,10 +239,11 @@ class EventStream:
     """Server-sent events as OpenAI sends them: (chat) a role chunk first, content chunks, a finish chunk with an
     empty delta, the usage chunk with `choices: []` if include_usage, then `data: [DONE]`."""
 
-    def __init__(self, generation: Generation, include_usage: bool) -> None:
-        self.generation = generation
+    def __init__(self, generation: Generation | Sequence[Generation], include_usage: bool) -> None:
+        self.choices = _choices(generation)  # n > 1: each choice's chunks carry its index, usage comes once
+        self.generation = self.choices[0]
         self.include_usage = include_usage
-        self._started = False
+        self._started: set[int] = set()
 
     def _chunk(self, choices: list[dict], usage: dict | None = None, extra: dict | None = None) -> str:
         chat = self.generation.endpoint == "chat"
@@ -223,14 +259,19 @@ class EventStream:
         return _event(payload | (extra or {}))
 
     def _choice(
-        self, text: str | None, logprobs: dict | None, finish_reason: str | None, tool_calls=()
+        self, index: int, text: str | None, logprobs: dict | None, finish_reason: str | None, tool_calls=()
     ) -> dict:
         if self.generation.endpoint == "chat":
             delta = {} if text is None else {"content": text}
             if tool_calls:
                 delta = {"tool_calls": [call.chunk_entry() for call in tool_calls]}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"text": text or "", "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"text": text or "", "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has ended (and [DONE] gone out)."""
+        return all(c.finished for c in self.choices)
 
     def update(
         self,
@@ -238,35 +279,38 @@ class EventStream:
         logprobs: Sequence[object | None] | None,  # wire lists or TokenLogprobs objects, one per token
         finish_reason: str | None,
         cached_tokens: int,
+        index: int = 0,
         prompt_logprobs: Sequence[object] | None = None,
     ) -> str:
-        """The events one executor update produces (possibly none); the last call's end with [DONE]."""
-        generation = self.generation
+        """The events one executor update of choice index produces (possibly none); once every choice has
+        ended, the usage chunk (if asked for) and [DONE]."""
+        generation = self.choices[index]
         if generation.finished:
             return ""
         events = []
         delta = generation.feed(token_ids, logprobs, finish_reason, cached_tokens, prompt_logprobs)
-        if not self._started and generation.endpoint == "chat":
+        if index not in self._started and generation.endpoint == "chat":
             role = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
+            choice = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
             events.append(self._chunk([choice], extra=generation.prompt_logprobs()))
-        elif not self._started and (generation.echo or generation.prompt_logprobs_top is not None):
+        elif index not in self._started and (generation.echo or generation.prompt_logprobs_top is not None):
             echoed = generation.logprobs_object(generation.echo_entries(), 0) if generation.echo else None
-            choice = self._choice(generation.echo or "", echoed, None) | generation.prompt_logprobs()
+            choice = self._choice(index, generation.echo or "", echoed, None) | generation.prompt_logprobs()
             events.append(self._chunk([choice]))  # the prompt comes first
-        self._started = True
+        self._started.add(index)
         logprobs_object = (
-            self.generation.logprobs_object(delta.logprobs, delta.text_offset) if delta.logprobs else None
+            generation.logprobs_object(delta.logprobs, delta.text_offset) if delta.logprobs else None
         )
         if delta.text:
-            events.append(self._chunk([self._choice(delta.text, logprobs_object, None)]))
+            events.append(self._chunk([self._choice(index, delta.text, logprobs_object, None)]))
             logprobs_object = None
         if delta.tool_calls:
-            events.append(self._chunk([self._choice(None, logprobs_object, None, delta.tool_calls)]))
+            events.append(self._chunk([self._choice(index, None, logprobs_object, None, delta.tool_calls)]))
             logprobs_object = None
         if delta.finish_reason is not None:
-            events.append(self._chunk([self._choice(None, logprobs_object, delta.finish_reason)]))
-            if self.include_usage:
-                events.append(self._chunk([], self.generation.usage()))
-            events.append(DONE_EVENT)
+            events.append(self._chunk([self._choice(index, None, logprobs_object, delta.finish_reason)]))
+            if self.finished:
+                if self.include_usage:
+                    events.append(self._chunk([], usage(self.choices)))
+                events.append(DONE_EVENT)
         return "".join(events)

@@ -50,6 +50,7 @@ class AbortRequest:
     TYPE: ClassVar[str] = "abort"
 
     request_id: str
+    index: int | None = None  # n > 1: only this choice (a stop string ended it); None: every choice
 
 
 @dataclass(slots=True)
@@ -64,6 +65,7 @@ class RequestUpdate:
     # sampling prompt_logprobs: every prompt token's but the first (which has none), in order, once, with the
     # request's first update that has tokens (or its end); each entry at most MAX_PROMPT_LOGPROBS top entries
     prompt_logprobs: list[TokenLogprobsWire] | None = None
+    index: int = 0  # which choice of the request (n > 1); absent from older peers, which send one choice
 
 
 @dataclass(slots=True)
@@ -195,7 +197,8 @@ def _read_generate(f: _Fields) -> GenerateRequest:
 
 
 def _read_abort(f: _Fields) -> AbortRequest:
-    return AbortRequest(request_id=f.text("request_id"))
+    index = f.get("index", lambda v: v is None or (_is_int(v) and v >= 0), "nil or an integer >= 0", None)
+    return AbortRequest(request_id=f.text("request_id"), index=index)
 
 
 def _read_step(f: _Fields) -> StepBatch:
@@ -222,6 +225,7 @@ def _read_step(f: _Fields) -> StepBatch:
                     "nil or a list of [token_id, logprob, rank, top] entries",
                     None,
                 ),
+                index=u.get("index", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0),
             )
         )
     return StepBatch(outputs=updates)

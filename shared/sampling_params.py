@@ -13,6 +13,9 @@ MAX_PROMPT_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_REPETITION_PENALTY = 2.0  # SGLang's range is [0, 2]; 0 would divide by zero here, so (0, 2]
+# choices one request may ask for (OpenAI allows 128, vLLM sets no bound): each is a sequence of its own in the
+# executor's batch, so a few dozen already fill a CPU step; an executor also refuses n above its --max-num-seqs
+MAX_N = 32
 
 
 def _integer(name: str, value: object) -> int:
@@ -85,13 +88,19 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
     # vLLM's: the logprob of every prompt token (the first has none) and this many top entries per position
     prompt_logprobs: int | None = None
+    # choices sampled from the one prompt (parallel sampling: the prompt's KV blocks are shared between them)
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= _integer("n", self.n) <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         wants_prompt = self.prompt_logprobs is not None
         if wants_prompt and not 0 <= _integer("prompt_logprobs", self.prompt_logprobs) <= MAX_PROMPT_LOGPROBS:
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {self.prompt_logprobs}"
             )
+        if wants_prompt and self.n > 1:  # the prompt is one, scored once: ask it of one choice
+            raise ValueError(f"prompt_logprobs is served with n = 1, got n = {self.n}")
         # max_tokens 0 scores the prompt without generating, which only prompt logprobs can report
         least = 0 if self.prompt_logprobs is not None else 1
         if _integer("max_tokens", self.max_tokens) < least:
@@ -137,6 +146,11 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_wire(self.structured_outputs)
+
+    def choice_seed(self, index: int) -> int | None:
+        """Choice index's seed: the request's own for the first (so n=1 and choice 0 agree), then seed + index as
+        vLLM derives them, so a seeded request is reproducible and its choices differ."""
+        return None if self.seed is None else self.seed + index
 
     @property
     def greedy(self) -> bool:

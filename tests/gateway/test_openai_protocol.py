@@ -170,9 +170,15 @@ def test_body_too_large_is_413():
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
         ({"logprobs": True, "top_logprobs": "5"}, "top_logprobs", "top_logprobs must be an integer"),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs requires logprobs"),
-        ({"n": 2}, "n", "n > 1 is not supported"),
         ({"echo": True}, "echo", "echo is served on /v1/completions only"),
         ({"prompt_logprobs": 50}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
+        ({"n": 33}, "n", "n must be in [1, 32], got 33"),
+        ({"n": "2"}, "n", "n must be an integer"),
+        (
+            {"n": 2, "prompt_logprobs": 1},
+            "prompt_logprobs",
+            "prompt_logprobs is served with n = 1, got n = 2",
+        ),
         ({"logit_bias": {"a": 1}}, "logit_bias", "logit_bias keys must be token ids"),
         ({"logit_bias": {"5": 200}}, "logit_bias", "logit_bias[5] must be in [-100, 100]"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "got 'xml'"),
@@ -226,7 +232,7 @@ def test_body_too_large_is_413():
         ),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "--tool-call-parser"),
         ({"functions": [{"name": "f"}]}, "functions", "send tools and tool_choice instead"),
-        ({"n": 0}, "n", "n must be at least 1"),
+        ({"n": 0}, "n", "n must be in [1, 32], got 0"),
         ({"messages": "hi"}, "messages", "messages must be a list"),
         ({"messages": []}, "messages", "messages must not be empty"),
         ({"messages": ["hi"]}, "messages[0]", "messages[0] must be an object"),
@@ -314,6 +320,9 @@ def test_missing_messages_is_400():
         ({"seed": 2**70}, "seed", "seed must fit in a signed 64-bit integer"),
         ({"logit_bias": {str(10**25): 1}}, "logit_bias", "logit_bias keys must be token ids"),
         ({"best_of": 3}, "best_of", "best_of"),
+        ({"n": 64}, "n", "n must be in [1, 32], got 64"),
+        ({"echo": True, "logprobs": 1, "n": 2}, "echo", "served with n = 1, got n = 2"),
+        ({"echo": True, "max_tokens": 0, "n": 3}, "echo", "served with n = 1, got n = 3"),
         ({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1"),
     ],
 )
@@ -396,6 +405,12 @@ def test_completion_request_fields():
     assert request.endpoint == "completion" and request.prompt == [5, 6, 7] and request.messages is None
     assert request.sampling.logprobs == 3 and request.sampling.stop == ["a", "b"]
     assert parse_completion_request(completion(prompt=["text"]), MODELS).prompt == "text"
+
+
+def test_n_is_served_on_both_endpoints():
+    assert parse_completion_request(completion(n=8), MODELS).sampling.n == 8
+    assert parse_chat_request(chat(n=32), MODELS).sampling.n == 32
+    assert parse_chat_request(chat(), MODELS).sampling.n == 1
 
 
 def test_fit_to_context_defaults():

@@ -223,7 +223,7 @@ def test_echo_puts_the_prompt_and_its_columns_first(tokenizer, stream):
     scored = [[t, -1.5, 2, [[HELLO, -0.5], [BANG, -0.7]]] for t in ids[1:]]  # top 2 computed, 1 shown
     update = ([HELLO], [Logprob(HELLO, -0.1, [(HELLO, -0.1)])], "length", 0, scored)
     if stream:
-        out = events(EventStream(gen, include_usage=False).update(*update))
+        out = events(EventStream(gen, include_usage=False).update(*update[:4], prompt_logprobs=update[4]))
         choices = [json.loads(e[6:])["choices"][0] for e in out[:-1]]
         assert choices[0]["text"] == prompt and choices[1]["text"] == "Hello"  # the prompt comes first
         columns = choices[0]["logprobs"]
@@ -239,3 +239,34 @@ def test_echo_puts_the_prompt_and_its_columns_first(tokenizer, stream):
     assert columns["top_logprobs"][:n] == [None] + [{"Hello": -0.5}] * (n - 1)
     assert columns["text_offset"][0] == 0 and columns["text_offset"][n - 1] < len(prompt)
     assert "prompt_logprobs" not in choices[0] if stream else "prompt_logprobs" not in choice
+
+
+def test_n_choices_stream_with_their_index_each_ends_on_its_own_and_usage_counts_the_prompt_once(tokenizer):
+    body = {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    request = parse_chat_request(json.dumps(body).encode(), MODELS)
+    params = fit_to_context(request, 5, 2048)
+    choices = Generation.start_all(request, [1, 2, 3, 4, 5], params.stop, tokenizer)
+    assert [c.index for c in choices] == [0, 1] and len({(c.id, c.created) for c in choices}) == 1
+    stream = EventStream(choices, include_usage=True)
+    out = events(
+        stream.update([HELLO], None, None, 0, index=1) + stream.update([THERE], None, "length", 0, index=1)
+    )
+    payloads = [json.loads(e[len("data: ") :]) for e in out]
+    assert [(p["choices"][0]["index"], p["choices"][0]["finish_reason"]) for p in payloads] == [
+        (1, None),  # its role chunk
+        (1, None),
+        (1, None),
+        (1, "length"),
+    ]
+    assert DONE_EVENT not in out  # choice 0 is still going
+    out = events(stream.update([BANG], None, "stop", 0, index=0))
+    assert out[-1] == DONE_EVENT and stream.finished
+    usage = json.loads(out[-2][len("data: ") :])["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (5, 3)
+    whole = response_body(choices)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "!", "stop"),
+        (1, "Hello there", "length"),
+    ]
+    assert whole["usage"]["total_tokens"] == 8

@@ -126,3 +126,21 @@ def test_required_output_is_read_as_the_call_json_it_was_constrained_to(tokenize
     assert calls[0]["function"]["name"] == "get_weather"
     assert "".join(entry["function"]["arguments"] for entry in calls) == '{"city": "Oslo"}'
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_with_n_choices_each_parses_its_own_calls(tokenizer):
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "n": 2}
+    request = parse_chat_request(json.dumps(body).encode(), ["m"], "hermes")
+    params = fit_to_context(request, 3, 2048)
+    choices = Generation.start_all(request, [1, 2, 3], params.stop, tokenizer)
+    for _, update in feed_tokens(tokenizer, choices[1], OUTPUT):
+        choices[1].feed(*update)
+    for _, update in feed_tokens(tokenizer, choices[0], "Sunny, I think."):
+        choices[0].feed(*update)
+    first, second = response_body(choices)["choices"]
+    assert (first["finish_reason"], first["message"]) == (
+        "stop",
+        {"role": "assistant", "content": "Sunny, I think."},
+    )
+    assert second["finish_reason"] == "tool_calls" and second["message"]["content"] == "Checking."
+    assert second["message"]["tool_calls"][0]["function"]["name"] == "get_weather"

@@ -32,12 +32,14 @@ MESSAGES = [
     ),
     GenerateRequest("req-2", [7]),
     AbortRequest("req-1"),
+    AbortRequest("req-1", index=3),
     StepBatch(
         [
             RequestUpdate("a", [5], [[5, -0.25, 1, [[5, -0.25], [9, -2.5]]]], None, 16),
             RequestUpdate("b", [6, 7], None, "length", 0),
             RequestUpdate("c", [], None, "abort", 0),
             RequestUpdate("d", [], None, "length", 0, [[9, -3.5, 4, [[2, -0.5]]], [4, -0.125, 1, []]]),
+            RequestUpdate("d", [8], None, "stop", 0, index=7),
         ]
     ),
     StepBatch([]),
@@ -132,6 +134,23 @@ def test_a_malformed_request_keeps_its_id_for_the_answer():
 
 def test_unknown_keys_are_ignored_so_fields_can_be_added_within_a_version():
     assert decode(_raw(v=PROTOCOL_VERSION, type="abort", request_id="r", priority=3)) == AbortRequest("r")
+
+
+def test_choice_indexes_default_for_peers_that_send_none_and_are_checked():
+    update = {
+        "request_id": "a",
+        "token_ids": [1],
+        "logprobs": None,
+        "finish_reason": None,
+        "num_cached_tokens": 0,
+    }
+    step = decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update]))
+    assert step.outputs[0].index == 0  # an older executor streams one choice, the first
+    assert decode(_raw(v=PROTOCOL_VERSION, type="abort", request_id="r")).index is None  # every choice
+    with pytest.raises(ProtocolError, match="'index' must be an integer >= 0"):
+        decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update | {"index": -1}]))
+    with pytest.raises(ProtocolError, match="'index' must be nil or an integer >= 0"):
+        decode(_raw(v=PROTOCOL_VERSION, type="abort", request_id="r", index="1"))
 
 
 def test_shared_protocol_imports_neither_side():
