@@ -240,7 +240,7 @@ class ExecutorService:
         owned = self.owners[request_id]
         for index in indexes or [0]:  # none left to stop: the gateway still hears that it ended
             self.outbox[owned.identity].append(
-                protocol.RequestUpdate(request_id, [], None, "abort", 0, index)
+                protocol.RequestUpdate(request_id, [], None, "abort", 0, index=index)
             )
         if request_id not in self.engine.groups:
             self._release(request_id, "abort")

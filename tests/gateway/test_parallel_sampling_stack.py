@@ -86,13 +86,20 @@ def test_a_seeded_n4_request_is_reproducible_and_its_choices_differ(stack):
 
 def test_stop_strings_end_each_choice_on_its_own(stack):
     free = texts(complete(stack, temperature=1.0, seed=5, n=3, max_tokens=30))
-    stop = free[0][len(free[0]) // 2 :][:3]
-    response = complete(stack, temperature=1.0, seed=5, n=3, max_tokens=30, stop=[stop])
-    for free_text, choice in zip(free, response.json()["choices"], strict=True):
-        if stop in free_text:
-            assert (choice["text"], choice["finish_reason"]) == (free_text[: free_text.index(stop)], "stop")
-        else:
-            assert (choice["text"], choice["finish_reason"]) == (free_text, "length")
+    # a stop string in choice 0's second half that the others never write
+    half = len(free[0]) // 2
+    stop = next(
+        free[0][i : i + 6]
+        for i in range(half, len(free[0]) - 6)
+        if all(free[0][i : i + 6] not in other for other in free[1:])
+    )
+    choices = complete(stack, temperature=1.0, seed=5, n=3, max_tokens=30, stop=[stop]).json()["choices"]
+    # until choice 0 stops, the batch is the free run's: it ends right before its stop string
+    assert (choices[0]["text"], choices[0]["finish_reason"]) == (free[0][: free[0].index(stop)], "stop")
+    # the others go on to max_tokens without it (past that point their batch is smaller than in the free run,
+    # and fp32 sums over another batch shape may change a sampled token, so their texts are not compared)
+    for choice in choices[1:]:
+        assert stop not in choice["text"] and choice["finish_reason"] == "length"
     assert eventually(lambda: kv_idle(stack[1]), timeout=10)
 
 
