@@ -144,8 +144,12 @@ def test_a_disconnect_mid_stream_frees_every_choice_and_its_blocks(stack):
                 seen.add(httpx.Response(200, content=line[6:]).json()["choices"][0]["index"])
             if len(seen) == 4:
                 break
-        load = executor.redis.hgetall(keys.load_key(executor.id))
-        assert int(load["running"]) == 4 and float(load["kv_usage"]) > 0
+
+        def all_running() -> bool:  # the load is published just after the step's tokens are sent
+            load = executor.redis.hgetall(keys.load_key(executor.id))
+            return int(load["running"]) == 4 and float(load["kv_usage"]) > 0
+
+        assert eventually(all_running, timeout=5)
     assert eventually(lambda: kv_idle(executor), timeout=10)
 
 
