@@ -178,6 +178,34 @@ def test_auto_streamed_is_the_whole_answer_and_never_leaks_the_tags(client):
     )
 
 
+def _earlier_call(i: int, city: str) -> dict:
+    arguments = json.dumps({"city": city})
+    function = {"name": "get_weather", "arguments": arguments}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": f"call_{i}", "type": "function", "function": function}],
+    }
+
+
+# two earlier turns answered with calls: the default model then writes a Hermes <tool_call> of its own (greedy)
+TWO_SHOT = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    _earlier_call(1, "Oslo"),
+    {"role": "user", "content": "Weather in Rome?"},
+    _earlier_call(2, "Rome"),
+    {"role": "user", "content": "Weather in Paris?"},
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_a_call_the_model_writes_itself(client, stream):
+    content, calls, finish = chat(client, stream, messages=TWO_SHOT, tool_choice="auto")
+    assert_valid_calls(calls, ["get_weather"])
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    assert finish == "tool_calls" and "tool_call" not in content
+
+
 def test_chat_template_flag_replaces_the_models_template(servers, default_model):
     _, own = servers
     answer = own.chat.completions.create(
