@@ -43,11 +43,10 @@ class Owned:
     """A request running here for a gateway."""
 
     identity: bytes  # the gateway's ZeroMQ identity
-    request: Request  # its first choice, which carries the prompt (n > 1: choices lists them all)
+    choices: list[Request]  # every choice (n > 1); the first carries the prompt
     tenant: str | None
     trace_id: str | None  # from the gateway's traceparent, for log lines, with tracing on or off
     parent: Context | None  # the gateway's span, only while tracing is on: its spans go out when it ends
-    choices: list[Request]
 
 
 class ExecutorService:
@@ -164,7 +163,7 @@ class ExecutorService:
             if unknown:
                 raise ValueError(f"sampling: unknown parameter {unknown[0]!r}")
             params = SamplingParams(**msg.sampling)
-            request = self.engine.add_request(
+            self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, params, msg.cache_salt, msg.block_hashes
             )
         except ValueError as error:
@@ -172,7 +171,7 @@ class ExecutorService:
             return
         parent = tracing.parent_context(msg.traceparent) if tracing.enabled() else None
         choices = list(self.engine.groups[msg.request_id])
-        self.owners[msg.request_id] = Owned(identity, request, msg.tenant, trace_id, parent, choices)
+        self.owners[msg.request_id] = Owned(identity, choices, msg.tenant, trace_id, parent)
         log.debug(
             "request %s received from %s (tenant %s)",
             msg.request_id,
@@ -248,7 +247,7 @@ class ExecutorService:
     def _release(self, request_id: str, reason: str) -> Owned:
         """Forget a request that ended, for whatever reason; a traced one's spans go out now its life is known."""
         owned = self.owners.pop(request_id)
-        r = owned.request
+        r = owned.choices[0]
         log.info(
             "request %s ended (%s): %d prompt tokens (%d cached), %d choices, %d output tokens, %d preemptions",
             request_id,

@@ -34,6 +34,18 @@ def eventually(check, timeout: float = 2.0) -> bool:
     return True
 
 
+def run_kvserve(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """A `kvserve` command run to its end in this checkout, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 class ServiceProcess:
     """A `kvserve` command as a child process logging to a file; stop() ends exactly that process."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import redis
 
 from shared.redis_server import start_redis_server
 from shared.redis_url import masked
-from tests.processes import REPO, GatewayProcess, eventually, free_port
+from tests.processes import GatewayProcess, eventually, free_port, run_kvserve
 
 PASSWORD = "s3cr3t-Pa55word"
 
@@ -47,14 +46,7 @@ def kvserve(*argv: str, url: str | None = None, timeout: float = 60) -> subproce
     env = {k: v for k, v in os.environ.items() if k != "KVSERVE_REDIS_URL"}
     if url is not None:
         env["KVSERVE_REDIS_URL"] = url
-    return subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", *argv],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_kvserve(*argv, env=env, timeout=timeout)
 
 
 def test_the_server_refuses_clients_without_the_password(server):

@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import sys
 
 import pytest
 import zmq.auth
 
 from shared.curve_keys import executor_keys, gateway_keys
-from tests.processes import REPO
+from tests.processes import run_kvserve
 
 KEY_FILES = ["executor.key", "executor.key_secret", "gateway.key", "gateway.key_secret"]
 
@@ -20,14 +19,7 @@ KEY_FILES = ["executor.key", "executor.key_secret", "gateway.key", "gateway.key_
 def kvserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVSERVE_CPU_KERNELS": "0"}
     env.pop("KVSERVE_CURVE_KEYS", None)
-    return subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return run_kvserve(*args, env=env, timeout=timeout)
 
 
 def test_curve_keys_writes_both_pairs_secrets_private_and_refuses_to_overwrite(tmp_path):
