@@ -9,6 +9,8 @@ void rotary_embedding_(at::Tensor query, at::Tensor key, const at::Tensor& cos, 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                        const at::Tensor& slot_mapping);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor pack_gemm_weight(const at::Tensor& weight);
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
@@ -16,4 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding of query and key, in place");
   m.def("reshape_and_cache", &reshape_and_cache, "write keys and values into the paged cache (slot -1: skip)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [tokens, 2 * intermediate]");
+  m.def("pack_gemm_weight", &pack_gemm_weight, "[N, K] weight -> [ceil(N / 16), K, 16] panels for small_gemm");
+  m.def("small_gemm", &small_gemm, "x W^T (+ b) for a few rows, from pack_gemm_weight's panels");
 }
