@@ -10,6 +10,7 @@
 // and each query head's output kept in registers while the values stream past (accumulating into memory cost
 // three memory operations per multiply-add).
 #include "cpu_vec.h"
+#include "dynamic_parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -191,32 +192,34 @@ at::Tensor decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor v
 
   // a sequence's kv heads together where there are sequences enough for every thread; else one a work item
   const int64_t per_item = S >= 2 * at::get_num_threads() ? Hkv : 1;
-  at::parallel_for(0, S * (Hkv / per_item), 1, [&](int64_t begin, int64_t end) {
+  struct Scratch {
     std::vector<float> scores;
     std::vector<const float*> keys, values;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t s = w / (Hkv / per_item), h = (w % (Hkv / per_item)) * per_item, n = len[s];
-      keys.resize(n);
-      values.resize(n);
-      // block by block: a division per position (j / B, j % B) cost as much as its dot product
-      for (int64_t j0 = 0; j0 < n; j0 += B) {
-        const int64_t first = (static_cast<int64_t>(tbl[s * M + j0 / B]) * B * Hkv + h) * D;
-        for (int64_t j = j0, end = std::min(n, j0 + B); j < end; ++j) {
-          keys[j] = k + first + (j - j0) * Hkv * D;
-          values[j] = v + first + (j - j0) * Hkv * D;
-        }
+  };
+  parallel_dynamic(S * (Hkv / per_item), [] { return Scratch{}; }, [&](int64_t w, Scratch& scratch) {
+    auto& keys = scratch.keys;
+    auto& values = scratch.values;
+    const int64_t s = w / (Hkv / per_item), h = (w % (Hkv / per_item)) * per_item, n = len[s];
+    keys.resize(n);
+    values.resize(n);
+    // block by block: a division per position (j / B, j % B) cost as much as its dot product
+    for (int64_t j0 = 0; j0 < n; j0 += B) {
+      const int64_t first = (static_cast<int64_t>(tbl[s * M + j0 / B]) * B * Hkv + h) * D;
+      for (int64_t j = j0, end = std::min(n, j0 + B); j < end; ++j) {
+        keys[j] = k + first + (j - j0) * Hkv * D;
+        values[j] = v + first + (j - j0) * Hkv * D;
       }
-      const Item item{q + s * qs + h * group * D, o + (s * Hq + h * group) * D, &keys, &values, n, per_item, group,
-                      D, fscale};
-      if (D == 64)
-        attend_vec<8>(item, scores);
-      else if (D == 128)
-        attend_vec<16>(item, scores);
-      else if (D == 32)
-        attend_vec<4>(item, scores);
-      else
-        attend_any(item, scores);
     }
+    const Item item{q + s * qs + h * group * D, o + (s * Hq + h * group) * D, &keys, &values, n, per_item, group,
+                    D, fscale};
+    if (D == 64)
+      attend_vec<8>(item, scratch.scores);
+    else if (D == 128)
+      attend_vec<16>(item, scratch.scores);
+    else if (D == 32)
+      attend_vec<4>(item, scratch.scores);
+    else
+      attend_any(item, scratch.scores);
   });
   return out;
 }

@@ -10,17 +10,12 @@
 // BLIS's Haswell kernel: two vector loads and six broadcasts feed twelve fused multiply-adds). The rows of x
 // beyond the first six reuse the panel from cache.
 //
-// Threads take panels from a shared counter rather than fixed halves: on a machine whose cores are shared with
-// other processes, a preempted thread's panels go to the thread that is running instead of the whole GEMM
-// waiting for it at the end.
+// Threads take panels from a shared counter (dynamic_parallel.h), not fixed halves.
 #include "cpu_vec.h"
+#include "dynamic_parallel.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <omp.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 namespace {
@@ -110,17 +105,6 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
       kKernels[rows](xp + r * ldx, ldx, panel, K, b == nullptr ? nullptr : b + col, yp + r * N + col, N, cols);
     }
   };
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), panels));
-  if (threads <= 1 || at::in_parallel_region()) {
-    for (int64_t p = 0; p < panels; ++p) run_panel(p);
-    return y;
-  }
-  std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(threads)
-  {
-    for (int64_t p = next.fetch_add(1, std::memory_order_relaxed); p < panels;
-         p = next.fetch_add(1, std::memory_order_relaxed))
-      run_panel(p);
-  }
+  parallel_dynamic(panels, [] { return 0; }, [&](int64_t p, int) { run_panel(p); });
   return y;
 }
