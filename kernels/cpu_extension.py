@@ -20,7 +20,10 @@ SOURCES = tuple(
     _CSRC / name
     for name in ("bindings.cpp", "decode_attention_cpu.cpp", "fused_cpu.cpp", "small_gemm_cpu.cpp")
 )
-HEADERS = (_CSRC / "cpu_vec.h", _CSRC / "dynamic_parallel.h")  # included by the sources: part of the build's name, not compiled alone
+HEADERS = (
+    _CSRC / "cpu_vec.h",
+    _CSRC / "dynamic_parallel.h",
+)  # included by the sources: part of the build's name, not compiled alone
 # no fused multiply-add contraction: the fused operations then round exactly as torch's separate ones do
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
