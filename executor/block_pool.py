@@ -26,10 +26,6 @@ class BlockPool:
         # ref_count == 0, oldest first: eviction takes from the front, free() appends at the back
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, Block] = {}
-        # the free queue starts in id order and never-used blocks stay at its front, so ids at or above
-        # this mark were never handed out: their memory is uninitialised and must be zeroed before use
-        self._high_water = 0
-        self.fresh_block_ids: list[int] = []
         # hash -> whether it was cached when first touched since the last drain; None: nobody publishes the
         # cache (offline use), so nothing accumulates
         self._events: dict[bytes, bool] | None = {} if record_events else None
@@ -61,9 +57,6 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
-            if block.block_id >= self._high_water:
-                self._high_water = block.block_id + 1
-                self.fresh_block_ids.append(block.block_id)
             out.append(block)
         return out
 

@@ -402,12 +402,11 @@ class Engine:
                 request.truncate_spec_tokens(request.grammar.valid_prefix(request.spec_token_ids))
 
     def _prepare_blocks(self) -> None:
-        """Before a forward pass writes into blocks just handed out: zero fresh ones, then fill copy-on-write
-        copies from the blocks they were copied from (in the draft model's cache too)."""
-        fresh, copies = self.pool.drain_fresh(), self.kv.drain_copies()
+        """Before a forward pass writes into blocks just handed out: fill copy-on-write copies from the blocks
+        they were copied from (in the draft model's cache too)."""
+        copies = self.kv.drain_copies()
         runners = [self.runner] if self.draft is None else [self.runner, self.draft.runner]
         for runner in runners:
-            runner.zero_blocks(fresh)
             runner.copy_blocks(copies)
 
     # -- introspection ----------------------------------------------------------------------------

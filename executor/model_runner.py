@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +16,20 @@ from executor.kv_cache_manager import KVCacheManager
 from executor.models import AttentionBatch, DecoderLM
 from executor.request import Request
 from kernels.backend import TORCH, AttentionBackend
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros, its pages mapped now, by both threads: anonymous memory, which the kernel fills
+    with zeros page by page on first touch, touched once per page here. The KV pool used to be torch.empty,
+    zeroed block by block at first use, and on this machine (a VM) those first touches cost ~1.8 ms per MB
+    inside the steps that happened to take fresh blocks (bench.step_profile: 43 ms of a 512-token prefill
+    step), which with never-used blocks handed out first went on until the whole pool had been used once.
+    Here they cost ~2.6 s per 4 GiB at start-up (torch.zeros, one thread writing every byte: 4.8 s)."""
+    count = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, count) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(buffer, dtype=dtype)[:count]
+    flat[:: max(1, mmap.PAGESIZE // dtype.itemsize)].zero_()  # one write per page maps it
+    return flat.view(shape)
 
 
 @dataclass(slots=True)
@@ -56,12 +72,13 @@ class ModelRunner:
         self.attention = attention
         self.block_size = block_size
         self.device = device
-        # every layer's K and V in one tensor, so zeroing fresh blocks is one op
+        # every layer's K and V in one tensor. It starts as zeros: attention reads a partly filled block's
+        # unwritten slots (masked, but NaN * 0 is NaN); a block used before holds finite values
         shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        # CPU: empty, since zeroing gigabytes up front costs seconds; blocks are zeroed on first use instead,
-        # as attention reads a partly filled block's unwritten slots (masked, but NaN * 0 is NaN)
-        alloc = torch.zeros if device.type == "cuda" else torch.empty
-        self.kv_cache = alloc(shape, dtype=dtype, device=device)
+        if device.type == "cuda":
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            self.kv_cache = host_zeros(shape, dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -89,12 +106,6 @@ class ModelRunner:
     def bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
         spec = model.spec
         return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
-
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        if block_ids and self.device.type != "cuda":
-            layers, kv, num_blocks = self.kv_cache.shape[:3]
-            rows = self.kv_cache.view(layers * kv, num_blocks, -1)
-            rows.index_fill_(1, torch.tensor(block_ids), 0)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) block's KV, every layer, K and V."""

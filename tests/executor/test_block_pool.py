@@ -48,15 +48,6 @@ def test_touching_a_free_cached_block_takes_it_out_of_eviction():
     assert other is blocks[1] and pool.num_free_blocks == 0
 
 
-def test_fresh_blocks_are_reported_once():
-    pool = BlockPool(4)
-    a = pool.allocate(2)
-    assert pool.drain_fresh() == [0, 1]
-    pool.free(a)
-    pool.allocate(3)  # blocks 2, 3 are new, then 0 again
-    assert pool.drain_fresh() == [2, 3]
-
-
 def test_shared_prefix_blocks_are_shared_and_last_token_never_hit():
     pool = BlockPool(16)
     kv = KVCacheManager(pool, 4)
