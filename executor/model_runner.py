@@ -19,9 +19,9 @@ from kernels.backend import TORCH, AttentionBackend
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros, its pages mapped now, by both threads, in 2 MiB pages where transparent huge pages
-    are on: anonymous memory, which the kernel fills with zeros page by page on first touch, touched once per
-    page here.
+    """A CPU tensor of zeros, its pages mapped now (by torch's threads), in 2 MiB pages where transparent huge
+    pages are on: anonymous memory, which the kernel fills with zeros page by page on first touch, touched once
+    per page here.
     - The KV pool used to be torch.empty, zeroed block by block at first use. On this machine (a VM) those first
       touches cost ~1.8 ms per MB inside the steps that happened to take fresh blocks (bench.step_profile: 43 ms
       of a 512-token prefill step), and never-used blocks are handed out first, so that went on until the whole
