@@ -18,11 +18,16 @@ log = logging.getLogger("kvserve.kernels")
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     _CSRC / name
-    for name in ("bindings.cpp", "decode_attention_cpu.cpp", "fused_cpu.cpp", "small_gemm_cpu.cpp")
+    for name in (
+        "bindings.cpp",
+        "decode_attention_cpu.cpp",
+        "fused_cpu.cpp",
+        "prefill_attention_cpu.cpp",
+        "small_gemm_cpu.cpp",
+    )
 )
-HEADERS = (
-    _CSRC / "cpu_vec.h",
-    _CSRC / "dynamic_parallel.h",
+HEADERS = tuple(
+    _CSRC / name for name in ("cpu_vec.h", "dynamic_parallel.h", "panel_kernel.h", "softmax_row.h")
 )  # included by the sources: part of the build's name, not compiled alone
 # no fused multiply-add contraction: the fused operations then round exactly as torch's separate ones do
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")

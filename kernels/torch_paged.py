@@ -1,7 +1,8 @@
 """Paged attention in batched torch ops: the CPU path, and the fallback where Triton is missing.
 
-On the CPU, decodes go to the C++ kernel (kernels/csrc) when it is built: it reads blocks in place, and a step
-of decodes alone is one call with no bookkeeping on the host (a query row per sequence). Otherwise
+On the CPU, attention is two C++ kernels (kernels/csrc) when they are built, both reading blocks in place: one for
+decodes (a step of decodes alone is one call with no bookkeeping on the host, a query row per sequence) and one
+for the chunks of two or more tokens, all of a step's in one call. Otherwise
 decodes (one query each) are sorted by context length and attended in a few groups, one SDPA call each, so
 padding to a group's longest context wastes little. Each prefill chunk gets its own call. Blocks are gathered
 with index_select on a [num_blocks, block_bytes] view: several times faster than advanced indexing on CPU.
@@ -89,13 +90,17 @@ def paged_attention(
     lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     decode_rows = [s for s, n in enumerate(q_lens) if n == 1]
-    if decode_rows and extension is not None:
-        rows = torch.tensor(decode_rows)
-        token_rows = query_start_loc[rows].long()
-        out[token_rows] = extension.decode_attention(
-            query[token_rows], key_cache, value_cache, block_table[rows], seq_lens[rows], scale
+    if extension is not None:
+        if decode_rows:
+            rows = torch.tensor(decode_rows)
+            token_rows = query_start_loc[rows].long()
+            out[token_rows] = extension.decode_attention(
+                query[token_rows], key_cache, value_cache, block_table[rows], seq_lens[rows], scale
+            )
+        extension.prefill_attention_(
+            out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale
         )
-        decode_rows = []
+        return out
     for group in decode_groups(lens, decode_rows):
         rows = torch.tensor(group, device=query.device)
         tables = block_table[rows, : -(-lens[group[0]] // block_size)]

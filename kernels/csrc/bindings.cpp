@@ -3,6 +3,9 @@
 
 torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                torch::Tensor block_table, torch::Tensor seq_lens, double scale);
+void prefill_attention_(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                        const at::Tensor& query_start_loc, double scale);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
 void rotary_embedding_(at::Tensor query, at::Tensor key, const at::Tensor& cos, const at::Tensor& sin);
@@ -14,6 +17,8 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
+  m.def("prefill_attention_", &prefill_attention_,
+        "paged causal attention of the chunks of two or more tokens, into out (float32, CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding of query and key, in place");
   m.def("reshape_and_cache", &reshape_and_cache, "write keys and values into the paged cache (slot -1: skip)");

@@ -11,6 +11,7 @@
 // three memory operations per multiply-add).
 #include "cpu_vec.h"
 #include "dynamic_parallel.h"
+#include "softmax_row.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,7 +24,6 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
 static_assert(Vec::size() == 8, "the vector path assumes 8-float vectors");
 
 // lane p of the result = the sum of the lanes of v[p]
@@ -47,36 +47,6 @@ inline float dot_vec(const float* q, const float* k) {
   Vec acc(0.f);
   for (int i = 0; i < kVec; ++i) acc = at::vec::fmadd(Vec::loadu(q + 8 * i), Vec::loadu(k + 8 * i), acc);
   return at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
-}
-
-// the largest of n scores, eight lanes at a time: std::max_element kept its running maximum in memory, a
-// store-to-load round trip per score that took an eighth of the kernel's time
-inline float max_of(const float* row, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  int64_t j = 0;
-  if (n >= 8) {
-    Vec vmx = Vec::loadu(row);
-    for (j = 8; j + 8 <= n; j += 8) vmx = at::vec::maximum(vmx, Vec::loadu(row + j));
-    mx = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, vmx);
-  }
-  for (; j < n; ++j) mx = std::max(mx, row[j]);
-  return mx;
-}
-
-// exp(row - max) in place; returns the sum (the caller divides once at the end)
-inline float exp_shifted(float* row, int64_t n) {
-  const float mx = max_of(row, n);
-  const Vec vmx(mx);
-  Vec total(0.f);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const Vec e = (Vec::loadu(row + j) - vmx).exp();
-    e.store(row + j);
-    total = total + e;
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, total);
-  for (; j < n; ++j) sum += (row[j] = std::exp(row[j] - mx));
-  return sum;
 }
 
 inline float dot_any(const float* a, const float* b, int64_t n) {

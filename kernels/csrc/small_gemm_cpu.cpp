@@ -6,69 +6,19 @@
 // call, packing the activations and walking its blocking for large matrices, is paid on every one of the ~120
 // GEMMs of a step). Here the weight is packed once, at load time, into panels of 16 output columns whose K rows
 // lie one after another, so that a panel streams in one sequential read; a register-blocked kernel then keeps
-// 6 rows x 16 columns of the output in 12 vector registers while the panel's rows pass by (the 6x16 shape of
-// BLIS's Haswell kernel: two vector loads and six broadcasts feed twelve fused multiply-adds). The rows of x
+// 6 rows x 16 columns of the output in registers while the panel's rows pass by (panel_kernel.h). The rows of x
 // beyond the first six reuse the panel from cache.
 //
 // Threads take panels from a shared counter (dynamic_parallel.h), not fixed halves.
-#include "cpu_vec.h"
 #include "dynamic_parallel.h"
+#include "panel_kernel.h"
 
 #include <ATen/ATen.h>
 #include <algorithm>
-#include <cmath>
 
-namespace {
-
-constexpr int64_t kCols = 16;  // output columns a panel holds (two vectors)
-constexpr int kRows = 6;       // output rows the kernel holds in registers
-
-// y[r, 0:cols] = x[r, :] . panel (+ bias) for MR rows; the panel is [K, 16], zero-padded past the matrix.
-// Twelve named accumulators, not an array: GCC kept an array of them on the stack, storing every one on every k.
-template <int MR>
-inline void kernel(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias, float* y,
-                   int64_t ldy, int64_t cols) {
-#if defined(CPU_CAPABILITY_AVX2)
-  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
-         b4 = a0, a5 = a0, b5 = a0;
-  const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx, *x5 = x4 + ldx;
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 lo = _mm256_loadu_ps(panel + k * kCols), hi = _mm256_loadu_ps(panel + k * kCols + 8);
-#define KVSERVE_ROW(r)                                   \
-  if (MR > r) {                                          \
-    const __m256 v = _mm256_broadcast_ss(x##r + k);      \
-    a##r = _mm256_fmadd_ps(v, lo, a##r);                 \
-    b##r = _mm256_fmadd_ps(v, hi, b##r);                 \
-  }
-    KVSERVE_ROW(0) KVSERVE_ROW(1) KVSERVE_ROW(2) KVSERVE_ROW(3) KVSERVE_ROW(4) KVSERVE_ROW(5)
-#undef KVSERVE_ROW
-  }
-  float padded[kCols] = {0.f};
-  if (bias != nullptr) std::copy(bias, bias + cols, padded);
-  const __m256 c0 = _mm256_loadu_ps(padded), c1 = _mm256_loadu_ps(padded + 8);
-  const __m256 rows[kRows][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
-  for (int r = 0; r < MR; ++r) {
-    float tmp[kCols];
-    float* out = cols == kCols ? y + r * ldy : tmp;
-    _mm256_storeu_ps(out, _mm256_add_ps(rows[r][0], c0));
-    _mm256_storeu_ps(out + 8, _mm256_add_ps(rows[r][1], c1));
-    if (cols != kCols) std::copy(tmp, tmp + cols, y + r * ldy);
-  }
-#else
-  for (int r = 0; r < MR; ++r) {
-    float acc[kCols] = {0.f};
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < kCols; ++j) acc[j] = std::fma(x[r * ldx + k], panel[k * kCols + j], acc[j]);
-    for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = acc[j] + (bias != nullptr ? bias[j] : 0.f);
-  }
-#endif
-}
-
-using Kernel = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr Kernel kKernels[kRows + 1] = {nullptr,   &kernel<1>, &kernel<2>, &kernel<3>,
-                                        &kernel<4>, &kernel<5>, &kernel<6>};
-
-}  // namespace
+using panel_gemm::kCols;
+using panel_gemm::kKernels;
+using panel_gemm::kRows;
 
 // weight [N, K] -> panels [ceil(N / 16), K, 16]: column j of panel p is output p * 16 + j (zeros past N)
 at::Tensor pack_gemm_weight(const at::Tensor& weight) {

@@ -50,6 +50,18 @@ def test_cpu_decode_kernel_matches_reference(case):
     assert torch.allclose(kernels.paged_attention(*args, scale=0.17), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 40), (6, 2, 128)])
+def test_cpu_prefill_kernel_matches_reference(heads, kv_heads, dim):
+    """Long chunks, chunks after cached context and decodes in one call, in SmolLM2's shape (9 heads sharing 3
+    kv heads of 64) and in head sizes that are not a multiple of the kernel's 16 columns."""
+    if cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    q_lens, seq_lens = [1, 300, 7, 1, 97, 2], [50, 300, 200, 1, 130, 2]
+    args = random_batch(q_lens, seq_lens, heads=heads, kv_heads=kv_heads, dim=dim, seed=3)
+    expected = reference.paged_attention(*args, scale=dim**-0.5)
+    assert torch.allclose(kernels.paged_attention(*args, scale=dim**-0.5), expected, atol=1e-5)
+
+
 def test_reshape_and_cache_matches_reference():
     g = torch.Generator().manual_seed(1)
     key, value = torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
