@@ -26,20 +26,22 @@ inline float max_of(const float* row, int64_t n) {
   return mx;
 }
 
-// exp(row - max) in place; returns the sum (the caller divides once at the end)
-inline float exp_shifted(float* row, int64_t n) {
-  const float mx = max_of(row, n);
-  const Vec vmx(mx);
+// exp(row - m) in place; returns the sum (the caller divides once at the end)
+inline float exp_minus(float* row, int64_t n, float m) {
+  const Vec vm(m);
   Vec total(0.f);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const Vec e = (Vec::loadu(row + j) - vmx).exp();
+    const Vec e = (Vec::loadu(row + j) - vm).exp();
     e.store(row + j);
     total = total + e;
   }
   float sum = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, total);
-  for (; j < n; ++j) sum += (row[j] = std::exp(row[j] - mx));
+  for (; j < n; ++j) sum += (row[j] = std::exp(row[j] - m));
   return sum;
 }
+
+// exp(row - max(row)) in place; returns the sum
+inline float exp_shifted(float* row, int64_t n) { return exp_minus(row, n, max_of(row, n)); }
 
 }  // namespace

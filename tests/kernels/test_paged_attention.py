@@ -50,6 +50,21 @@ def test_cpu_decode_kernel_matches_reference(case):
     assert torch.allclose(kernels.paged_attention(*args, scale=0.17), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 64), (8, 2, 128), (4, 4, 32), (6, 3, 40)])
+@pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 300, 333], [333]], ids=["many", "one"])
+@pytest.mark.parametrize("scale", [0.125, 1.0], ids=["flat", "peaked"])
+def test_cpu_decode_kernel_block_by_block(heads, kv_heads, dim, seq_lens, scale):
+    """The decode kernel's running softmax across blocks: query heads per kv head of 1 to 4 (tiles of three
+    and what is left), head sizes of its vector paths and one of none, full and partial last blocks, a
+    sequence's kv heads in one work item (many sequences) and apart (one), and scores whose maximum moves
+    late (peaked), so that the output is rescaled."""
+    if cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    args = random_batch([1] * len(seq_lens), seq_lens, heads=heads, kv_heads=kv_heads, dim=dim, seed=5)
+    expected = reference.paged_attention(*args, scale=scale)
+    assert torch.allclose(kernels.paged_attention(*args, scale=scale), expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 40), (6, 2, 128)])
 def test_cpu_prefill_kernel_matches_reference(heads, kv_heads, dim):
     """Long chunks, chunks after cached context and decodes in one call, in SmolLM2's shape (9 heads sharing 3
