@@ -3,14 +3,22 @@
 
 The build is cached under a name of its own per source files (their place and text) and flags. With one name
 for all, two checkouts or installs on a machine rewrote each other's build file and ninja rebuilt the kernels
-(about a minute on two cores) each time the other had run, stalling the first request that needed them."""
+(about a minute on two cores) each time the other had run, stalling the first request that needed them.
+
+Builds of one name take turns under an flock of their own. torch's lock is a file that a process killed while
+building (an executor stopped during its first start) leaves behind, and every later start then waited for it
+forever, never registering; the kernel releases an flock when its holder dies, and under it a torch lock file
+can only be stale."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger("kvserve.kernels")
@@ -36,7 +44,10 @@ _LDFLAGS = ("-fopenmp",)
 
 def build_name(sources: tuple[Path, ...], cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:
     """The extension's module (and build directory) name for these source files, their text and the flags."""
+    import torch
+
     digest = hashlib.blake2b(digest_size=6)
+    digest.update(f"{torch.__version__} py{sys.version_info[0]}.{sys.version_info[1]}".encode() + b"\0")
     for source in sources:
         digest.update(str(source.resolve()).encode() + b"\0" + source.read_bytes() + b"\0")
     for part in (*cflags, "|", *ldflags):
@@ -49,6 +60,28 @@ def kernels_enabled() -> bool:
     return os.environ.get("KVSERVE_CPU_KERNELS", "1") != "0"
 
 
+def build_directory(name: str) -> Path:
+    """Where the build of this name lives: under $TORCH_EXTENSIONS_DIR, else torch's default root."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+
+
+def kernels_build_directory() -> Path:
+    """The build directory of these sources with these flags."""
+    return build_directory(build_name(SOURCES + HEADERS, _CFLAGS, _LDFLAGS))
+
+
+@contextlib.contextmanager
+def exclusive_build(directory: Path):
+    """This process alone builds or loads in directory until the block ends (or the process dies)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "kvserve-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)  # torch's own: every builder holds ours first, so stale
+        yield
+
+
 @functools.cache
 def cpu_kernels():
     """The compiled module, or None where it is turned off or cannot be built."""
@@ -57,13 +90,17 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            name=build_name(SOURCES + HEADERS, _CFLAGS, _LDFLAGS),
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=list(_LDFLAGS),
-            verbose=False,
-        )
+        name = build_name(SOURCES + HEADERS, _CFLAGS, _LDFLAGS)
+        directory = kernels_build_directory()
+        with exclusive_build(directory):
+            return load(
+                name=name,
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as error:  # a missing compiler or ninja: serve with the torch path, and say so
         log.warning("CPU kernels unavailable (%s); using torch ops", error)
         return None

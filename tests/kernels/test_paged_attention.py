@@ -110,28 +110,6 @@ def test_decode_groups_cover_every_row_once_with_little_padding():
         assert padded <= 1.25 * sum(lengths[s] for s in group) or len(group) == 1
 
 
-def test_each_checkout_and_version_of_the_cpu_kernel_builds_under_its_own_name(tmp_path):
-    """One shared name made two checkouts on a machine rebuild the kernel (a minute) each after the other ran."""
-    from kernels.cpu_extension import build_name
-
-    here, there = tmp_path / "a" / "kernel.cpp", tmp_path / "b" / "kernel.cpp"
-    for path in (here, there):
-        path.parent.mkdir()
-        path.write_text("int f() { return 1; }")
-        (path.parent / "other.cpp").write_text("int g() { return 1; }")
-    mine, theirs = (here, here.parent / "other.cpp"), (there, there.parent / "other.cpp")
-    flags = (("-O3",), ("-fopenmp",))
-    assert build_name(mine, *flags) == build_name(mine, *flags)
-    assert build_name(mine, *flags).isidentifier()  # it is also the Python module's name
-    assert build_name(mine, *flags) != build_name(theirs, *flags)
-    assert build_name(mine, ("-O2",), ("-fopenmp",)) != build_name(mine, *flags)
-    here.write_text("int f() { return 2; }")
-    assert build_name(mine, *flags) != build_name(theirs, *flags)
-    (there.parent / "other.cpp").write_text("int g() { return 2; }")  # any source of the module counts
-    here.write_text("int f() { return 1; }")
-    assert build_name(mine, *flags) != build_name(theirs, *flags)
-
-
 def test_the_torch_backend_builds_the_cpu_kernels_before_serving(monkeypatch):
     built = []
     monkeypatch.setattr(torch_paged, "cpu_kernels", lambda: built.append(True))
