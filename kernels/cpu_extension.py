@@ -90,11 +90,10 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        name = build_name(SOURCES + HEADERS, _CFLAGS, _LDFLAGS)
         directory = kernels_build_directory()
         with exclusive_build(directory):
             return load(
-                name=name,
+                name=directory.name,
                 sources=[str(s) for s in SOURCES],
                 extra_cflags=list(_CFLAGS),
                 extra_ldflags=list(_LDFLAGS),

@@ -84,10 +84,8 @@ def paged_attention(
     if extension is not None and query.shape[0] == block_table.shape[0]:
         # as many query tokens as sequences, and each has at least one: a step of decodes only
         return extension.decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale)
-    block_size = key_cache.shape[1]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     decode_rows = [s for s, n in enumerate(q_lens) if n == 1]
     if extension is not None:
@@ -101,6 +99,8 @@ def paged_attention(
             out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale
         )
         return out
+    block_size = key_cache.shape[1]
+    lens = seq_lens.tolist()
     for group in decode_groups(lens, decode_rows):
         rows = torch.tensor(group, device=query.device)
         tables = block_table[rows, : -(-lens[group[0]] // block_size)]
