@@ -6,15 +6,18 @@
 // The cache is far larger than any CPU cache and each block is read once a step, so the kernel is bound by
 // how fast blocks come from memory. It takes one block at a time, keys and values together, with the softmax
 // kept running across blocks (its maximum and sum per query head, the output rescaled when the maximum
-// grows), and as it starts on a block asks for all of the next one's keys and values, into L2. The kernel
-// before it made two passes (keys of every position, then values), fetching a few positions ahead into L1:
-// 32 sequences x 350 positions, 30 layers, took 53-55 ms against 38-42 ms now; fetching from the first block
-// on or two blocks ahead was slower (43-49 ms).
+// grows), and while it works on a block asks for the next one's keys and values, into L2, a share of them
+// before each query head. 32 sequences x 350 positions, 30 layers: the two-pass kernel before (keys of every
+// position, then values, fetching a few positions ahead into L1) took 53-55 ms, this one asking for the whole
+// next block at once as it started a block 38-42 ms (the arithmetic waited behind the burst of fetches, which
+// leave the core no faster than memory answers them), spread over the query heads 26-28 ms, against 19-22 ms
+// for a loop that only reads the same blocks.
 //
 // For head sizes that are a multiple of 8 the loops run on at::vec's 8-float vectors with explicit fused
-// multiply-adds (the build turns off contraction for the other kernels' sake): each key vector is loaded
-// once for up to three query heads of its group, exponentials are vectorized (Sleef, as torch), and each
-// query head's output stays in registers while a block's values stream past.
+// multiply-adds (the build turns off contraction for the other kernels' sake). A query head is scored against
+// eight keys at once, eight running sums whose lanes are added across in one shuffle tree (a horizontal sum
+// per key took a third of the arithmetic); exponentials are vectorized (Sleef, as torch), and each query
+// head's output stays in registers while a block's values stream past.
 #include "cpu_vec.h"
 #include "dynamic_parallel.h"
 #include "softmax_row.h"
@@ -30,8 +33,6 @@
 namespace {
 
 static_assert(Vec::size() == 8, "the vector path assumes 8-float vectors");
-
-constexpr int kQueryTile = 3;  // query heads scored together against each key vector
 
 // one sequence's kv heads [h0, h0 + heads) and the query heads that share them
 struct Item {
@@ -65,72 +66,137 @@ inline void prefetch_block(const Item& it, int64_t b) {
     }
 }
 
-// out[t * out_stride] = q_t . key for the T query heads q, q + D, ... (D = 8 * kVec)
-template <int kVec, int T>
-inline void score_tile(const float* q, const float* key, float* out, int64_t out_stride) {
-  Vec acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = Vec(0.f);
-  for (int i = 0; i < kVec; ++i) {
-    const Vec k = Vec::loadu(key + 8 * i);
-    for (int t = 0; t < T; ++t) acc[t] = at::vec::fmadd(Vec::loadu(q + t * 8 * kVec + 8 * i), k, acc[t]);
-  }
-  for (int t = 0; t < T; ++t)
-    out[t * out_stride] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc[t]);
+// lane-wise maximum, without at::vec::maximum's NaN propagation (scores are finite or -inf)
+inline Vec max_lanes(Vec a, Vec b) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return _mm256_max_ps(a, b);
+#else
+  return at::vec::maximum(a, b);
+#endif
 }
 
-// rows' running softmax after a block's scores row[0:len): the maximum so far, exp(score - maximum) in
-// place, the sum so far; the output (dim floats) is rescaled when the maximum grows
-inline void softmax_step(float* row, int64_t len, float& mx, float& sum, float* out, int64_t dim) {
-  const float block_max = max_of(row, len);
-  if (block_max > mx) {
-    if (sum > 0.f) {
-      const float factor = std::exp(mx - block_max);
-      sum *= factor;
-      for (int64_t d = 0; d < dim; ++d) out[d] *= factor;
-    }
-    mx = block_max;
+// the sums of eight vectors, as one vector: lane p holds the sum of a[p]'s lanes
+inline Vec sum8(const Vec* a) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+  float s[8];
+  for (int p = 0; p < 8; ++p) s[p] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, a[p]);
+  return Vec::loadu(s);
+#endif
+}
+
+// the scores of query q (D = 8 * kVec floats, already scaled) against 8 keys from key, stride apart
+template <int kVec>
+inline Vec score8(const float* q, const float* key, int64_t stride) {
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  const float *k0 = key, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride, *k4 = k3 + stride,
+              *k5 = k4 + stride, *k6 = k5 + stride, *k7 = k6 + stride;
+  for (int i = 0; i < 8 * kVec; i += 8) {
+    const __m256 qi = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k0 + i), a0);
+    a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k1 + i), a1);
+    a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k2 + i), a2);
+    a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k3 + i), a3);
+    a4 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k4 + i), a4);
+    a5 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k5 + i), a5);
+    a6 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k6 + i), a6);
+    a7 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k7 + i), a7);
   }
-  sum += exp_minus(row, len, mx);
+  const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+  const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+  alignas(32) float s[8];
+  for (int p = 0; p < 8; ++p) {
+    Vec acc(0.f);
+    for (int i = 0; i < kVec; ++i) acc = at::vec::fmadd(Vec::loadu(q + 8 * i), Vec::loadu(key + p * stride + 8 * i), acc);
+    s[p] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
+  }
+  return Vec::loadu(s);
+#endif
 }
 
 template <int kVec>
 void attend_vec(const Item& it, std::vector<float>& scratch) {
   constexpr int64_t D = 8 * kVec;
   const int64_t rows = it.heads * it.group, B = it.B, blocks = (it.n + B - 1) / B;
-  scratch.resize(rows * (B + 2));
-  float* scores = scratch.data();  // [rows, B]: the block's
-  float* mx = scores + rows * B;
+  const int64_t Bp = (B + 7) / 8 * 8;  // a block's scores, padded to whole vectors (-inf past its positions)
+  scratch.resize(rows * (Bp + D + 2));
+  float* scores = scratch.data();  // [rows, Bp]: the block's
+  float* qs = scores + rows * Bp;  // [rows, D]: the queries, scaled
+  float* mx = qs + rows * D;
   float* sum = mx + rows;
+  for (int64_t j = 0; j < rows * D; ++j) qs[j] = it.q[j] * it.scale;
   std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
   std::fill(sum, sum + rows, 0.f);
   std::fill(it.o, it.o + rows * D, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b + 1 < blocks) prefetch_block(it, b + 1);
     const int64_t len = std::min(B, it.n - b * B), first = static_cast<int64_t>(it.blocks[b]) * B * it.stride;
     const float* kb = it.k + first;
     const float* vb = it.v + first;
-    for (int64_t p = 0; p < len; ++p)
-      for (int64_t h = 0; h < it.heads; ++h) {
-        const float* key = kb + p * it.stride + h * D;
-        for (int64_t g = 0; g < it.group; g += kQueryTile) {
-          const int64_t r = h * it.group + g;
-          const float* q = it.q + r * D;
-          float* out = scores + r * B + p;
-          switch (std::min<int64_t>(kQueryTile, it.group - g)) {
-            case 1: score_tile<kVec, 1>(q, key, out, B); break;
-            case 2: score_tile<kVec, 2>(q, key, out, B); break;
-            default: score_tile<kVec, 3>(q, key, out, B); break;
+    // the next block: the item's keys and values of a block are one range each where the item has all kv heads,
+    // and a share of its cache lines is asked for before each query head; else all of them now
+    const float* kn = b + 1 < blocks ? it.k + static_cast<int64_t>(it.blocks[b + 1]) * B * it.stride : nullptr;
+    const float* vn = kn == nullptr ? nullptr : it.v + (kn - it.k);
+    const bool spread = it.heads * D == it.stride;
+    const int64_t lines = (B * it.stride + 15) / 16;
+    if (kn != nullptr && !spread) prefetch_block(it, b + 1);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (kn != nullptr && spread)
+        for (int64_t l = r * lines / rows; l < (r + 1) * lines / rows; ++l) {
+          prefetch_l2(kn + 16 * l);
+          prefetch_l2(vn + 16 * l);
+        }
+      const int64_t offset = (r / it.group) * D;
+      float* row = scores + r * Bp;
+      for (int64_t p = 0; p < len; p += 8) {
+        if (p + 8 <= len) {
+          score8<kVec>(qs + r * D, kb + p * it.stride + offset, it.stride).store(row + p);
+          continue;
+        }
+        // the last positions: those past len lie in the block too (read, then masked) unless the block ends first
+        if (p + 8 <= B) {
+          score8<kVec>(qs + r * D, kb + p * it.stride + offset, it.stride).store(row + p);
+        } else {
+          for (int64_t j = p; j < len; ++j) {
+            const float* key = kb + j * it.stride + offset;
+            Vec acc(0.f);
+            for (int i = 0; i < kVec; ++i) acc = at::vec::fmadd(Vec::loadu(qs + r * D + 8 * i), Vec::loadu(key + 8 * i), acc);
+            row[j] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
           }
         }
+        std::fill(row + len, row + p + 8, -std::numeric_limits<float>::infinity());
       }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* row = scores + r * B;
-      for (int64_t p = 0; p < len; ++p) row[p] *= it.scale;
-      softmax_step(row, len, mx[r], sum[r], it.o + r * D, D);
-      const int64_t offset = (r / it.group) * D;
+      const int64_t lenp = (len + 7) / 8 * 8;
+      Vec vmx = Vec::loadu(row);
+      for (int64_t p = 8; p < lenp; p += 8) vmx = max_lanes(vmx, Vec::loadu(row + p));
+      const float block_max = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return max_lanes(x, y); }, vmx);
       float* orow = it.o + r * D;
       Vec acc[kVec];
       for (int i = 0; i < kVec; ++i) acc[i] = Vec::loadu(orow + 8 * i);
+      if (block_max > mx[r]) {
+        if (sum[r] > 0.f) {
+          const float factor = std::exp(mx[r] - block_max);
+          sum[r] *= factor;
+          const Vec f(factor);
+          for (int i = 0; i < kVec; ++i) acc[i] = acc[i] * f;
+        }
+        mx[r] = block_max;
+      }
+      const Vec vm(mx[r]);
+      Vec total(0.f);
+      for (int64_t p = 0; p < lenp; p += 8) {
+        const Vec e = (Vec::loadu(row + p) - vm).exp();
+        e.store(row + p);
+        total = total + e;
+      }
+      sum[r] += at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, total);
       for (int64_t p = 0; p < len; ++p) {
         const float* value = vb + p * it.stride + offset;
         const Vec w(row[p]);

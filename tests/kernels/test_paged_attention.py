@@ -53,16 +53,37 @@ def test_cpu_decode_kernel_matches_reference(case):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 64), (8, 2, 128), (4, 4, 32), (6, 3, 40)])
 @pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 300, 333], [333]], ids=["many", "one"])
 @pytest.mark.parametrize("scale", [0.125, 1.0], ids=["flat", "peaked"])
-def test_cpu_decode_kernel_block_by_block(heads, kv_heads, dim, seq_lens, scale):
-    """The decode kernel's running softmax across blocks: query heads per kv head of 1 to 4 (tiles of three
-    and what is left), head sizes of its vector paths and one of none, full and partial last blocks, a
-    sequence's kv heads in one work item (many sequences) and apart (one), and scores whose maximum moves
-    late (peaked), so that the output is rescaled."""
+@pytest.mark.parametrize("block_size", [16, 12, 4])
+def test_cpu_decode_kernel_block_by_block(heads, kv_heads, dim, seq_lens, scale, block_size):
+    """The decode kernel's running softmax across blocks: query heads per kv head of 1 to 4, head sizes of its
+    vector paths and one of none, full and partial last blocks, blocks of a multiple of its 8 scores at a time
+    and not, a sequence's kv heads in one work item (many sequences) and apart (one), and scores whose maximum
+    moves late (peaked), so that the output is rescaled."""
     if cpu_kernels() is None:
         pytest.skip("the C++ CPU kernels could not be built here")
-    args = random_batch([1] * len(seq_lens), seq_lens, heads=heads, kv_heads=kv_heads, dim=dim, seed=5)
+    args = random_batch(
+        [1] * len(seq_lens), seq_lens, block_size, heads=heads, kv_heads=kv_heads, dim=dim, seed=5
+    )
     expected = reference.paged_attention(*args, scale=scale)
     assert torch.allclose(kernels.paged_attention(*args, scale=scale), expected, atol=1e-5)
+
+
+def test_cpu_decode_kernel_ignores_what_lies_past_the_context():
+    """A partial last block's unused positions hold whatever the pool had there (here NaN): the kernel reads
+    them with the rest of the block and must leave them out of the scores and the values."""
+    if cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    seq_lens = [1, 5, 17, 40, 333]
+    query, key_cache, value_cache, table, lens, starts = random_batch(
+        [1] * len(seq_lens), seq_lens, heads=9, kv_heads=3, dim=64, seed=7
+    )
+    expected = reference.paged_attention(query, key_cache, value_cache, table, lens, starts, scale=0.125)
+    for row, n in enumerate(seq_lens):
+        last = table[row, (n - 1) // 16]
+        key_cache[last, n % 16 or 16 :] = float("nan")
+        value_cache[last, n % 16 or 16 :] = float("nan")
+    out = kernels.paged_attention(query, key_cache, value_cache, table, lens, starts, scale=0.125)
+    assert torch.allclose(out, expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 40), (6, 2, 128)])
