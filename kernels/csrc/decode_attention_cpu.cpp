@@ -20,6 +20,7 @@
 // head's output stays in registers while a block's values stream past.
 #include "cpu_vec.h"
 #include "dynamic_parallel.h"
+#include "prefetch.h"
 #include "softmax_row.h"
 
 #include <ATen/ATen.h>
@@ -45,16 +46,6 @@ struct Item {
   int64_t heads, group, dim;
   float scale;
 };
-
-// the 64-byte line at p, towards L2. GCC 12 at -O3 deleted a loop nest of __builtin_prefetch calls whole (it
-// has no effect the compiler must keep), so on x86 it is an instruction the compiler may not drop.
-inline void prefetch_l2(const float* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
 
 // block b's keys and values of the item's heads, towards L2
 inline void prefetch_block(const Item& it, int64_t b) {

@@ -140,7 +140,7 @@ void prefill_attention_(at::Tensor out, const at::Tensor& query, const at::Tenso
         const int64_t seen_padded = (seen + kCols - 1) / kCols * kCols;
         const float* qr = q + (ch.start + r0) * qs + head * D;
         for (int64_t p = 0; p < seen_padded / kCols; ++p)
-          kKernels[rows](qr, qs, keys_t + p * D * kCols, D, nullptr, sc + p * kCols, padded, kCols);
+          kKernels[rows](qr, qs, keys_t + p * D * kCols, D, nullptr, sc + p * kCols, padded, kCols, nullptr, 0);
         float inv[kRows];
         for (int64_t r = 0; r < rows; ++r) {
           float* row = sc + r * padded;
@@ -152,7 +152,7 @@ void prefill_attention_(at::Tensor out, const at::Tensor& query, const at::Tenso
         float* orow = o + (ch.start + r0) * os + head * D;
         for (int64_t p = 0; p < dim_panels; ++p)
           kKernels[rows](sc, padded, vals + p * padded * kCols, seen, nullptr, orow + p * kCols, os,
-                         std::min(kCols, D - p * kCols));
+                         std::min(kCols, D - p * kCols), nullptr, 0);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t d = 0; d < D; ++d) orow[r * os + d] *= inv[r];
       }

@@ -9,7 +9,12 @@
 // 6 rows x 16 columns of the output in registers while the panel's rows pass by (panel_kernel.h). The rows of x
 // beyond the first six reuse the panel from cache.
 //
-// Threads take panels from a shared counter (dynamic_parallel.h), not fixed halves.
+// Threads take work from a shared counter (dynamic_parallel.h), not fixed halves. At 7 to 96 rows a work item is a
+// run of up to 8 consecutive panels, and while the row blocks pass over one panel they ask for the next one's
+// lines into L2, a share each, so that the first row block of the next panel does not wait on memory (one layer's
+// GEMMs x 30 at 32 rows, weights cold: 46.6 -> 41.7 ms, the LM head 12.3 -> 10.4; at 8 rows 21.9 -> 17.8). With
+// fewer rows the GEMM is memory-bound already and the fetches only cost; with more, a panel's row blocks take
+// long enough for the hardware's own prefetch, and long runs balance the threads worse.
 #include "dynamic_parallel.h"
 #include "panel_kernel.h"
 
@@ -47,14 +52,25 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  auto run_panel = [&](int64_t p) {
+  const int64_t row_blocks = (M + kRows - 1) / kRows;
+  const int64_t fetch_per_block = (K + row_blocks - 1) / row_blocks;  // of the next panel's K lines
+  const int64_t fetch_every = std::max<int64_t>(1, (K + fetch_per_block - 1) / fetch_per_block);
+  auto run_panel = [&](int64_t p, bool fetch_next) {
     const int64_t col = p * kCols, cols = std::min(kCols, N - col);
     const float* panel = wp + p * K * kCols;
-    for (int64_t r = 0; r < M; r += kRows) {
+    for (int64_t r = 0, i = 0; r < M; r += kRows, ++i) {
       const int64_t rows = std::min<int64_t>(kRows, M - r);
-      kKernels[rows](xp + r * ldx, ldx, panel, K, b == nullptr ? nullptr : b + col, yp + r * N + col, N, cols);
+      const float* fetch = fetch_next && i * fetch_per_block < K ? panel + (K + i * fetch_per_block) * kCols : nullptr;
+      kKernels[rows](xp + r * ldx, ldx, panel, K, b == nullptr ? nullptr : b + col, yp + r * N + col, N, cols, fetch,
+                     fetch_every);
     }
   };
-  parallel_dynamic(panels, [] { return 0; }, [&](int64_t p, int) { run_panel(p); });
+  const int64_t run = M > kRows && M <= 16 * kRows
+                          ? std::clamp<int64_t>(panels / (4 * at::get_num_threads()), 1, 8)
+                          : 1;  // panels a work item
+  parallel_dynamic((panels + run - 1) / run, [] { return 0; }, [&](int64_t item, int) {
+    const int64_t end = std::min(panels, (item + 1) * run);
+    for (int64_t p = item * run; p < end; ++p) run_panel(p, p + 1 < end);
+  });
   return y;
 }

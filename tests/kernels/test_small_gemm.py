@@ -26,7 +26,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor, k: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 16, 33, 130])
-@pytest.mark.parametrize(("k", "n"), [(576, 960), (37, 16), (64, 3), (100, 49)])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (37, 16), (64, 3), (100, 49), (37, 650)])
 def test_matches_float64_for_every_row_remainder_and_ragged_widths(rows: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
