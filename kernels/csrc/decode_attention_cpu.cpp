@@ -8,10 +8,10 @@
 // kept running across blocks (its maximum and sum per query head, the output rescaled when the maximum
 // grows), and while it works on a block asks for the next one's keys and values, into L2, a share of them
 // before each query head. 32 sequences x 350 positions, 30 layers: the two-pass kernel before (keys of every
-// position, then values, fetching a few positions ahead into L1) took 53-55 ms, this one asking for the whole
-// next block at once as it started a block 38-42 ms (the arithmetic waited behind the burst of fetches, which
-// leave the core no faster than memory answers them), spread over the query heads 26-28 ms, against 19-22 ms
-// for a loop that only reads the same blocks.
+// position, then values, fetching a few positions ahead into L1) took 53-55 ms against 38-42 ms for one asking
+// for the whole next block at once as it started a block; in another session, that one against this one in one
+// process, 40.3 -> 32.0 ms (the arithmetic had waited behind the burst of fetches, which leave the core no
+// faster than memory answers them), where a loop that only reads the same blocks takes 19-22 ms.
 //
 // For head sizes that are a multiple of 8 the loops run on at::vec's 8-float vectors with explicit fused
 // multiply-adds (the build turns off contraction for the other kernels' sake). A query head is scored against
@@ -55,29 +55,6 @@ inline void prefetch_block(const Item& it, int64_t b) {
       prefetch_l2(it.k + first + p * it.stride + f);
       prefetch_l2(it.v + first + p * it.stride + f);
     }
-}
-
-// lane-wise maximum, without at::vec::maximum's NaN propagation (scores are finite or -inf)
-inline Vec max_lanes(Vec a, Vec b) {
-#if defined(CPU_CAPABILITY_AVX2)
-  return _mm256_max_ps(a, b);
-#else
-  return at::vec::maximum(a, b);
-#endif
-}
-
-// the sums of eight vectors, as one vector: lane p holds the sum of a[p]'s lanes
-inline Vec sum8(const Vec* a) {
-#if defined(CPU_CAPABILITY_AVX2)
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-#else
-  float s[8];
-  for (int p = 0; p < 8; ++p) s[p] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, a[p]);
-  return Vec::loadu(s);
-#endif
 }
 
 // the scores of query q (D = 8 * kVec floats, already scaled) against 8 keys from key, stride apart
@@ -146,12 +123,8 @@ void attend_vec(const Item& it, std::vector<float>& scratch) {
         }
       const int64_t offset = (r / it.group) * D;
       float* row = scores + r * Bp;
+      // whole groups of 8 positions; those past len lie in the block too (read, then masked) unless it ends first
       for (int64_t p = 0; p < len; p += 8) {
-        if (p + 8 <= len) {
-          score8<kVec>(qs + r * D, kb + p * it.stride + offset, it.stride).store(row + p);
-          continue;
-        }
-        // the last positions: those past len lie in the block too (read, then masked) unless the block ends first
         if (p + 8 <= B) {
           score8<kVec>(qs + r * D, kb + p * it.stride + offset, it.stride).store(row + p);
         } else {
@@ -162,12 +135,10 @@ void attend_vec(const Item& it, std::vector<float>& scratch) {
             row[j] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
           }
         }
-        std::fill(row + len, row + p + 8, -std::numeric_limits<float>::infinity());
+        if (p + 8 > len) std::fill(row + len, row + p + 8, -std::numeric_limits<float>::infinity());
       }
       const int64_t lenp = (len + 7) / 8 * 8;
-      Vec vmx = Vec::loadu(row);
-      for (int64_t p = 8; p < lenp; p += 8) vmx = max_lanes(vmx, Vec::loadu(row + p));
-      const float block_max = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return max_lanes(x, y); }, vmx);
+      const float block_max = max_of(row, lenp);
       float* orow = it.o + r * D;
       Vec acc[kVec];
       for (int i = 0; i < kVec; ++i) acc[i] = Vec::loadu(orow + 8 * i);
@@ -180,14 +151,7 @@ void attend_vec(const Item& it, std::vector<float>& scratch) {
         }
         mx[r] = block_max;
       }
-      const Vec vm(mx[r]);
-      Vec total(0.f);
-      for (int64_t p = 0; p < lenp; p += 8) {
-        const Vec e = (Vec::loadu(row + p) - vm).exp();
-        e.store(row + p);
-        total = total + e;
-      }
-      sum[r] += at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, total);
+      sum[r] += exp_minus(row, lenp, mx[r]);
       for (int64_t p = 0; p < len; ++p) {
         const float* value = vb + p * it.stride + offset;
         const Vec w(row[p]);
