@@ -26,6 +26,7 @@ from gateway.index_reader import IndexReader
 from gateway.last_resort import LastResort
 from gateway.metrics import GatewayMetrics
 from gateway.metrics_listener import MetricsListener
+from gateway.request_limits import DEFAULT_LIMITS, RequestLimits
 from gateway.router import Router
 from gateway.tenancy import Tenancy
 from shared.curve_keys import CurveKeys
@@ -53,6 +54,7 @@ class GatewayConfig:
     metrics_port: int | None = None
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" is refused without one
     curve: CurveKeys | None = None  # --curve-keys: this gateway's CURVE pair and the executors' public key
+    limits: RequestLimits = DEFAULT_LIMITS  # what one request may ask for (gateway/request_limits.py)
 
 
 class Gateway:
@@ -81,6 +83,7 @@ class Gateway:
             self.metrics,
             Backlog(self.router, self.config.queue_timeout),
             self.config.tool_call_parser,
+            self.config.limits,
         )
         if self.config.metrics_port is not None:
             metrics_app = Starlette(

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gateway.request_limits import add_request_limit_args, request_limits
 from gateway.routing_cost import ROUTING_POLICIES
 from gateway.tools import TOOL_CALL_PARSERS
 from shared.curve_keys import GATEWAY, CurveKeyError, add_curve_keys_arg, gateway_keys
@@ -82,6 +83,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s; `up` passes it on to its executors)",
     )
     add_curve_keys_arg(parser, GATEWAY)
+    add_request_limit_args(parser)
 
 
 def _seconds(text: str) -> float:
@@ -153,6 +155,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         metrics_port=args.metrics_port,
         tool_call_parser=args.tool_call_parser,
         curve=curve,
+        limits=request_limits(args),
     )
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")

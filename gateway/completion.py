@@ -38,6 +38,7 @@ from gateway.openai_protocol import (
     parse_completion_request,
 )
 from gateway.prompt import prompt_token_ids
+from gateway.request_limits import DEFAULT_LIMITS, RequestLimits
 from gateway.request_span import RequestSpan
 from gateway.responses import EventStream, Generation, response_body
 from gateway.router import Choice, Router
@@ -184,6 +185,7 @@ class Completions:
         metrics: GatewayMetrics,
         backlog: Backlog,
         tool_call_parser: str | None = None,
+        limits: RequestLimits = DEFAULT_LIMITS,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -194,6 +196,7 @@ class Completions:
         self.metrics = metrics
         self.backlog = backlog
         self.tool_call_parser = tool_call_parser
+        self.limits = limits
         self.background: set[asyncio.Task] = set()
 
     async def serve(self, request: Request, endpoint: str) -> Response:
@@ -321,9 +324,9 @@ class Completions:
         check_content_type(request.headers.get("content-type"))
         raw = await _body(request)
         if endpoint == "chat":
-            parsed = parse_chat_request(raw, [self.model_name], self.tool_call_parser)
+            parsed = parse_chat_request(raw, [self.model_name], self.tool_call_parser, self.limits)
         else:
-            parsed = parse_completion_request(raw, [self.model_name])
+            parsed = parse_completion_request(raw, [self.model_name], self.limits)
         started = time.time_ns()
         ids = prompt_token_ids(parsed, self.tokenizer)
         span.child("tokenize", started, {"gen_ai.usage.input_tokens": len(ids)})
@@ -343,7 +346,7 @@ class Completions:
         started = time.time_ns()
         choice = await self.backlog.choose(ids, caller.cache_salt, arrival)
         self._record_route(span, started, choice)
-        params = fit_to_context(parsed, len(ids), choice.executor.max_model_len)
+        params = fit_to_context(parsed, len(ids), choice.executor.max_model_len, self.limits)
         span.describe(caller.tenant, parsed.model, params.max_tokens, params.temperature, params.top_p)
         generate = protocol.GenerateRequest(
             request_id=request_id,

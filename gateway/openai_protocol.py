@@ -10,6 +10,17 @@ from typing import Literal
 
 from gateway.api_error import APIError, invalid_request
 from gateway.chat_template import ChatMessage, parse_messages
+from gateway.request_limits import (
+    DEFAULT_LIMITS,
+    RequestLimits,
+    check_constraint,
+    check_logit_bias,
+    check_max_tokens,
+    check_messages,
+    check_stop,
+    check_tools,
+    max_tokens_allowed,
+)
 from gateway.tools import ToolCalling, parse_tool_calling
 from shared.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
 from shared.structured_outputs import StructuredOutputsParams
@@ -302,13 +313,17 @@ def _sampling(
     max_tokens: int | None,
     logprobs: int | None,
     renamed: dict[str, str],
+    limits: RequestLimits,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """SamplingParams checks every value; its ValueError starts with the field, mapped back to the request's name."""
+    """SamplingParams checks every value; its ValueError starts with the field, mapped back to the request's name.
+    The fields whose size a client chooses are held to the limits first, before anything reads them whole."""
+    check_stop(body.get("stop"), limits)
+    check_logit_bias(body.get("logit_bias"), limits)
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     structured_outputs = _structured_outputs(body)
     try:
-        return SamplingParams(
+        sampling = SamplingParams(
             max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -319,6 +334,10 @@ def _sampling(
         field = str(exc).split(" ", 1)[0].split("[", 1)[0]
         param = renamed.get(field, field)
         raise invalid_request(str(exc).replace(field, param, 1), param) from exc
+    if max_tokens is not None:
+        param = renamed.get("max_tokens", "max_tokens")
+        check_max_tokens(max_tokens, sampling.n, sampling.logprobs, param, limits)
+    return sampling
 
 
 def _common(body: dict, served_models: Collection[str]) -> tuple[str, bool, bool]:
@@ -339,7 +358,10 @@ def _common(body: dict, served_models: Collection[str]) -> tuple[str, bool, bool
 
 
 def parse_chat_request(
-    raw: bytes, served_models: Collection[str], tool_call_parser: str | None = None
+    raw: bytes,
+    served_models: Collection[str],
+    tool_call_parser: str | None = None,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> OpenAIRequest:
     """A /v1/chat/completions body; max_completion_tokens wins over the deprecated max_tokens, as in OpenAI.
     tool_call_parser: `--tool-call-parser`, without which tool_choice "auto" is refused."""
@@ -347,6 +369,8 @@ def parse_chat_request(
     model, stream, include_usage = _common(body, served_models)
     if "messages" not in body:
         raise invalid_request("messages is required", "messages")
+    check_messages(body["messages"], limits)
+    check_tools(body.get("tools"), limits)
     messages = parse_messages(body["messages"])
     renamed = {}
     max_tokens = _typed(body, "max_tokens", int, "an integer")
@@ -362,10 +386,11 @@ def parse_chat_request(
     if body.get("echo") is not None:
         raise invalid_request("echo is served on /v1/completions only; see prompt_logprobs", "echo")
     prompt_logprobs = _typed(body, "prompt_logprobs", int, "an integer")
-    sampling = _sampling(body, max_tokens, logprobs, renamed, prompt_logprobs)
+    sampling = _sampling(body, max_tokens, logprobs, renamed, limits, prompt_logprobs)
     tools = parse_tool_calling(body, tool_call_parser)
     sampling = _constrain_to_call(sampling, tools)
     field = "tools" if tools is not None and tools.constrained else constraint_field(body)
+    check_constraint(sampling.structured_outputs, field, limits)
     return OpenAIRequest(
         "chat",
         model,
@@ -422,7 +447,9 @@ def _refuse_tools(body: dict) -> None:
             raise invalid_request(f"{name} is served on /v1/chat/completions only", name)
 
 
-def parse_completion_request(raw: bytes, served_models: Collection[str]) -> OpenAIRequest:
+def parse_completion_request(
+    raw: bytes, served_models: Collection[str], limits: RequestLimits = DEFAULT_LIMITS
+) -> OpenAIRequest:
     """A /v1/completions body; logprobs here is the number of top alternatives, not a flag."""
     body = read_json_body(raw)
     model, stream, include_usage = _common(body, served_models)
@@ -441,8 +468,10 @@ def parse_completion_request(raw: bytes, served_models: Collection[str]) -> Open
             "echo",
         )
     sampling = _sampling(
-        body, max_tokens, logprobs, {}, _prompt_scoring(echo, logprobs, max_tokens, prompt_logprobs)
+        body, max_tokens, logprobs, {}, limits, _prompt_scoring(echo, logprobs, max_tokens, prompt_logprobs)
     )
+    field = constraint_field(body)
+    check_constraint(sampling.structured_outputs, field, limits)
     return OpenAIRequest(
         "completion",
         model,
@@ -454,7 +483,7 @@ def parse_completion_request(raw: bytes, served_models: Collection[str]) -> Open
         sampling,
         echo=echo,
         prompt_logprobs=prompt_logprobs,
-        constraint_field=constraint_field(body),
+        constraint_field=field,
     )
 
 
@@ -474,12 +503,20 @@ def _prompt_scoring(
     return max(wanted, default=None)
 
 
-def fit_to_context(request: OpenAIRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """The final SamplingParams: an explicit max_tokens must fit beside the prompt; a default shrinks to fit."""
+def fit_to_context(
+    request: OpenAIRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    limits: RequestLimits = DEFAULT_LIMITS,
+) -> SamplingParams:
+    """The final SamplingParams: an explicit max_tokens must fit beside the prompt; a default shrinks to fit it
+    and the per-request limits."""
     room = max_model_len - num_prompt_tokens
     wanted = request.max_tokens
     if wanted is None:
-        wanted = room if request.endpoint == "chat" else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        default = room if request.endpoint == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
+        sampling = request.sampling
+        wanted = min(default, room, max_tokens_allowed(sampling.n, sampling.logprobs, limits))
     if room < 1 or wanted > room:
         where = "messages" if request.endpoint == "chat" else "prompt"
         raise APIError(
