@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,15 +52,31 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 _BYTE_DECODER = _gpt2_byte_decoder()
 
 
+@functools.cache
+def logprob_formatter(tokenizer) -> LogprobFormatter:
+    """One per tokenizer, so every request shares what it has learnt of the vocabulary."""
+    return LogprobFormatter(tokenizer)
+
+
 class LogprobFormatter:
-    """Knows the tokenizer's byte scheme, since OpenAI reports each token's exact bytes, even half a character."""
+    """Knows the tokenizer's byte scheme, since OpenAI reports each token's exact bytes, even half a character.
+    Each token's bytes and text are worked out once (the vocabulary bounds them): n choices x top_logprobs entries
+    a token would otherwise ask the tokenizer twice each, on the gateway's event loop."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._bytes: dict[int, bytes] = {}
+        self._texts: dict[int, str] = {}
 
     def token_bytes(self, token_id: int) -> bytes:
+        found = self._bytes.get(token_id)
+        if found is None:
+            found = self._bytes[token_id] = self._piece_bytes(token_id)
+        return found
+
+    def _piece_bytes(self, token_id: int) -> bytes:
         piece = self._tokenizer.convert_ids_to_tokens(token_id)
         if self._byte_level and all(ch in _BYTE_DECODER for ch in piece):
             return bytes(_BYTE_DECODER[ch] for ch in piece)
@@ -68,6 +86,12 @@ class LogprobFormatter:
 
     def token_text(self, token_id: int) -> str:
         """A token that is not whole UTF-8 is written as OpenAI does: `bytes:\\xe6\\x97`."""
+        found = self._texts.get(token_id)
+        if found is None:
+            found = self._texts[token_id] = self._piece_text(token_id)
+        return found
+
+    def _piece_text(self, token_id: int) -> str:
         raw = self.token_bytes(token_id)
         try:
             return raw.decode()
@@ -91,12 +115,13 @@ class LogprobFormatter:
 
     def completion(self, entries: Sequence[TokenLogprob], text_offset: int) -> dict:
         """Completions' columns; text_offset is where the first entry's text starts in the output."""
-        tokens, offsets, seen = [], [], b""
+        tokens, offsets, done = [], [], 0
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         for e in entries:
             tokens.append(self.token_text(e.token_id))
             # characters completed before this token: a token holding half a character does not move it
-            offsets.append(text_offset + len(seen.decode(errors="ignore")))
-            seen += self.token_bytes(e.token_id)
+            offsets.append(text_offset + done)
+            done += len(decoder.decode(self.token_bytes(e.token_id)))
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.logprobs import LogprobFormatter, TokenLogprob, token_logprob
+from gateway.logprobs import LogprobFormatter, TokenLogprob, logprob_formatter, token_logprob
 from gateway.openai_protocol import Endpoint, OpenAIRequest
 from gateway.output_text import OutputText
 from gateway.tool_parser import ToolCallDelta, ToolCallParser
@@ -90,7 +90,7 @@ class Generation:
             request.model,
             len(prompt_token_ids),
             OutputText(tokenizer, prompt_token_ids, stop),
-            LogprobFormatter(tokenizer),
+            logprob_formatter(tokenizer),
             request.sampling.logprobs is not None,
             None
             if tools is None

@@ -27,3 +27,18 @@ def test_byte_fallback_tokens_report_their_bytes():
     assert b"".join(formatter.token_bytes(t) for t in (0, 1, 2)).decode() == "日"
     assert formatter.token_text(0) == "bytes:\\xe6"
     assert formatter.token_text(3) == " hi"
+
+
+def test_text_offsets_count_whole_characters_only(tokenizer):
+    """A character split over two tokens moves the offset once, after its last byte; same as decoding the whole."""
+    from gateway.logprobs import LogprobFormatter, TokenLogprob
+
+    formatter = LogprobFormatter(tokenizer)
+    ids = tokenizer.encode("Ünïcödé 日本語 text, then more: 🎉 done")
+    entries = [TokenLogprob(t, -1.0, []) for t in ids]
+    offsets = formatter.completion(entries, 5)["text_offset"]
+    seen, expected = b"", []
+    for t in ids:
+        expected.append(5 + len(seen.decode(errors="ignore")))
+        seen += formatter.token_bytes(t)
+    assert offsets == expected and offsets[-1] > offsets[0]
