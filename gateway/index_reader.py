@@ -64,6 +64,7 @@ class ExecutorInfo:
 # load (flat HGETALL), in-flight count (or nil)}.
 _ROUTING_VIEW = """
 local prefix, blocks, load, inflight = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local RUN = 4096
 local hashes = {}
 for i = 5, #ARGV do hashes[#hashes + 1] = ARGV[i] end
 local out = {}
@@ -71,8 +72,17 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local key = prefix .. id
   local info = redis.call('HGETALL', key)
   if #info > 0 then
+    -- in runs: Lua's unpack takes ~8,000 values at most; only the leading run counts, so stop at a miss
     local held = {}
-    if #hashes > 0 then held = redis.call('SMISMEMBER', key .. blocks, unpack(hashes)) end
+    for first = 1, #hashes, RUN do
+      local part = redis.call('SMISMEMBER', key .. blocks, unpack(hashes, first, math.min(first + RUN - 1, #hashes)))
+      local missed = false
+      for _, flag in ipairs(part) do
+        held[#held + 1] = flag
+        missed = missed or flag == 0
+      end
+      if missed then break end
+    end
     out[#out + 1] = {id, info, held, redis.call('HGETALL', key .. load), redis.call('GET', key .. inflight)}
   end
 end

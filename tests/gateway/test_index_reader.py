@@ -1,0 +1,38 @@
+"""The routing view read from a real Redis: one round trip, however long the prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+
+import redis
+
+from gateway.index_reader import IndexReader
+from shared import redis_keys
+
+
+def test_a_prompt_of_more_blocks_than_lua_unpacks_at_once(redis_url):
+    """12,000 block hashes (Lua's unpack stops near 8,000): the leading run is counted across the runs the
+    script asks in, and a prompt no executor could hold is the context check's to refuse, not a 503 here."""
+    executor_id = f"reader-{uuid.uuid4().hex[:8]}"
+    hashes = [hashlib.sha256(str(i).encode()).digest() for i in range(12_000)]
+    client = redis.Redis.from_url(redis_url)
+    info = {"address": "tcp://127.0.0.1:1", "model": "m", "block_size": 16, "max_model_len": 2048}
+    client.hset(redis_keys.executor_key(executor_id), mapping=info)
+    client.sadd(redis_keys.blocks_key(executor_id), *(h.hex() for h in hashes[:9_000]))
+    client.sadd(redis_keys.EXECUTORS, executor_id)
+
+    async def view():
+        reader = IndexReader(redis_url)
+        try:
+            return await reader.routing_view(hashes)
+        finally:
+            await reader.close()
+
+    try:
+        (found,) = [load for info, load in asyncio.run(view()) if info.executor_id == executor_id]
+        assert found.cached_blocks == 9_000
+    finally:
+        client.srem(redis_keys.EXECUTORS, executor_id)
+        client.delete(redis_keys.executor_key(executor_id), redis_keys.blocks_key(executor_id))
