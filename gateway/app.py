@@ -26,6 +26,7 @@ from gateway.index_reader import IndexReader
 from gateway.last_resort import LastResort
 from gateway.metrics import GatewayMetrics
 from gateway.metrics_listener import MetricsListener
+from gateway.request_body import BODY_TIMEOUT_S
 from gateway.request_limits import DEFAULT_LIMITS, RequestLimits
 from gateway.router import Router
 from gateway.tenancy import Tenancy
@@ -49,7 +50,10 @@ class GatewayConfig:
     routing_policy: str = "cache_aware"
     require_api_key: bool = False
     queue_timeout: float = 60.0  # seconds a request may wait at the gateway for an executor with room
-    # /metrics on a listener of its own; without one, a gateway that requires API keys does not serve it at all
+    # it may serve without keys while none has ever existed: a loopback --host, or --allow-anonymous
+    anonymous_allowed: bool = True
+    body_timeout_s: float = BODY_TIMEOUT_S  # --body-timeout: a body not in by then gets 408
+    # /metrics on a listener of its own; without one, only an open gateway serves it (on its public port)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" is refused without one
@@ -62,7 +66,7 @@ class Gateway:
         self.config = config
         self.index = IndexReader(config.redis_url)
         self.router = Router(self.index, config.routing_policy)
-        self.tenancy = Tenancy(self.index.redis, config.require_api_key)
+        self.tenancy = Tenancy(self.index.redis, config.require_api_key, config.anonymous_allowed)
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics()
         self.completions: Completions | None = None
@@ -83,6 +87,7 @@ class Gateway:
             self.metrics,
             Backlog(self.router, self.config.queue_timeout),
             self.config.tool_call_parser,
+            self.config.body_timeout_s,
             self.config.limits,
         )
         if self.config.metrics_port is not None:
@@ -99,6 +104,8 @@ class Gateway:
         if self.metrics_listener is not None:
             await self.metrics_listener.stop()
         await self.tenancy.shutdown()
+        if self.completions is not None:
+            self.completions.close()
         if self.client is not None:
             await self.client.close()
         await self.index.close()
@@ -152,10 +159,11 @@ class Gateway:
         return JSONResponse({"status": "alive"}, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
     async def public_metrics(self, request: Request) -> Response:
-        """Metrics name every tenant: on the public port only while nothing there is private."""
+        """Metrics name every tenant: on the port that serves requests without a key only while the gateway is
+        open (no key ever), so every request it counted was the one anonymous tenant's."""
         if self.config.metrics_port is not None:
             reason = "they are served on the metrics port"
-        elif self.config.require_api_key:
+        elif not await self.tenancy.serves_anonymously():
             reason = (
                 "this gateway requires API keys and metrics name its tenants; start it with --metrics-port"
             )

@@ -4,6 +4,8 @@ HTTP arguments and runs it beside its executors). The gateway's draining server 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import ipaddress
 import logging
 import os
 import sys
@@ -46,11 +48,25 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         help="refuse to start without API keys in Redis (`kvserve keys create`), never serve without one",
     )
     parser.add_argument(
+        "--allow-anonymous",
+        action="store_true",
+        help="serve without API keys while none exists on a non-loopback --host (without it such a gateway "
+        "refuses to start until a key exists; a loopback one runs open anyway). Once any key has existed, "
+        "requests need a valid one, even after the last is revoked",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=30.0,  # gateway.request_body.BODY_TIMEOUT_S, which --help does not import
+        help="seconds a client may take to send its request body, counted once its key is checked, then 408 "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
-        help="serve /metrics on this port only, for Prometheus (default: on --port, unless --require-api-key: "
-        "metrics name every tenant)",
+        help="serve /metrics on this port only, for Prometheus (default: on --port while the gateway is open, "
+        "not once API keys exist: metrics name every tenant)",
     )
     parser.add_argument(
         "--metrics-host", default=None, help="the metrics listener's address (default: --host)"
@@ -129,7 +145,16 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
     except CurveKeyError as error:
         print(f"kvserve gateway: error: --curve-keys: {error}", file=sys.stderr)
         return 2
-    if (problem := _check_redis(args.redis_url, args.require_api_key)) is not None:
+    if args.require_api_key and args.allow_anonymous:
+        print(
+            "kvserve gateway: error: --allow-anonymous and --require-api-key contradict each other: give one",
+            file=sys.stderr,
+        )
+        return 2
+    anonymous_allowed = not args.require_api_key and (args.allow_anonymous or is_loopback(args.host))
+    if (
+        problem := _check_redis(args.redis_url, args.require_api_key, anonymous_allowed, args.host)
+    ) is not None:
         message, code = problem
         print(f"kvserve gateway: error: {message}", file=sys.stderr)
         return code
@@ -151,6 +176,8 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         args.routing_policy,
         args.require_api_key,
         args.queue_timeout,
+        anonymous_allowed=anonymous_allowed,
+        body_timeout_s=args.body_timeout,
         metrics_host=args.metrics_host or args.host,
         metrics_port=args.metrics_port,
         tool_call_parser=args.tool_call_parser,
@@ -169,18 +196,39 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
     return 0
 
 
-def _check_redis(redis_url: str, require_api_key: bool) -> tuple[str, int] | None:
-    """A missing or wrong password stops the start (it will not fix itself); an unreachable Redis does only when
-    --require-api-key needs it to find a key: otherwise the gateway serves 503 and /health says why until it is
-    back. Returns the one-line error and exit code, or None."""
-    import redis
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach --host: an open gateway there is a developer's, not a deployment."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
 
-    from shared import redis_keys
+
+def _check_redis(
+    redis_url: str, require_api_key: bool, anonymous_allowed: bool, host: str
+) -> tuple[str, int] | None:
+    """A missing or wrong password stops the start (it will not fix itself); so does a deployment that never
+    had a key, where this gateway may not run open. An unreachable Redis stops it only when --require-api-key
+    needs it to find a key: otherwise the gateway serves 503 (or 401, where it may not run open) and /health says
+    why until it is back. Returns the one-line error and exit code, or None."""
+    import redis
+    import redis.asyncio as aioredis
+
+    from gateway.tenancy import REQUIRE_API_KEY_REFUSAL
+    from shared.api_keys import deployment_keyed
     from shared.redis_url import describe_error
 
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+    async def keyed() -> bool:
+        client = aioredis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+        try:
+            return await deployment_keyed(client)
+        finally:
+            await client.aclose()
+
     try:
-        has_keys = bool(client.scard(redis_keys.API_KEYS))
+        has_keys = asyncio.run(keyed())
     except redis.AuthenticationError as error:
         return f"--redis-url: {describe_error(redis_url, error)}", 2
     except redis.RedisError as error:
@@ -188,9 +236,19 @@ def _check_redis(redis_url: str, require_api_key: bool) -> tuple[str, int] | Non
             return f"--redis-url: {describe_error(redis_url, error)}", 1
         logging.getLogger("kvserve.gateway").error("%s", describe_error(redis_url, error))
         return None
-    finally:
-        client.close()
-    if require_api_key and not has_keys:
-        message = "--require-api-key: no API key exists in Redis; create one with `kvserve keys create --tenant NAME`"
+    if has_keys:
+        return None
+    if require_api_key:
+        return REQUIRE_API_KEY_REFUSAL, 2
+    if not anonymous_allowed:
+        message = (
+            f"--host {host} is not a loopback address and no API key exists in Redis: anyone who can reach "
+            "this gateway would be served without a key or limits. Create a key (`kvserve keys create --tenant "
+            "NAME`), or pass --allow-anonymous to serve it open on purpose"
+        )
         return message, 2
+    if not is_loopback(host):
+        logging.getLogger("kvserve.gateway").warning(
+            "--allow-anonymous: serving WITHOUT API KEYS on %s, to anyone who can reach it", host
+        )
     return None

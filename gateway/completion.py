@@ -1,9 +1,10 @@
 """One completion request, from its arrival to its end: who calls, what they ask, where it goes, the tokens back.
 
-Stateless between requests: each one reads the caller's key, the live executors, their cached prefixes and loads
-from Redis, is admitted against the caller's limits, routed, streamed back from the chosen executor over ZeroMQ
-(sent elsewhere if that executor is busy, or dies before the client has received anything), settled, recorded
-and forgotten. While every executor's queue is full it waits at the gateway (gateway.backlog).
+Stateless between requests: each one checks the caller's key from its headers before reading its body, reads the
+live executors, their cached prefixes and loads from Redis, is admitted against the caller's limits, routed,
+streamed back from the chosen executor over ZeroMQ (sent elsewhere if that executor is busy, or dies before the
+client has received anything), settled, recorded and forgotten. While every executor's queue is full it waits at
+the gateway (gateway.backlog).
 """
 
 from __future__ import annotations
@@ -28,9 +29,7 @@ from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorReques
 from gateway.index_reader import ExecutorInfo, IndexReader
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import (
-    MAX_BODY_BYTES,
     OpenAIRequest,
-    body_too_large,
     check_content_type,
     fit_to_context,
     model_not_found,
@@ -38,6 +37,8 @@ from gateway.openai_protocol import (
     parse_completion_request,
 )
 from gateway.prompt import prompt_token_ids
+from gateway.prompt_workers import PromptWorkers
+from gateway.request_body import read_body
 from gateway.request_limits import DEFAULT_LIMITS, RequestLimits
 from gateway.request_span import RequestSpan
 from gateway.responses import EventStream, Generation, response_body
@@ -153,20 +154,6 @@ def _named_for_client(error: ExecutorRequestError, field: str | None) -> Excepti
     return invalid_request(f"{field}: {reason}", field)
 
 
-async def _body(request: Request) -> bytes:
-    """Refused (413) as soon as it outgrows the limit: a chunked upload declares no length to check up front."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise body_too_large(f"{length} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise body_too_large(f"more than {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _tenant(caller: Caller | None) -> str:
     return caller.tenant if caller else "unauthenticated"
 
@@ -184,7 +171,8 @@ class Completions:
         client: ExecutorClient,
         metrics: GatewayMetrics,
         backlog: Backlog,
-        tool_call_parser: str | None = None,
+        tool_call_parser: str | None,
+        body_timeout_s: float,
         limits: RequestLimits = DEFAULT_LIMITS,
     ) -> None:
         self.model_name = model_name
@@ -197,7 +185,12 @@ class Completions:
         self.backlog = backlog
         self.tool_call_parser = tool_call_parser
         self.limits = limits
+        self.body_timeout_s = body_timeout_s
+        self.prompt_workers = PromptWorkers()
         self.background: set[asyncio.Task] = set()
+
+    def close(self) -> None:
+        self.prompt_workers.close()
 
     async def serve(self, request: Request, endpoint: str) -> Response:
         arrival = time.monotonic()
@@ -205,15 +198,12 @@ class Completions:
         span = RequestSpan.start(request.headers, endpoint, time.time_ns())
         # this request's task (and tasks it starts) log with its ids; the binding ends with the task
         logs.bind(request_id, span.trace_id(request.headers))
-        # the key's Redis read is answered while this task parses and tokenizes
-        identifying = asyncio.ensure_future(self.tenancy.identify(request.headers))
-        await asyncio.sleep(0)  # let it send
         caller = None
         try:
-            try:
-                parsed, ids = await self._read(request, endpoint, span)
-            finally:
-                caller = await identifying  # a 401 comes before whatever the body did wrong
+            # from the headers alone: a 401 reads no byte of the body (uvicorn discards what comes of it and
+            # keeps the connection), so a caller without a valid key costs next to nothing
+            caller = await self.tenancy.identify(request.headers)
+            parsed, ids = await self._read(request, endpoint, span)
             allowed = caller.models([self.model_name])
             if parsed.model not in allowed:
                 raise model_not_found(parsed.model, allowed)
@@ -320,19 +310,26 @@ class Completions:
     async def _read(
         self, request: Request, endpoint: str, span: RequestSpan
     ) -> tuple[OpenAIRequest, list[int]]:
-        """The request body, parsed and validated, and its prompt's token ids."""
+        """The request body, read within the deadline, parsed and validated, and its prompt's token ids; a large
+        one is parsed and tokenized off the event loop."""
         check_content_type(request.headers.get("content-type"))
-        raw = await _body(request)
+        raw = await read_body(request, self.body_timeout_s)
+        work = functools.partial(self._prompt, raw, endpoint)
+        parsed, ids, tokenizing_since = await self.prompt_workers.run(work, len(raw))
+        span.child("tokenize", tokenizing_since, {"gen_ai.usage.input_tokens": len(ids)})
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="messages" if endpoint == "chat" else "prompt")
+        return parsed, ids
+
+    def _prompt(self, raw: bytes, endpoint: str) -> tuple[OpenAIRequest, list[int], int]:
+        """(the parsed request, its prompt's ids, when tokenizing began in ns): in a worker thread for a large
+        body, so it touches nothing the event loop's tasks change."""
         if endpoint == "chat":
             parsed = parse_chat_request(raw, [self.model_name], self.tool_call_parser, self.limits)
         else:
             parsed = parse_completion_request(raw, [self.model_name], self.limits)
         started = time.time_ns()
-        ids = prompt_token_ids(parsed, self.tokenizer)
-        span.child("tokenize", started, {"gen_ai.usage.input_tokens": len(ids)})
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="messages" if endpoint == "chat" else "prompt")
-        return parsed, ids
+        return parsed, prompt_token_ids(parsed, self.tokenizer), started
 
     async def _route(
         self,

@@ -2,8 +2,12 @@
 
 A request's `Authorization: Bearer <key>` names a key record in Redis (shared.api_keys), which names the
 tenant, its cache salt, its models and its limits. Limits are kept in Redis (gateway.limits), so every gateway
-replica enforces one budget. With no key configured at all the gateway runs open, as one anonymous tenant,
-unless it was started with --require-api-key.
+replica enforces one budget.
+
+Open (every request served as one anonymous tenant) only while this deployment has never had a key, and only
+where the operator allows it: a loopback --host, or --allow-anonymous; never with --require-api-key. It fails
+closed: once keys exist, neither revoking the last one (Redis keeps a marker, shared.api_keys.mark_keyed) nor a
+Redis that comes back empty (this process remembers, for its life) opens it again.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import redis.asyncio as aioredis
 
 from gateway.api_error import APIError
 from gateway.limits import Limiter
-from shared.api_keys import KeyRecord, authenticate, keys_configured
+from shared.api_keys import KeyRecord, authenticate, deployment_keyed
 
 log = logging.getLogger("kvserve.gateway.tenancy")
 
@@ -62,31 +66,47 @@ def _unauthorized(message: str) -> APIError:
     return APIError(401, message, "invalid_request_error", code="invalid_api_key")
 
 
+REQUIRE_API_KEY_REFUSAL = (
+    "--require-api-key: no API key exists in Redis; create one with `kvserve keys create --tenant NAME`"
+)
+_NO_KEY = (
+    "You didn't provide an API key. Send it as `Authorization: Bearer <key>`: this gateway has API keys "
+    "configured and serves no request without a valid one."
+)
+
+
 class Tenancy:
-    def __init__(self, client: aioredis.Redis, require_api_key: bool) -> None:
+    def __init__(self, client: aioredis.Redis, require_api_key: bool, anonymous_allowed: bool = True) -> None:
+        """anonymous_allowed: it may run open while no key has ever existed (a loopback --host, or
+        --allow-anonymous); --require-api-key never."""
         self.client = client
         self.require_api_key = require_api_key
+        # every request needs a valid key from now on; set for this process's life once it has seen keys exist
+        self.closed = require_api_key or not anonymous_allowed
         self.limiter = Limiter(client)
         self.leases: dict[str, KeyRecord] = {}  # request id -> key, for requests holding a concurrency slot
         self._refreshing: asyncio.Task | None = None
 
     async def startup(self) -> None:
         try:
-            configured = await keys_configured(self.client)
+            keyed = await self._keyed()
         except redis.RedisError as error:  # each request checks again; /health reports Redis meanwhile
             log.error("cannot tell whether API keys exist, Redis is unreachable: %s", error)
-            configured = True
-        if not configured and self.require_api_key:
-            raise NoKeysConfigured(
-                "--require-api-key: no API key exists in Redis; create one with `kvserve keys create --tenant NAME`"
+            keyed = True
+        if not keyed and self.require_api_key:
+            raise NoKeysConfigured(REQUIRE_API_KEY_REFUSAL)
+        if not keyed and self.closed:
+            log.error(
+                "no API key exists in Redis and this gateway may not run open: every request gets 401 until "
+                "one is created with `kvserve keys create --tenant NAME`"
             )
-        if not configured:
+        elif not keyed:
             banner = "!" * 100
             log.warning(banner)
             log.warning(
                 "NO API KEYS CONFIGURED: this gateway serves ANYONE who can reach it, without limits or cache "
-                "isolation. Create keys with `kvserve keys create --tenant NAME` (requests then need one), "
-                "or start with --require-api-key."
+                "isolation. Create keys with `kvserve keys create --tenant NAME` (requests then need one, for "
+                "good), or start with --require-api-key."
             )
             log.warning(banner)
         self._refreshing = asyncio.create_task(self._refresh_leases())
@@ -108,12 +128,13 @@ class Tenancy:
         if header is None:
             if await self._open():
                 return Caller(None)
-            raise _unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
+            raise _unauthorized(_NO_KEY)
         scheme, _, presented = header.partition(" ")
         record = None
         if scheme.lower() == "bearer" and presented.strip():
             record = await authenticate(self.client, presented.strip())
         if record is not None:
+            self._close()
             return Caller(record)
         if await self._open():
             return Caller(None)
@@ -122,7 +143,28 @@ class Tenancy:
         raise _unauthorized("Incorrect API key provided, or it has been revoked.")
 
     async def _open(self) -> bool:
-        return not self.require_api_key and not await keys_configured(self.client)
+        """Whether a request without a valid key is served, as the anonymous tenant. Once closed, Redis is not
+        asked: a flood of keyless requests costs it nothing."""
+        return not self.closed and not await self._keyed()
+
+    async def _keyed(self) -> bool:
+        keyed = await deployment_keyed(self.client)
+        if keyed:
+            self._close()
+        return keyed
+
+    def _close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            log.info("API keys exist: from now on this gateway serves only requests with a valid one")
+
+    async def serves_anonymously(self) -> bool:
+        """Whether this gateway is open, so every request it has served was the anonymous tenant's (its
+        metrics name no one). Redis unreachable: yes as long as it has never seen a key."""
+        try:
+            return await self._open()
+        except redis.RedisError:
+            return not self.closed
 
     async def admit(self, caller: Caller, request_id: str, reserve_tokens: int) -> None:
         """Take the request's share of the caller's limits, or raise a 429 saying which limit and when."""

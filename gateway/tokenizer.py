@@ -30,6 +30,9 @@ SPECIAL_TOKEN_NAMES = (
     "mask_token",
 )
 
+# texts this long take a millisecond or more to encode: long enough to let other threads run meanwhile
+RELEASE_GIL_CHARS = 1024
+
 
 class TokenizerLoadError(ModelLoadError):
     """Tokenizer files that are missing or unreadable; the message names the file."""
@@ -76,7 +79,12 @@ class Tokenizer:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """A long text through encode_batch, the same ids: `tokenizers` releases the GIL there and not in
+        encode, which would hold every other thread, the event loop's too, for the whole call (seconds for a
+        megabyte prompt; gateway.prompt_workers)."""
+        if len(text) < RELEASE_GIL_CHARS:
+            return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         text = self.backend_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -163,6 +163,7 @@ class KeyStore:
         with self.client.pipeline() as pipe:
             pipe.hset(redis_keys.api_key_key(key_id), mapping=record_fields(record, _secret_hash(secret)))
             pipe.sadd(redis_keys.API_KEYS, key_id)
+            mark_keyed(pipe)
             pipe.execute()
         return key, record
 
@@ -197,6 +198,9 @@ class KeyStore:
             with self.client.pipeline() as pipe:
                 pipe.hset(record_key, "revoked_at", fields["revoked_at"])
                 pipe.srem(redis_keys.API_KEYS, key_id)
+                mark_keyed(
+                    pipe
+                )  # keys made before the marker existed: the last one's revocation must not open
                 pipe.execute()
         return parse_record(key_id, fields)
 
@@ -234,3 +238,18 @@ async def authenticate(client: aioredis.Redis, presented: str) -> KeyRecord | No
 async def keys_configured(client: aioredis.Redis) -> bool:
     """Whether any active key exists (created and not revoked)."""
     return await client.scard(redis_keys.API_KEYS) > 0
+
+
+def mark_keyed(pipe: redis.client.Pipeline) -> None:
+    """Record, for good, that this deployment has keys: whatever writes a key queues this in its transaction."""
+    pipe.set(redis_keys.KEYED_DEPLOYMENT, repr(time.time()), nx=True)
+
+
+async def deployment_keyed(client: aioredis.Redis) -> bool:
+    """Whether this deployment has ever had a key: the marker, or an active key (made before the marker was).
+    An empty key set alone says nothing: the last key revoked, or a Redis restarted empty. One round trip."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.exists(redis_keys.KEYED_DEPLOYMENT)
+        pipe.scard(redis_keys.API_KEYS)
+        marked, active = await pipe.execute()
+    return bool(marked or active)

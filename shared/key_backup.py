@@ -28,6 +28,7 @@ from shared.api_keys import (
     check_models,
     check_tenant,
     key_id_of,
+    mark_keyed,
     parse_record,
     record_fields,
 )
@@ -203,6 +204,8 @@ def import_lines(client: redis.Redis, lines: Iterable[str], replace: bool = Fals
                 pipe.srem(redis_keys.API_KEYS, record.key_id)
         for key_id, tenant in followers:
             pipe.hset(redis_keys.api_key_key(key_id), "cache_salt", new_salts[tenant])
+        if wanted:  # a deployment restored from a backup with keys never runs open, even if all are revoked
+            mark_keyed(pipe)
         pipe.execute()
     written = [f"tenant {t}" for t in new_salts] + [f"key {key_id}" for key_id in new_keys]
     return ImportResult(written, len(salts) + len(wanted) - len(written))

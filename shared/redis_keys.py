@@ -25,6 +25,9 @@ All of an executor's keys carry the heartbeat TTL, so a dead executor's entries 
 
 Tenancy (`<key_id>` is an API key's public id, `<tenant>` a tenant name):
 - `kvserve:apikeys`                   set of the key ids that are active (created, not revoked).
+- `kvserve:apikeys:keyed`             string (when it was set): this deployment has had keys. Creating or importing a
+                                      key sets it and nothing clears it, so revoking the last key never opens the
+                                      gateways (gateway.tenancy); deleting it by hand is how an operator reopens.
 - `kvserve:apikey:<key_id>`           hash: the key's record (shared.api_keys); the secret only as a hash.
 - `kvserve:tenant:<tenant>`           hash: cache_salt, the tenant's secret that salts its block hashes.
 - `kvserve:tenant:<tenant>:usage`     hash of counters: requests, prompt_tokens, completion_tokens, ...
@@ -78,6 +81,7 @@ def executor_keys(executor_id: str) -> list[str]:
 
 
 API_KEYS = "kvserve:apikeys"
+KEYED_DEPLOYMENT = "kvserve:apikeys:keyed"
 
 
 def api_key_key(key_id: str) -> str:

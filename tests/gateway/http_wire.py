@@ -7,7 +7,13 @@ import socket
 
 
 def request(
-    method: str, path: str, body: bytes = b"", content_type: str | None = "application/json", *, close=False
+    method: str,
+    path: str,
+    body: bytes = b"",
+    content_type: str | None = "application/json",
+    *,
+    close=False,
+    headers: dict[str, str] | None = None,
 ):
     """One request's bytes; `close` asks the server to close the connection after answering it."""
     head = [f"{method} {path} HTTP/1.1", "host: 127.0.0.1", f"content-length: {len(body)}"]
@@ -15,6 +21,7 @@ def request(
         head.append(f"content-type: {content_type}")
     if close:
         head.append("connection: close")
+    head += [f"{name}: {value}" for name, value in (headers or {}).items()]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 

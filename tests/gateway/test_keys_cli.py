@@ -171,9 +171,12 @@ def test_export_then_import_into_an_empty_redis_restores_every_tenant_and_key(
     assert lines[0] == {"type": "header", "format": "kvserve-keys", "version": 1}
     assert sorted(line["tenant"] for line in lines if line["type"] == "tenant") == ["acme", "globex"]
 
+    assert not redis.Redis.from_url(empty_url).exists(redis_keys.KEYED_DEPLOYMENT)
     status, out, _ = _kvserve(capsys, "keys", "import", str(backup), "--redis-url", empty_url)
     assert status == 0 and len(out) == 6
     assert _records(empty_url) == _records(db_url)
+    # restored keys make a keyed deployment: revoking them all later does not open its gateways
+    assert redis.Redis.from_url(empty_url).exists(redis_keys.KEYED_DEPLOYMENT)
     for key in (limited, plain, other):
         assert _authenticates(empty_url, key)
     assert not _authenticates(empty_url, revoked)

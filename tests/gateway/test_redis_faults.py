@@ -94,21 +94,6 @@ def test_requests_succeed_right_after_redis_drops_every_connection(stack):
     assert httpx.get(f"{stack.gateway.base}/health").status_code == 200
 
 
-def test_tenancy_and_limits_recover_from_dropped_connections_and_a_flushed_script_cache(stack):
-    store = KeyStore(stack.redis)
-    key, record = store.create("acme", rpm=1000, tpm=100_000, max_concurrency=10)
-    try:
-        assert _complete(stack.gateway.base, "keyed", key).status_code == 200
-        stack.redis.client_kill_filter(_type="normal", skipme=True)
-        stack.redis.script_flush()  # a restarted Redis has forgotten the limiter's scripts too
-        assert _complete(stack.gateway.base, "keyed again", key).status_code == 200
-        models = httpx.get(f"{stack.gateway.base}/v1/models", headers={"authorization": f"Bearer {key}"})
-        assert models.status_code == 200
-        assert store.usage("acme")["acme"]["requests"] == 2
-    finally:
-        store.revoke(record.key_id)  # the module's other tests run open
-
-
 def test_a_stream_whose_executor_is_silent_through_a_redis_restart_goes_on(stack):
     """While Redis is down the gateway cannot tell whether an executor lives, and a Redis that came back empty
     holds no registration until the executor's next heartbeat: neither may end a request that runs."""
@@ -168,8 +153,8 @@ class LightLoad:
 
 
 def test_after_a_redis_restart_requests_succeed_within_2_s_and_routing_finds_the_cached_prefixes(stack):
-    """Last in this module: Redis comes back empty. The executors notice and republish every cached block, the
-    gateway reconnects on its own."""
+    """Redis comes back empty. The executors notice and republish every cached block, the gateway reconnects on
+    its own."""
     base = stack.gateway.base
     home = {
         name: _complete(base, prefix + [1]).headers["x-kvserve-executor"] for name, prefix in FAMILIES.items()
@@ -204,3 +189,17 @@ def test_after_a_redis_restart_requests_succeed_within_2_s_and_routing_finds_the
         assert response.status_code == 200, response.text
         assert response.headers["x-kvserve-executor"] == home[name]
         assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+
+
+def test_tenancy_and_limits_recover_from_dropped_connections_and_a_flushed_script_cache(stack):
+    """Last in this module: once a key has existed the gateway never runs open again (gateway.tenancy), and the
+    tests above send no key."""
+    store = KeyStore(stack.redis)
+    key, _ = store.create("acme", rpm=1000, tpm=100_000, max_concurrency=10)
+    assert _complete(stack.gateway.base, "keyed", key).status_code == 200
+    stack.redis.client_kill_filter(_type="normal", skipme=True)
+    stack.redis.script_flush()  # a restarted Redis has forgotten the limiter's scripts too
+    assert _complete(stack.gateway.base, "keyed again", key).status_code == 200
+    models = httpx.get(f"{stack.gateway.base}/v1/models", headers={"authorization": f"Bearer {key}"})
+    assert models.status_code == 200
+    assert store.usage("acme")["acme"]["requests"] == 2

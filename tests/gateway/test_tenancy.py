@@ -92,3 +92,46 @@ def test_an_open_gateway_says_so_loudly_and_a_required_one_refuses(db_url, caplo
     caplog.clear()
     asyncio.run(start(require=True))
     assert not any("NO API KEYS" in r.getMessage() for r in caplog.records)
+
+
+def test_once_keys_existed_it_never_opens_again(db_url):
+    async def run() -> None:
+        client = aioredis.from_url(db_url)
+        try:
+            tenancy = Tenancy(client, False)
+            assert (await tenancy.identify({})).tenant == ANONYMOUS and await tenancy.serves_anonymously()
+            store = KeyStore(redis.Redis.from_url(db_url))
+            _, record = store.create("t-latch")
+            store.revoke(record.key_id)  # the last key: the marker keeps the deployment keyed
+            for fresh in (tenancy, Tenancy(client, False)):
+                with pytest.raises(APIError) as refused:
+                    await fresh.identify({})
+                assert refused.value.status == 401 and "API keys" in refused.value.message
+                assert not await fresh.serves_anonymously()
+            await client.flushdb()  # Redis restarted empty, or failed over to an empty replica
+            with pytest.raises(APIError) as refused:
+                await tenancy.identify({"authorization": "Bearer sk-anything"})
+            assert refused.value.status == 401  # this process has seen keys: closed for its life
+            assert not await tenancy.serves_anonymously()
+            assert (
+                await Tenancy(client, False).identify({})
+            ).tenant == ANONYMOUS  # a new one: nothing to know
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_gateway_that_may_not_run_open_refuses_keyless_requests_without_asking_redis():
+    async def run() -> None:
+        client = aioredis.from_url("redis://127.0.0.1:1/0")  # unreachable: a Redis call would be a 503
+        try:
+            tenancy = Tenancy(client, require_api_key=False, anonymous_allowed=False)
+            with pytest.raises(APIError) as refused:
+                await tenancy.identify({})
+            assert refused.value.status == 401
+            assert not await tenancy.serves_anonymously()
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())

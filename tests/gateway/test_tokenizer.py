@@ -9,7 +9,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from gateway.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
+from gateway.tokenizer import RELEASE_GIL_CHARS, Tokenizer, TokenizerLoadError, load_tokenizer
 
 TEXTS = [
     "",
@@ -31,6 +31,8 @@ TEXTS = [
     "\u200b zero width \u00a0 nbsp \ufeff bom",
     "a" * 500,
 ]
+TEXTS.append(" ".join(TEXTS) * 4)  # encoded with the GIL released: longer than RELEASE_GIL_CHARS
+assert len(TEXTS[-1]) > RELEASE_GIL_CHARS
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],

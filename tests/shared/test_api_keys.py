@@ -5,7 +5,7 @@ import redis
 import redis.asyncio as aioredis
 
 from shared import redis_keys as keys
-from shared.api_keys import KeyStore, authenticate, keys_configured, parse_models
+from shared.api_keys import KeyStore, authenticate, deployment_keyed, keys_configured, parse_models
 
 
 @pytest.fixture
@@ -34,15 +34,23 @@ def _configured(url: str) -> bool:
     return asyncio.run(run())
 
 
+def _keyed(url: str) -> bool:
+    async def run():
+        async with aioredis.from_url(url) as client:
+            return await deployment_keyed(client)
+
+    return asyncio.run(run())
+
+
 def test_key_lifecycle(db_url):
     client = redis.Redis.from_url(db_url, decode_responses=True)
     store = KeyStore(client)
-    assert not _configured(db_url)
+    assert not _configured(db_url) and not _keyed(db_url)
 
     key, record = store.create("acme", rpm=10, tpm=1000, max_concurrency=2, models=["m1", "m2"])
     second_key, second = store.create("acme")
     other_key, other = store.create("globex")
-    assert _configured(db_url)
+    assert _configured(db_url) and _keyed(db_url)
     assert key.startswith(f"kvs_{record.key_id}_") and len(record.key_id) == 16
     assert (record.tenant, record.rpm, record.tpm, record.max_concurrency) == ("acme", 10, 1000, 2)
     assert record.models == ("m1", "m2") and record.revoked_at is None
@@ -59,7 +67,8 @@ def test_key_lifecycle(db_url):
 
     assert client.hget(keys.api_key_key(record.key_id), "secret_sha256") != secret
     for name in client.scan_iter():  # no plaintext secret anywhere in Redis
-        values = client.hvals(name) if client.type(name) == "hash" else client.smembers(name)
+        read = {"hash": client.hvals, "set": client.smembers, "string": lambda n: [client.get(n)]}
+        values = read[client.type(name)](name)
         assert values and not any(secret in value for value in values)
 
     revoked = store.revoke(key)  # the full key
@@ -71,12 +80,23 @@ def test_key_lifecycle(db_url):
     assert _configured(db_url)
     store.revoke(other.key_id)
     assert not _configured(db_url)
+    assert _keyed(db_url)  # no active key, but the deployment had keys: it does not become open
 
     listed = store.list()
     assert [r.key_id for r in listed] == [other.key_id, second.key_id, record.key_id]  # newest first
     assert all(r.revoked_at is not None for r in listed)
     assert [r.key_id for r in store.list("acme")] == [second.key_id, record.key_id]
     assert store.list("nobody") == []
+
+
+def test_a_deployment_keyed_before_the_marker_stays_keyed_through_revocation(db_url):
+    client = redis.Redis.from_url(db_url, decode_responses=True)
+    store = KeyStore(client)
+    _, record = store.create("acme")
+    client.delete(keys.KEYED_DEPLOYMENT)  # as a key made by an older kvserve left it
+    assert _keyed(db_url)  # an active key is enough
+    store.revoke(record.key_id)
+    assert _keyed(db_url) and client.exists(keys.KEYED_DEPLOYMENT)
 
 
 def test_inputs_are_checked_with_the_field_named(db_url):

@@ -1,0 +1,269 @@
+"""Requests without a valid key, over real processes (Redis, an executor on a tiny model, gateways): refused from
+the headers alone, before a byte of the body is read, so a flood of them costs the gateway next to nothing; large
+prompts are worked through off the event loop; slow bodies get 408; and once a deployment has had keys, neither
+revoking the last one nor a Redis flushed empty opens it again. A gateway open to other machines is an operator's
+explicit choice."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis
+
+from gateway.cli import is_loopback
+from gateway.openai_protocol import MAX_BODY_BYTES
+from kvserve.cli import build_parser
+from shared.api_keys import KeyStore
+from shared.redis_server import start_redis_server
+from tests.gateway.http_wire import pipelined, request
+from tests.processes import ExecutorProcess, GatewayProcess, eventually, run_kvserve
+
+BODY_TIMEOUT_S = 2.0
+FLOOD = 20
+# what /health/live may take while the gateway is flooded; parsing and tokenizing one of the flood's bodies on
+# the event loop took 11 s on a 2-core machine
+LIVE_BOUND_S = 2.0
+
+
+def _distinct_words(size: int) -> str:
+    """Text of about `size` bytes in words the tokenizer has never cached: about 3 us a byte to tokenize."""
+    return " ".join(f"w{i:x}q" for i in range(size // 8))
+
+
+# valid JSON just under the body limit: refused (400, temperature) once parsed, and seconds of work if served
+REFUSED_IF_PARSED = json.dumps(
+    {"model": "tiny", "temperature": 5, "prompt": _distinct_words(4_000_000)}
+).encode()
+EXPENSIVE_IF_PARSED = json.dumps(
+    {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": _distinct_words(4_000_000)}]}
+).encode()
+assert len(REFUSED_IF_PARSED) < MAX_BODY_BYTES and len(EXPENSIVE_IF_PARSED) < MAX_BODY_BYTES
+UNKNOWN_KEY = "kvs_0123456789abcdef_" + "A" * 43
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def _post(base: str, body: bytes, headers: dict[str, str], path: str = "/v1/completions") -> httpx.Response:
+    headers = {"content-type": "application/json", **headers}
+    return httpx.post(f"{base}{path}", content=body, headers=headers, timeout=120)
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_models, tmp_path_factory):
+    """(gateway, its Redis url, a valid key): a deployment with a key, its gateway on loopback without
+    --require-api-key, and a short body deadline."""
+    logs = tmp_path_factory.mktemp("keyless-logs")
+    server = start_redis_server()
+    key, _ = KeyStore(redis.Redis.from_url(server.url)).create("victim")
+    model = tiny_models["llama"]
+    executor = ExecutorProcess(model, server.url, logs / "executor.log")
+    gateway = GatewayProcess(model, server.url, logs / "gateway.log", "--body-timeout", str(BODY_TIMEOUT_S))
+    try:
+        executor.wait_registered()
+        gateway.wait_healthy()
+        yield gateway, server.url, key
+    finally:
+        gateway.stop()
+        executor.stop()
+        server.stop()
+
+
+def test_without_a_valid_key_the_body_is_never_read(keyed):
+    gateway, url, key = keyed
+    revoked, record = KeyStore(redis.Redis.from_url(url)).create("gone")
+    KeyStore(redis.Redis.from_url(url)).revoke(record.key_id)
+    for headers in (
+        {},
+        _bearer("sk-anything"),
+        _bearer(UNKNOWN_KEY),
+        _bearer(revoked),
+        {"authorization": key},
+    ):
+        assert _error(_post(gateway.base, REFUSED_IF_PARSED, headers), 401)["code"] == "invalid_api_key"
+    # a body over the limit, too: who calls comes before what the body did wrong
+    too_large = REFUSED_IF_PARSED + b" " * (MAX_BODY_BYTES - len(REFUSED_IF_PARSED) + 1)
+    _error(_post(gateway.base, too_large, {}), 401)
+    # with the key, the same bodies are read and refused for what they are
+    assert _error(_post(gateway.base, REFUSED_IF_PARSED, _bearer(key)), 400)["param"] == "temperature"
+    assert _error(_post(gateway.base, too_large, _bearer(key)), 413)["code"] == "request_too_large"
+
+
+def test_the_connection_serves_on_after_a_401_that_left_the_body_unread(keyed):
+    gateway, _, key = keyed
+    answers = pipelined(
+        gateway.port,
+        [
+            request("POST", "/v1/completions", REFUSED_IF_PARSED),
+            request("GET", "/v1/models", close=True, headers=_bearer(key)),
+        ],
+    )
+    assert [status for status, _ in answers] == [401, 200]
+    assert [m["id"] for m in json.loads(answers[1][1])["data"]] == ["tiny"]
+
+
+def test_a_keyless_flood_never_delays_liveness_or_a_keyed_request(keyed):
+    gateway, _, key = keyed
+    live_waits = []
+    with ThreadPoolExecutor(FLOOD + 1) as pool:
+        flood = [
+            pool.submit(_post, gateway.base, EXPENSIVE_IF_PARSED, {}, "/v1/chat/completions")
+            for _ in range(FLOOD)
+        ]
+        served = pool.submit(
+            _post, gateway.base, b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2}', _bearer(key)
+        )
+        while True:
+            started = time.monotonic()
+            assert httpx.get(f"{gateway.base}/health/live", timeout=60).status_code == 200
+            live_waits.append(time.monotonic() - started)
+            if all(f.done() for f in flood):
+                break
+            time.sleep(0.05)
+        assert [f.result().status_code for f in flood] == [401] * FLOOD
+        assert served.result().status_code == 200, served.result().text
+    assert max(live_waits) < LIVE_BOUND_S, live_waits
+
+
+def test_a_large_prompt_is_tokenized_off_the_event_loop(keyed):
+    gateway, _, key = keyed
+    # seconds of tokenizing; it is far over the tiny model's context
+    body = json.dumps({"model": "tiny", "max_tokens": 1, "prompt": _distinct_words(2_000_000)}).encode()
+    live_waits = []
+    with ThreadPoolExecutor(1) as pool:
+        large = pool.submit(_post, gateway.base, body, _bearer(key))
+        while not large.done():
+            started = time.monotonic()
+            assert httpx.get(f"{gateway.base}/health/live", timeout=60).status_code == 200
+            live_waits.append(time.monotonic() - started)
+            time.sleep(0.05)
+        large.result()  # answered; how (its prompt is far over the context) is not the point here
+    # it took long enough to be probed while it ran, and no probe waited for it
+    assert len(live_waits) >= 3 and max(live_waits) < LIVE_BOUND_S, live_waits
+
+
+def test_a_slow_body_gets_408_at_its_deadline_and_the_connection_closes(keyed):
+    gateway, _, key = keyed
+    head = request("POST", "/v1/completions", b"x" * 1000, headers=_bearer(key)).removesuffix(b"x" * 1000)
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=30) as sock:
+        started = time.monotonic()
+        sock.sendall(head + b'{"model": "tiny", ')
+        # a byte now and then does not move the deadline: it is wall-clock, not idle time
+        while time.monotonic() - started < BODY_TIMEOUT_S - 0.3:
+            sock.sendall(b" ")
+            time.sleep(0.2)
+        data = b""
+        while chunk := sock.recv(65536):  # read until the server closes the connection
+            data += chunk
+        waited = time.monotonic() - started
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), data
+    assert b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    # an idle timer restarted by the last byte would have fired BODY_TIMEOUT_S after it
+    assert BODY_TIMEOUT_S - 0.1 <= waited < 2 * BODY_TIMEOUT_S - 0.3, waited
+
+
+def test_once_keys_existed_the_gateway_never_runs_open_again(tiny_models, tmp_path):
+    """No executor: every answer here comes from the gateway's reading of the caller."""
+    server = start_redis_server()
+    client = redis.Redis.from_url(server.url)
+    model = tiny_models["llama"]
+    gateways = [GatewayProcess(model, server.url, tmp_path / "open.log")]
+    try:
+        gateway = gateways[0]
+        assert eventually(lambda: _live(gateway), timeout=60), gateway.log_path.read_text()
+        assert httpx.get(f"{gateway.base}/v1/models").status_code == 200  # open: no key ever existed
+        assert httpx.get(f"{gateway.base}/metrics").status_code == 200  # every request is the anonymous one's
+        store = KeyStore(client)
+        key, record = store.create("acme-corp")
+        assert httpx.get(f"{gateway.base}/v1/models", headers=_bearer(key)).status_code == 200
+        _assert_closed(gateway)
+
+        store.revoke(record.key_id)  # the last key
+        _assert_closed(gateway)
+        restarted = GatewayProcess(model, server.url, tmp_path / "restarted.log")
+        gateways.append(restarted)
+        assert eventually(lambda: _live(restarted), timeout=60), restarted.log_path.read_text()
+        _assert_closed(restarted)  # a new process too: Redis remembers that keys existed
+
+        client.flushall()  # Redis restarted empty, or failed over to an empty replica
+        for running in gateways:
+            _assert_closed(running)  # each process remembers, for its life
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+        server.stop()
+
+
+def _live(gateway: GatewayProcess) -> bool:
+    try:
+        return httpx.get(f"{gateway.base}/health/live").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _assert_closed(gateway: GatewayProcess) -> None:
+    """Requests without a key get 401 and the public port names no tenant."""
+    assert "API keys" in _error(httpx.get(f"{gateway.base}/v1/models"), 401)["message"]
+    _error(_post(gateway.base, b'{"model": "tiny", "prompt": "hi"}', {}), 401)
+    metrics = httpx.get(f"{gateway.base}/metrics")
+    assert "--metrics-port" in _error(metrics, 404)["message"] and "acme" not in metrics.text
+
+
+def test_an_open_gateway_on_a_non_loopback_address_is_an_explicit_choice(tiny_models, tmp_path):
+    server = start_redis_server()
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVE_REDIS_URL"}
+    gateways = []
+    try:
+        refused = run_kvserve("gateway", "--host", "0.0.0.0", "--redis-url", server.url, env=env)
+        assert refused.returncode == 2, refused.stderr
+        (line,) = refused.stderr.strip().splitlines()
+        assert "0.0.0.0" in line and "kvserve keys create" in line and "--allow-anonymous" in line
+        both = ["--host", "0.0.0.0", "--allow-anonymous", "--require-api-key", "--redis-url", server.url]
+        contradiction = run_kvserve("gateway", *both, env=env)
+        assert contradiction.returncode == 2 and "contradict" in contradiction.stderr
+
+        gateway = GatewayProcess(
+            tiny_models["llama"],
+            server.url,
+            tmp_path / "anonymous.log",
+            "--host",
+            "0.0.0.0",
+            "--allow-anonymous",
+        )
+        gateways.append(gateway)
+        assert eventually(lambda: _live(gateway), timeout=60), gateway.log_path.read_text()
+        assert httpx.get(f"{gateway.base}/v1/models").status_code == 200  # open, as asked
+        assert "WITHOUT API KEYS" in gateway.log_path.read_text()
+
+        KeyStore(redis.Redis.from_url(server.url)).create("someone")  # a keyed deployment needs no flag
+        keyed = GatewayProcess(tiny_models["llama"], server.url, tmp_path / "keyed.log", "--host", "0.0.0.0")
+        gateways.append(keyed)
+        assert eventually(lambda: _live(keyed), timeout=60), keyed.log_path.read_text()
+        _error(httpx.get(f"{keyed.base}/v1/models"), 401)
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+        server.stop()
+
+
+def test_loopback_hosts_and_the_flags_of_up():
+    assert all(is_loopback(host) for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(is_loopback(host) for host in ("0.0.0.0", "::", "10.0.0.5", "gateway.example"))
+    args = build_parser("up").parse_args(["up", "--allow-anonymous", "--body-timeout", "5"])
+    assert args.allow_anonymous and args.body_timeout == 5.0  # run_up hands its args to run_gateway
