@@ -118,9 +118,15 @@ def test_streaming_chat_is_framed_as_openai_and_matches_the_whole_answer(stack):
         ),
         (
             "/v1/completions",
-            {"model": "tiny", "prompt": "x", "max_tokens": 10**6},
+            {"model": "tiny", "prompt": "x", "max_tokens": 4096},
             400,
             "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "max_tokens": 10**6},  # over --max-request-completion-tokens
+            400,
+            None,
         ),
         (
             "/v1/completions",
