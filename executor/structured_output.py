@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
-from executor.grammar_worker import CompileTimeout, GrammarWorker, WorkerFailed
+from executor.grammar_compile import compile_spec
+from executor.grammar_worker import (
+    CompileTimeout,
+    GrammarWorker,
+    WorkerFailed,
+    compile_niceness,
+    lower_thread_priority,
+)
 from executor.tenant_turns import TenantTurns
 from shared.structured_outputs import StructuredOutputsParams
 
@@ -59,8 +66,9 @@ class _Compile:
 
 class Grammars:
     """The compiled grammars of one model's tokenizer, per tenant. The tokenizer info is built once, here; a
-    thread feeds the worker process one compile at a time, tenants in turn, and starts a fresh process when one
-    overran its deadline or died."""
+    thread at the compile priority takes the specs one at a time, tenants in turn: the worker process compiles
+    each under the deadline (a fresh process replaces one that overran it or died), then the thread compiles it
+    for this process."""
 
     def __init__(
         self,
@@ -77,7 +85,8 @@ class Grammars:
         self.timeout_s = timeout_s
         self.max_cached = max_cached
         self.num_compiled = 0  # compilations queued (cache misses)
-        self._worker = GrammarWorker(self.tokenizer_info.serialize_json())
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self._worker = GrammarWorker(self.tokenizer_info.serialize_json(), compile_niceness())
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._pending: TenantTurns[_Compile] = TenantTurns()
         self._queued: dict[Future, _Compile] = {}  # the pending ones, by the future their requests hold
@@ -151,6 +160,7 @@ class Grammars:
 
     def _compile_in_turn(self) -> None:
         """The compile thread: the worker process started at once, then the next tenant's next spec."""
+        lower_thread_priority(self._worker.niceness)  # before the worker starts: it inherits it on Linux
         self._start_worker()
         while True:
             with self._changed:
@@ -177,8 +187,8 @@ class Grammars:
     def _run(self, job: _Compile) -> None:
         kind = job.spec.kind
         try:
-            compiled = self._worker.compile(job.spec, self.timeout_s)
-            job.future.set_result(xgr.CompiledGrammar.deserialize_json(compiled, self.tokenizer_info))
+            self._worker.try_compile(job.spec, self.timeout_s)
+            job.future.set_result(compile_spec(self._compiler, job.spec))  # as long again, no longer
             return
         except ValueError as error:  # the library's word on the spec: kept in the cache like a grammar
             job.future.set_exception(error)
@@ -187,20 +197,20 @@ class Grammars:
             log.info(
                 "structured outputs: a %s compile ran past %g s; its process killed", kind, self.timeout_s
             )
-            error = ValueError(
+            failure: Exception = ValueError(
                 f"structured_outputs.{kind}: compiling it took longer than the {self.timeout_s:g} s limit "
                 "(--grammar-compile-timeout)"
             )
         except WorkerFailed as error:
             if not self._closed:
                 log.error("structured outputs: compiling a %s failed: %s", kind, error)
-            error = RuntimeError(f"structured_outputs.{kind}: the grammar compiler failed: {error}")
-        except Exception as error:  # the compiled grammar did not load: a fault of ours, not the client's
-            log.exception("structured outputs: loading a compiled %s failed", kind)
-            error = RuntimeError(f"structured_outputs.{kind}: loading the compiled grammar failed: {error}")
+            failure = RuntimeError(f"structured_outputs.{kind}: the grammar compiler failed: {error}")
+        except Exception as error:  # a fault of ours, not the client's
+            log.exception("structured outputs: compiling a %s failed", kind)
+            failure = RuntimeError(f"structured_outputs.{kind}: compiling it failed: {error}")
         with self._changed:
             self._forget(job)
-        job.future.set_exception(error)
+        job.future.set_exception(failure)
         if not self._closed:
             self._start_worker()  # killed or dead: a fresh one for the specs still queued
 

@@ -232,6 +232,25 @@ def test_a_grammar_past_its_deadline_fails_alone_and_the_next_compiles_in_a_fres
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+def test_a_compile_process_that_dies_fails_its_request_as_our_fault_and_is_replaced(tiny_engine):
+    engine, grammars = tiny_engine, tiny_engine.grammars
+    grammars.compile(constrained(regex="(warm)+"), "dies").result(timeout=120)
+    grammars.timeout_s = 120  # for this test: time to kill the process mid-compile from here
+    try:
+        params = SamplingParams(max_tokens=2, structured_outputs=constrained(regex=slow_regex(70)))
+        engine.add_request("dies", [1, 2, 3], params, "dies")
+        pid = grammars.worker_pid
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        finished, _ = run_to_the_end(engine)
+    finally:
+        grammars.timeout_s = DEADLINE_S
+    assert finished["dies"].error_code == 500  # the spec may well be fine: it is not called bad
+    assert "structured_outputs.regex: the grammar compiler failed" in finished["dies"].error
+    assert grammars.compile(constrained(regex="(after)+"), "dies").result(timeout=120) is not None
+    assert gone(pid) and grammars.worker_pid not in (None, pid)
+
+
 def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(tiny_engine):
     engine = tiny_engine
     ready = constrained(regex="(xy)+")
