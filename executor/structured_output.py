@@ -3,12 +3,13 @@
 The grammar library is xgrammar (vLLM's and SGLang's default): measured at the default model's 49k vocabulary it
 filled a mask in ~5 us a token (llguidance ~23 us, with 7 ms spikes) and compiled a typical schema in ~40 ms.
 A grammar's compile time is the client's to choose (a regex's grows with the square of its length), so no compile
-may stall anyone: grammars compile one at a time in a worker process (executor/grammar_worker.py) that is killed
-when a compile overruns --grammar-compile-timeout, failing only that request; tenants take turns at it
-(executor/tenant_turns.py), so one tenant's burst of slow grammars waits behind itself. Compiled grammars are kept
-per tenant and spec in a bounded LRU: another tenant's compile is never a hit, so timing tells no tenant what
-another asked. A request waits in the engine, not the scheduler's queue, until its grammar is ready, and one whose
-grammar fails is refused with a ValueError's message naming structured_outputs.<kind>. Rows without a grammar cost
+may stall anyone: each compiles first in a worker process (executor/grammar_worker.py), killed when it overruns
+--grammar-compile-timeout, which fails only that request; one that fits is compiled again here, on the compile
+thread, both at a lower CPU priority. Specs take turns by tenant (executor/tenant_turns.py), so one tenant's burst
+of slow grammars waits behind itself. Compiled grammars are kept per tenant and spec in a bounded LRU: another
+tenant's compile is never a hit, so timing tells no tenant what another asked. A request waits in the engine, not
+the scheduler's bounded queue, until its grammar is ready, and one whose grammar fails is refused with a
+ValueError's message naming structured_outputs.<kind>. Rows without a grammar cost
 nothing: no mask exists when no row of the batch is constrained. The matcher advances only with emitted tokens,
 which survive preemption, so recompute needs nothing from here. Speculation: each verified position gets the mask
 of the state after the proposals before it (the matcher rolled back afterwards), so a proposal the grammar refuses
@@ -94,7 +95,7 @@ class Grammars:
         self._closed = False
         self._thread = threading.Thread(target=self._compile_in_turn, name="grammar-compile", daemon=True)
         self._thread.start()
-        # before multiprocessing's own exit hook, which would end the worker under a thread that restarts it
+        # an orderly end at interpreter exit too (else the pipe's closing or the parent-death signal ends it)
         atexit.register(self.close)
 
     @property
