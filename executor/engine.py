@@ -36,6 +36,9 @@ from shared.structured_outputs import StructuredOutputsParams
 log = logging.getLogger("kvserve.engine")
 
 HASHES_CHECKED = 4  # leading blocks of a prompt whose gateway hashes are compared with the engine's
+# structured outputs: requests waiting for their grammars, all tenants together, as a multiple of the most one
+# tenant may have waiting (--max-waiting-seqs): no tenant takes every place, and memory stays bounded
+COMPILING_TENANTS_SHARE = 4
 
 
 def choice_request_id(group_id: str, index: int) -> str:
@@ -91,7 +94,7 @@ class Engine:
         self.block_hash_mismatches = 0  # requests whose gateway hashed their prompt otherwise
         # structured outputs: grammars compiled for this tokenizer (built on first use, with the process that
         # compiles them), and the requests whose grammar compiles, held here rather than in the scheduler's
-        # bounded queue until it is ready (at most --max-waiting-seqs of them)
+        # bounded queue until it is ready (a bounded number of them: _check_compile_room)
         self._grammars: Grammars | None = None
         self.compiling: list[Request] = []
         self.mask_seconds = 0.0  # spent building and applying token masks, for bench/structured_outputs.py
@@ -153,15 +156,28 @@ class Engine:
 
     def _compiled_grammar(self, spec: StructuredOutputsParams, cache_salt: str | None) -> Future:
         """Structured outputs: the tenant's grammar for spec, compiled or compiling. Raises the ValueError of one
-        known to fail, and EngineBusy for one that would wait for a compile while --max-waiting-seqs do."""
+        known to fail, and EngineBusy for one that would wait for a compile without room to."""
         known = self.grammars.lookup(spec, cache_salt)
-        waiting = len(self.compiling)
-        if (known is None or not known.done()) and waiting >= self.config.max_waiting_seqs:
-            raise EngineBusy(f"executor busy: {waiting} requests already wait for their grammars to compile")
+        if known is None or not known.done():
+            self._check_compile_room(cache_salt)
         compiled = self.grammars.compile(spec, cache_salt)
         if compiled.done() and compiled.exception() is not None:  # cached, so the spec's own: a ValueError
             raise ValueError(str(compiled.exception()))
         return compiled
+
+    def _check_compile_room(self, cache_salt: str | None) -> None:
+        """EngineBusy unless a request of this tenant may wait for its grammar: one tenant has at most
+        --max-waiting-seqs waiting, all tenants together COMPILING_TENANTS_SHARE times that."""
+        per_tenant = self.config.max_waiting_seqs
+        own = sum(1 for r in self.compiling if r.cache_salt == cache_salt)
+        if own >= per_tenant:
+            raise EngineBusy(
+                f"executor busy: {own} of this tenant's requests already wait for their grammars to compile"
+            )
+        if len(self.compiling) >= COMPILING_TENANTS_SHARE * per_tenant:
+            raise EngineBusy(
+                f"executor busy: {len(self.compiling)} requests already wait for their grammars to compile"
+            )
 
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuse what could never run: past max_model_len, or more blocks than the pool holds for the whole

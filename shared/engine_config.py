@@ -169,8 +169,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-waiting-seqs",
         type=int,
         default=d.max_waiting_seqs,
-        help="refuse new requests as busy while this many wait unstarted, or (structured outputs) this many "
-        "wait for their grammars to compile (default: %(default)s)",
+        help="refuse new requests as busy while this many wait unstarted, or (structured outputs) while this "
+        "many of the tenant's, or 4x this many of all, wait for their grammars to compile (default: %(default)s)",
     )
     g.add_argument(
         "--max-waiting-tokens",

@@ -262,11 +262,13 @@ def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(t
     assert len(engine.compiling) == 3 and not engine.scheduler.waiting and not engine.queue_full
     assert engine.load()["waiting"] == 3 and engine.stats()["num_compiling"] == 3
     more = SamplingParams(max_tokens=2, structured_outputs=constrained(regex="(zw)+"))
-    with pytest.raises(EngineBusy, match="3 requests already wait for their grammars to compile"):
-        engine.add_request("refused", [1, 2, 3], more, cache_salt="beta")
-    assert (
-        "refused" not in engine.requests and engine.grammars.lookup(more.structured_outputs, "beta") is None
-    )
+    with pytest.raises(EngineBusy, match="3 of this tenant's requests already wait for their grammars"):
+        engine.add_request("refused", [1, 2, 3], more, cache_salt="alpha")
+    assert "refused" not in engine.requests
+    assert engine.grammars.lookup(more.structured_outputs, "alpha") is None  # nothing queued for it
+    engine.add_request("beta", [1, 2, 3], more, cache_salt="beta")  # another tenant still has room
+    assert len(engine.compiling) == 4 and not engine.queue_full
+    assert engine.abort("beta") == [0]
     engine.add_request("ready", [1, 2, 3], SamplingParams(max_tokens=2, structured_outputs=ready), "alpha")
     engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(engine.scheduler.waiting) == 2
@@ -279,6 +281,23 @@ def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(t
     finished, tokens = run_to_the_end(engine)
     assert set(finished) == {"ready", "plain"} and finished["ready"].error is None
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_all_tenants_together_have_four_times_one_tenants_places(tiny_engine):
+    engine, added = tiny_engine, []
+    for tenant in range(4):
+        for i in range(3):  # --max-waiting-seqs 3: each tenant's most
+            spec = constrained(regex=f"(t{tenant}r{i})+{slow_regex(45)}")
+            added.append(f"t{tenant}-{i}")
+            engine.add_request(added[-1], [1, 2, 3], SamplingParams(structured_outputs=spec), f"t{tenant}")
+    late = SamplingParams(structured_outputs=constrained(regex="(late)+"))
+    with pytest.raises(EngineBusy, match="12 requests already wait for their grammars to compile"):
+        engine.add_request("late", [1, 2, 3], late, "t4")
+    engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True), "t4")
+    for request_id in added:
+        engine.abort(request_id)
+    finished, _ = run_to_the_end(engine)
+    assert list(finished) == ["plain"] and not engine.compiling
 
 
 def test_tenants_take_turns_at_the_compiler(tiny_engine):
