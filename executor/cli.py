@@ -231,6 +231,7 @@ def serve(args: argparse.Namespace) -> int:
         socket.close(linger=1000)  # let the last StepBatch messages leave
         context.term()
         tracing.shutdown()
+        engine.close()  # the grammar compile process with it
     log.info("executor %s stopped", executor_id)
     return 0
 

@@ -6,11 +6,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
 
+from executor.engine_busy import EngineBusy
 from executor.engine_setup import (
     build_proposers,
     build_runner,
@@ -21,19 +22,23 @@ from executor.engine_setup import (
 )
 from executor.kv_sizing import pick_device_and_dtype
 from executor.model_runner import StepLogits
-from executor.request import Request, RequestStatus
+from executor.request import Request
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from executor.scheduler import NewTokens, SchedulerOutput
 from executor.spec_decode import SpecBackoff, verify
-from executor.structured_output import Grammars, step_bitmask
+from executor.structured_output import Grammars, RequestGrammar, step_bitmask
 from kernels.backend import choose_attention_backend
 from shared.block_hash import hash_blocks
 from shared.engine_config import EngineConfig
 from shared.sampling_params import SamplingParams
+from shared.structured_outputs import StructuredOutputsParams
 
 log = logging.getLogger("kvserve.engine")
 
 HASHES_CHECKED = 4  # leading blocks of a prompt whose gateway hashes are compared with the engine's
+# structured outputs: requests waiting for their grammars, all tenants together, as a multiple of the most one
+# tenant may have waiting (--max-waiting-seqs): no tenant takes every place, and memory stays bounded
+COMPILING_TENANTS_SHARE = 4
 
 
 def choice_request_id(group_id: str, index: int) -> str:
@@ -51,7 +56,8 @@ class StepOutput:
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     num_cached_tokens: int
     num_accepted_tokens: int = 0  # proposals of this request the target has accepted so far
-    error: str | None = None  # refused after it was queued (its grammar failed to compile): a 400's message
+    error: str | None = None  # refused after it was queued (its grammar failed to compile): the message
+    error_code: int = 400  # 400 when the spec was at fault, 500 when the engine was
     # params.prompt_logprobs: every prompt token's but the first (which has none), with its first new token
     prompt_logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # the choice (parallel sampling, n > 1); request_id is the whole group's
@@ -86,8 +92,9 @@ class Engine:
         self.groups: dict[str, list[Request]] = {}  # by the id they were added under: every choice
         self.first_scheduled: list[Request] = []  # requests the last step scheduled for the first time
         self.block_hash_mismatches = 0  # requests whose gateway hashed their prompt otherwise
-        # structured outputs: grammars compiled for this tokenizer (built on first use), and the requests
-        # queued while theirs compiles
+        # structured outputs: grammars compiled for this tokenizer (built on first use, with the process that
+        # compiles them), and the requests whose grammar compiles, held here rather than in the scheduler's
+        # bounded queue until it is ready (a bounded number of them: _check_compile_room)
         self._grammars: Grammars | None = None
         self.compiling: list[Request] = []
         self.mask_seconds = 0.0  # spent building and applying token masks, for bench/structured_outputs.py
@@ -103,8 +110,9 @@ class Engine:
         cache_salt: str | None = None,
         block_hashes: Sequence[bytes] = (),
     ) -> Request:
-        """Validate and queue; a bad request raises ValueError naming the field and touches nothing else.
-        block_hashes: the prompt's chain as the gateway hashed it, checked against this engine's own."""
+        """Validate and queue; a bad request raises ValueError naming the field and touches nothing else, one
+        that must wait for a compile while too many do raises EngineBusy. block_hashes: the prompt's chain as the
+        gateway hashed it, checked against this engine's own."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -119,6 +127,7 @@ class Engine:
         if taken is not None:
             raise ValueError(f"request_id: {taken!r} is already in use")
         spec = params.structured_outputs
+        compiled = None if spec is None else self._compiled_grammar(spec, cache_salt)
         choices = [
             Request(
                 choice_id,
@@ -127,7 +136,7 @@ class Engine:
                 self.eos_token_ids,
                 cache_salt=cache_salt,
                 generator=self._generator(params.choice_seed(index)),
-                grammar=None if spec is None else self.grammars.start(spec),  # structured outputs hook
+                grammar=None if compiled is None else RequestGrammar(compiled),  # a matcher each
                 group_id=request_id,
                 index=index,
             )
@@ -139,10 +148,36 @@ class Engine:
         for choice in choices:
             self.requests[choice.request_id] = choice
         self.groups[request_id] = choices
-        if request.grammar is not None and not request.grammar.ready:
-            self.compiling.append(request)
-        self.scheduler.add(request)
+        if compiled is not None and not compiled.done():
+            self.compiling.append(request)  # to the scheduler once its grammar is ready (_admit_compiled)
+        else:
+            self.scheduler.add(request)
         return request
+
+    def _compiled_grammar(self, spec: StructuredOutputsParams, cache_salt: str | None) -> Future:
+        """Structured outputs: the tenant's grammar for spec, compiled or compiling. Raises the ValueError of one
+        known to fail, and EngineBusy for one that would wait for a compile without room to."""
+        known = self.grammars.lookup(spec, cache_salt)
+        if known is None or not known.done():
+            self._check_compile_room(cache_salt)
+        compiled = self.grammars.compile(spec, cache_salt)
+        if compiled.done() and compiled.exception() is not None:  # cached, so the spec's own: a ValueError
+            raise ValueError(str(compiled.exception()))
+        return compiled
+
+    def _check_compile_room(self, cache_salt: str | None) -> None:
+        """EngineBusy unless a request of this tenant may wait for its grammar: one tenant has at most
+        --max-waiting-seqs waiting, all tenants together COMPILING_TENANTS_SHARE times that."""
+        per_tenant = self.config.max_waiting_seqs
+        own = sum(1 for r in self.compiling if r.cache_salt == cache_salt)
+        if own >= per_tenant:
+            raise EngineBusy(
+                f"executor busy: {own} of this tenant's requests already wait for their grammars to compile"
+            )
+        if len(self.compiling) >= COMPILING_TENANTS_SHARE * per_tenant:
+            raise EngineBusy(
+                f"executor busy: {len(self.compiling)} requests already wait for their grammars to compile"
+            )
 
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuse what could never run: past max_model_len, or more blocks than the pool holds for the whole
@@ -200,7 +235,16 @@ class Engine:
         for choice in stopped:
             self._forget(choice)
             self.scheduler.finish(choice, "abort")
+            if choice in self.compiling:
+                self._stop_compiling(choice)
         return sorted({c.index for c in stopped})
+
+    def _stop_compiling(self, request: Request) -> None:
+        """A request no longer waits for its grammar: the compile is dropped unless another request waits too."""
+        self.compiling.remove(request)
+        future = request.grammar.future
+        if not any(r.grammar.future is future for r in self.compiling):
+            self.grammars.cancel(future)
 
     def _forget(self, request: Request) -> bool:
         """Drop a finishing choice; whether it was its group's last."""
@@ -219,7 +263,8 @@ class Engine:
 
     def hand_back_overdue(self) -> list[str]:
         """Drop the requests that have waited --max-waiting-time without starting, so their gateways can send
-        them to an executor with room: the ids, none of which has computed or sent anything."""
+        them to an executor with room: the ids, none of which has computed or sent anything. The time counts in
+        the scheduler's queue: one waiting for its grammar waits for work no other executor has done."""
         if not self.config.max_waiting_time:
             return []
         cutoff = time.time_ns() - int(self.config.max_waiting_time * 1e9)
@@ -231,24 +276,37 @@ class Engine:
     @property
     def grammars(self) -> Grammars:
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = Grammars(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, self.config.grammar_compile_timeout
+            )
         return self._grammars
 
-    def _refuse_failed_grammars(self) -> list[StepOutput]:
-        """Structured outputs: requests whose grammar failed while they waited end with its error (a 400)."""
+    def _admit_compiled(self) -> list[StepOutput]:
+        """Structured outputs: requests whose grammar is ready join the scheduler's queue, in arrival order;
+        those whose grammar failed end with its error (a 400, or a 500 where the fault was the engine's)."""
         refused, still = [], []
         for request in self.compiling:
-            if request.status is RequestStatus.FINISHED or request.grammar.ready:
+            if request.grammar.ready:
+                self.scheduler.add(request)
                 continue
-            if request.grammar.error is None:
+            error = request.grammar.error
+            if error is None:
                 still.append(request)
                 continue
             for choice in [request, *request.forks]:  # none has started: they wait for the first one's prompt
                 self._forget(choice)
                 self.scheduler.finish(choice, "error")
-            refused.append(StepOutput(request.group_id, [], [], "error", 0, error=request.grammar.error))
+            code = 400 if isinstance(error, ValueError) else 500
+            refused.append(
+                StepOutput(request.group_id, [], [], "error", 0, error=str(error), error_code=code)
+            )
         self.compiling = still
         return refused
+
+    def close(self) -> None:
+        """Let go of what outlives the engine's own objects: the grammar compile process and its thread."""
+        if self._grammars is not None:
+            self._grammars.close()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -273,7 +331,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model (sample, verify proposals), let the scheduler book it, propose for the next."""
-        refused = self._refuse_failed_grammars() if self.compiling else []
+        refused = self._admit_compiled() if self.compiling else []
         sched = self.scheduler.schedule()
         now = time.time_ns()
         self.first_scheduled = [r for r, _ in sched.scheduled if not r.first_scheduled_ns]
@@ -413,10 +471,11 @@ class Engine:
 
     def load(self) -> dict[str, float]:
         """What routing needs, cheap enough to publish every step (stats() walks every block table)."""
-        queued = [*self.scheduler.running, *self.scheduler.waiting]
+        waiting = [*self.scheduler.waiting, *self.compiling]  # the latter will need their prefill too
+        queued = [*self.scheduler.running, *waiting]
         return {
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(waiting),
             # prompt tokens still to prefill: the work a new request waits behind
             "prefill_tokens": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
             "kv_usage": self.pool.num_used_blocks / self.pool.num_blocks,
@@ -446,5 +505,6 @@ class Engine:
             if self.scheduler.spec_draft_tokens
             else 0.0,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self.compiling),
+            "num_compiling": len(self.compiling),  # of which wait for their grammar
         }

@@ -95,8 +95,13 @@ class LLM:
         request_id = request_id if request_id is not None else str(next(self._ids))
         token_prompt = list(prompt) if not isinstance(prompt, str) else prompt
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            # offline, waiting for the grammar costs nothing: a bad one raises its ValueError here
-            self.engine.grammars.compile(params.structured_outputs).exception()
+            # offline, waiting for the grammar costs nothing: a bad one (or one past its deadline, which the
+            # cache does not keep) raises its ValueError here, a fault of the compiler its RuntimeError
+            error = self.engine.grammars.compile(params.structured_outputs).exception()
+            if (
+                error is not None
+            ):  # a new one each time: the cached one's traceback would grow with every raise
+                raise (ValueError if isinstance(error, ValueError) else RuntimeError)(str(error)) from None
         request = self.engine.add_request(request_id, token_prompt, params)
         output = RequestOutput(
             request_id,

@@ -31,6 +31,7 @@ class Request:
     cache_salt: str | None = None
     # wall-clock times (time.time_ns) of its life, for queue-time metrics and trace spans; 0 until it happens
     arrival_ns: int = field(default_factory=time.time_ns)
+    queued_ns: int = 0  # when it joined the scheduler's queue (later than arrival while its grammar compiled)
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
     finished_ns: int = 0

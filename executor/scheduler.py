@@ -63,6 +63,7 @@ class Scheduler:
         self.spec_accepted_tokens = 0  # of which accepted
 
     def add(self, request: Request) -> None:
+        request.queued_ns = time.time_ns()
         self.waiting.append(request)
 
     def finish(self, request: Request, reason: str) -> None:
@@ -88,8 +89,8 @@ class Scheduler:
         return to_prefill >= self.max_waiting_tokens
 
     def unstarted_since(self, before_ns: int) -> list[Request]:
-        """Waiting requests that arrived before before_ns and were never scheduled (no output, no KV)."""
-        return [r for r in self.waiting if not r.first_scheduled_ns and r.arrival_ns < before_ns]
+        """Waiting requests that joined the queue before before_ns and were never scheduled (no output, no KV)."""
+        return [r for r in self.waiting if not r.first_scheduled_ns and r.queued_ns < before_ns]
 
     @property
     def num_unfinished(self) -> int:
@@ -129,8 +130,6 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) + request.group_size > self.max_num_seqs:
                 break
-            if request.grammar is not None and not request.grammar.ready:
-                continue  # structured outputs: its grammar is still compiling; the ones behind it may start
             cached = self.kv.find_cached_prefix(request)
             num_new = request.num_tokens - len(cached) * self.kv.block_size
             if num_new > budget and not self.enable_chunked_prefill:

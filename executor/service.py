@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from executor.engine_busy import EngineBusy
 from executor.index_writer import IndexWriter
 from executor.request_spans import record_request_spans
 from shared import protocol, tracing
@@ -169,6 +170,9 @@ class ExecutorService:
         except ValueError as error:
             self._send_error(identity, msg.request_id, str(error), 400, trace_id)
             return
+        except EngineBusy as error:  # too many wait for their grammars here: the gateway routes it elsewhere
+            self._send_error(identity, msg.request_id, str(error), protocol.BUSY, trace_id)
+            return
         parent = tracing.parent_context(msg.traceparent) if tracing.enabled() else None
         choices = list(self.engine.groups[msg.request_id])
         self.owners[msg.request_id] = Owned(identity, choices, msg.tenant, trace_id, parent)
@@ -210,9 +214,9 @@ class ExecutorService:
         if owned is None:
             log.error("engine produced output for request %s that no gateway owns", out.request_id)
             return
-        if out.error is not None:  # refused after queueing (a grammar that failed to compile): the same 400
+        if out.error is not None:  # refused after queueing (a grammar that failed to compile)
             self._release(out.request_id, "refused")
-            self._send_error(owned.identity, out.request_id, out.error, 400, owned.trace_id)
+            self._send_error(owned.identity, out.request_id, out.error, out.error_code, owned.trace_id)
             return
         logprobs = None
         if any(lp is not None for lp in out.new_logprobs):

@@ -2,113 +2,218 @@
 
 The grammar library is xgrammar (vLLM's and SGLang's default): measured at the default model's 49k vocabulary it
 filled a mask in ~5 us a token (llguidance ~23 us, with 7 ms spikes) and compiled a typical schema in ~40 ms.
-Grammars compile on a worker thread, once per (kind, spec), kept in a bounded LRU; a request waits in the queue
-until its grammar is ready (scheduler.py skips it), and one whose grammar fails is refused with a ValueError's
-message naming structured_outputs.<kind>. Rows without a grammar cost nothing: no mask exists when no row of the
-batch is constrained. The matcher advances only with emitted tokens, which survive preemption, so recompute
-needs nothing from here. Speculation: each verified position gets the mask of the state after the proposals
-before it (the matcher rolled back afterwards), so a proposal the grammar refuses is always rejected; one-hot
-proposals (n-gram, greedy draft) are also cut there before the step, which saves their verification.
+A grammar's compile time is the client's to choose (a regex's grows with the square of its length), so no compile
+may stall anyone: each compiles first in a worker process (executor/grammar_worker.py), killed when it overruns
+--grammar-compile-timeout, which fails only that request; one that fits is compiled again here, on the compile
+thread, both at a lower CPU priority. Specs take turns by tenant (executor/tenant_turns.py), so one tenant's burst
+of slow grammars waits behind itself. Compiled grammars are kept per tenant and spec in a bounded LRU: another
+tenant's compile is never a hit, so timing tells no tenant what another asked. A request waits in the engine, not
+the scheduler's bounded queue, until its grammar is ready, and one whose grammar fails is refused with a
+ValueError's message naming structured_outputs.<kind>. Rows without a grammar cost
+nothing: no mask exists when no row of the batch is constrained. The matcher advances only with emitted tokens,
+which survive preemption, so recompute needs nothing from here. Speculation: each verified position gets the mask
+of the state after the proposals before it (the matcher rolled back afterwards), so a proposal the grammar refuses
+is always rejected; one-hot proposals (n-gram, greedy draft) are also cut there before the step, which saves their
+verification.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
-import re
+import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
 
+from executor.grammar_compile import compile_spec
+from executor.grammar_worker import (
+    CompileTimeout,
+    GrammarWorker,
+    WorkerFailed,
+    compile_niceness,
+    lower_thread_priority,
+)
+from executor.tenant_turns import TenantTurns
 from shared.structured_outputs import StructuredOutputsParams
 
-MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, least recently used dropped first
-# xgrammar's errors start with "[time] /project/cpp/file.cc:line: "; the client needs what follows
-_LOCATION = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
+log = logging.getLogger("kvserve.structured_output")
+
+MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, all tenants together, least recently used dropped first
+
+GrammarKey = tuple[str | None, str, str]  # (cache salt, kind, the spec's text)
 
 
-def _library_message(error: Exception) -> str:
-    return _LOCATION.sub("", str(error).strip()).strip()
+def _key(spec: StructuredOutputsParams, cache_salt: str | None) -> GrammarKey:
+    return (cache_salt, spec.kind, json.dumps(getattr(spec, spec.kind), ensure_ascii=False))
 
 
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF rule matching exactly one of the strings (JSON escapes are EBNF's string escapes)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+@dataclass(slots=True, eq=False)
+class _Compile:
+    """One tenant's spec to compile, and the future its requests wait on."""
 
+    key: GrammarKey
+    spec: StructuredOutputsParams
+    future: Future = field(default_factory=Future)
 
-# xgrammar 0.2.9 writes a string with minLength/maxLength as a run of [^"\\\r\n]: raw tabs and other control
-# characters, which JSON forbids inside strings, pass, and escapes do not. Each such character is made the one
-# plain strings use, or one escape (a JSON escape is one character of the string's length).
-_LOOSE_STRING_CHARACTER = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
-_STRING_CHARACTER = r' ::= (([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
-
-
-def json_grammar(schema: str) -> str:
-    """The EBNF of a JSON schema, as the library writes it, with its strings held to JSON's rules. No free
-    whitespace: a small model given the choice can fill max_tokens with newlines."""
-    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-    return _LOOSE_STRING_CHARACTER.sub(lambda rule: rule.group(1) + _STRING_CHARACTER, ebnf)
+    @property
+    def tenant(self) -> str | None:
+        return self.key[0]
 
 
 class Grammars:
-    """The compiled grammars of one model's tokenizer; the tokenizer info is built once, here."""
+    """The compiled grammars of one model's tokenizer, per tenant. The tokenizer info is built once, here; a
+    thread at the compile priority takes the specs one at a time, tenants in turn: the worker process compiles
+    each under the deadline (a fresh process replaces one that overran it or died), then the thread compiles it
+    for this process."""
 
     def __init__(
         self,
         tokenizer,
         vocab_size: int,
         eos_token_ids: frozenset[int],
+        timeout_s: float,
         max_cached: int = MAX_CACHED_GRAMMARS,
     ) -> None:
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._workers = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._lock = threading.Lock()
+        self.timeout_s = timeout_s
         self.max_cached = max_cached
-        self.num_compiled = 0  # compilations started (cache misses)
+        self.num_compiled = 0  # compilations queued (cache misses)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self._worker = GrammarWorker(self.tokenizer_info.serialize_json(), compile_niceness())
+        self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._pending: TenantTurns[_Compile] = TenantTurns()
+        self._queued: dict[Future, _Compile] = {}  # the pending ones, by the future their requests hold
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._compile_in_turn, name="grammar-compile", daemon=True)
+        self._thread.start()
+        # an orderly end at interpreter exit too (else the pipe's closing or the parent-death signal ends it)
+        atexit.register(self.close)
 
-    def compile(self, spec: StructuredOutputsParams) -> Future:
-        """The compiled grammar, or its ValueError, once ready; a spec asked before shares the first one's."""
-        key = (spec.kind, json.dumps(getattr(spec, spec.kind), ensure_ascii=False))
-        with self._lock:
+    @property
+    def worker_pid(self) -> int | None:
+        """The compile process's id; None while there is none."""
+        return self._worker.pid
+
+    def lookup(self, spec: StructuredOutputsParams, cache_salt: str | None = None) -> Future | None:
+        """The tenant's compile of spec, cached or under way; None when it would be a new one."""
+        with self._changed:
+            return self._cache.get(_key(spec, cache_salt))
+
+    def compile(self, spec: StructuredOutputsParams, cache_salt: str | None = None) -> Future:
+        """The compiled grammar, or its ValueError, once ready; the tenant's spec asked before shares the first
+        one's future (another tenant's never does)."""
+        key = _key(spec, cache_salt)
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("structured outputs: the grammar compiler is closed")
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._workers.submit(self._compile, spec)
-            self._cache[key] = future
+            job = _Compile(key, spec)
+            self._cache[key] = job.future
+            self._queued[job.future] = job
+            self._pending.push(job.tenant, job)
             self.num_compiled += 1
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)  # requests still compiling it hold their own reference
-        return future
+            self._changed.notify()
+        return job.future
 
-    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        kind = spec.kind
-        try:
-            if kind in ("json", "json_object"):
-                return self._compiler.compile_grammar(json_grammar(spec.json or '{"type": "object"}'))
-            if kind == "regex":
-                return self._compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return self._compiler.compile_grammar(choice_grammar(spec.choice))
-            return self._compiler.compile_grammar(spec.grammar)
-        except (RuntimeError, ValueError) as error:
-            raise ValueError(f"structured_outputs.{kind}: {_library_message(error)}") from None
-
-    def start(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        """A request's grammar state; raises the ValueError at once when the spec is known to fail."""
-        grammar = RequestGrammar(self.compile(spec))
-        grammar.raise_if_failed()
-        return grammar
+    def cancel(self, future: Future) -> None:
+        """No request waits for this compile any more: dropped if it has not started (one under way ends by
+        itself, within its deadline)."""
+        with self._changed:
+            job = self._queued.pop(future, None)
+            if job is None:
+                return
+            self._pending.remove(job.tenant, job)
+            self._forget(job)
+            future.cancel()
 
     def close(self) -> None:
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        """Stop compiling: queued compiles are cancelled, the worker process is killed and reaped."""
+        with self._changed:
+            if self._closed:
+                return
+            self._closed = True
+            for job in self._pending.clear():
+                job.future.cancel()
+            self._queued.clear()
+            self._changed.notify_all()
+        atexit.unregister(self.close)
+        self._worker.kill()  # a compile under way ends now
+        self._thread.join()
+
+    def _forget(self, job: _Compile) -> None:
+        """Out of the cache (the lock held): the spec compiles afresh when asked again."""
+        if self._cache.get(job.key) is job.future:
+            del self._cache[job.key]
+
+    def _compile_in_turn(self) -> None:
+        """The compile thread: the worker process started at once, then the next tenant's next spec."""
+        lower_thread_priority(self._worker.niceness)  # before the worker starts: it inherits it on Linux
+        self._start_worker()
+        while True:
+            with self._changed:
+                while not self._pending and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    break
+                job = self._pending.pop()
+                del self._queued[job.future]
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+            self._run(job)
+        self._worker.stop()
+
+    def _start_worker(self) -> None:
+        """A process ready before the next compile needs it; a failure here is logged, and the next compile
+        tries again (and fails with it)."""
+        try:
+            self._worker.start()
+        except WorkerFailed as error:
+            if not self._closed:
+                log.error("structured outputs: %s", error)
+
+    def _run(self, job: _Compile) -> None:
+        kind = job.spec.kind
+        try:
+            self._worker.try_compile(job.spec, self.timeout_s)
+            job.future.set_result(compile_spec(self._compiler, job.spec))  # as long again, no longer
+            return
+        except ValueError as error:  # the library's word on the spec: kept in the cache like a grammar
+            job.future.set_exception(error)
+            return
+        except CompileTimeout:  # under less load it may compile in time: not kept
+            log.info(
+                "structured outputs: a %s compile ran past %g s; its process killed", kind, self.timeout_s
+            )
+            failure: Exception = ValueError(
+                f"structured_outputs.{kind}: compiling it took longer than the {self.timeout_s:g} s limit "
+                "(--grammar-compile-timeout)"
+            )
+        except WorkerFailed as error:
+            if not self._closed:
+                log.error("structured outputs: compiling a %s failed: %s", kind, error)
+            failure = RuntimeError(f"structured_outputs.{kind}: the grammar compiler failed: {error}")
+        except Exception as error:  # a fault of ours, not the client's
+            log.exception("structured outputs: compiling a %s failed", kind)
+            failure = RuntimeError(f"structured_outputs.{kind}: compiling it failed: {error}")
+        with self._changed:
+            self._forget(job)
+        job.future.set_exception(failure)
+        if not self._closed:
+            self._start_worker()  # killed or dead: a fresh one for the specs still queued
 
 
 class RequestGrammar:
@@ -122,19 +227,17 @@ class RequestGrammar:
 
     @property
     def ready(self) -> bool:
-        """Compiled: the scheduler may take the request (a failed one waits for the engine to refuse it)."""
-        return self.future.done() and self.future.exception() is None
+        """Compiled: the request may be scheduled."""
+        return self.future.done() and self.error is None
 
     @property
-    def error(self) -> str | None:
+    def error(self) -> BaseException | None:
+        """Why it never will be: the compile's exception (a ValueError is the spec's fault), or None."""
         if not self.future.done():
             return None
-        error = self.future.exception()
-        return None if error is None else str(error)
-
-    def raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise ValueError(self.error)
+        if self.future.cancelled():  # only when the grammars closed under it
+            return RuntimeError("structured outputs: the grammar's compile was cancelled")
+        return self.future.exception()
 
     def _matcher(self) -> xgr.GrammarMatcher:
         if self.matcher is None:

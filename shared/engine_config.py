@@ -61,6 +61,9 @@ class EngineConfig:
     max_waiting_tokens: int | None = None  # None: WAITING_STEPS steps' token budget
     # a request that has waited this long without starting is handed back to its gateway to go elsewhere (0: never)
     max_waiting_time: float = 10.0
+    # structured outputs: seconds one grammar may take to compile before its process is killed and its request
+    # refused (a regex's compile time grows with the square of its length)
+    grammar_compile_timeout: float = 10.0
     # tokens a step computes at most; None: DEFAULT_MAX_NUM_BATCHED_TOKENS for the device (batched_tokens_for)
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length
@@ -94,6 +97,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.max_waiting_time >= 0:
             raise ValueError(f"max_waiting_time must be >= 0 seconds, got {self.max_waiting_time}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -162,7 +169,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-waiting-seqs",
         type=int,
         default=d.max_waiting_seqs,
-        help="refuse new requests as busy while this many wait unstarted (default: %(default)s)",
+        help="refuse new requests as busy while this many wait unstarted, or (structured outputs) while this "
+        "many of the tenant's, or 4x this many of all, wait for their grammars to compile (default: %(default)s)",
     )
     g.add_argument(
         "--max-waiting-tokens",
@@ -177,6 +185,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.max_waiting_time,
         help="seconds a request may wait unstarted before it is handed back to its gateway, which sends it "
         "where it can start (0: never; default: %(default)s)",
+    )
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=d.grammar_compile_timeout,
+        help="seconds one structured-outputs grammar may take to compile before its request is refused "
+        "(default: %(default)s)",
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

@@ -129,8 +129,8 @@ def test_unstarted_since_lists_only_requests_never_scheduled():
     sched.add(b)
     run_step(sched)  # the engine stamps what a step scheduled first
     a.first_scheduled_ns = 1
-    assert sched.unstarted_since(b.arrival_ns + 1) == [b]
-    assert sched.unstarted_since(b.arrival_ns) == []  # arrived too recently
+    assert sched.unstarted_since(b.queued_ns + 1) == [b]
+    assert sched.unstarted_since(b.queued_ns) == []  # queued too recently
 
 
 def test_a_cached_prefix_counts_as_computed_and_only_the_rest_is_scheduled():

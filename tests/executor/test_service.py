@@ -383,6 +383,7 @@ def _local_service(model: str, peer_has_room: bool = True, **engine_flags):
         client.close()
         router.close(linger=0)
         context.term()
+        engine.close()
 
 
 def test_grace_period_over_aborts_what_still_runs(local_service):
@@ -428,6 +429,27 @@ def test_at_its_queue_bound_the_executor_refuses_new_work_as_busy_before_any_wor
         client.generate("later", PROMPT_B, max_tokens=3, temperature=0.0)  # room again
         _, reasons, _, _ = client.collect({"later"})
         assert reasons == {"later": "length"}
+
+
+def test_requests_waiting_for_their_grammars_are_bounded_and_a_compile_past_its_deadline_is_a_400(
+    tiny_models,
+):
+    slow = "".join(f"[^{c}]*" for c in "abcdefghijklmnopqrstuvwxyz" * 2)  # seconds to compile
+    flags = dict(max_waiting_seqs=1, grammar_compile_timeout=0.5)
+    with _local_service(tiny_models["llama"], **flags) as (service, client, _):
+        client.generate("slow", PROMPT_B, max_tokens=3, structured_outputs={"regex": slow})
+        client.generate("more", PROMPT_B, max_tokens=3, structured_outputs={"regex": "(ab)+"})
+        client.generate("plain", PROMPT_B, max_tokens=3, temperature=0.0)
+        _, reasons, errors, _ = client.collect({"slow", "more", "plain"}, timeout=120)
+        # "slow" holds the one place for requests waiting on a compile, and the waiting queue stays free
+        assert errors["more"].code == protocol.BUSY and "wait for their grammars" in errors["more"].message
+        assert errors["slow"].code == 400 and errors["slow"].message == (
+            "structured_outputs.regex: compiling it took longer than the 0.5 s limit (--grammar-compile-timeout)"
+        )
+        assert reasons == {"plain": "length"} and not service.engine.has_unfinished()
+        client.generate("again", PROMPT_B, max_tokens=3, structured_outputs={"regex": "(ab)+"})
+        _, reasons, errors, _ = client.collect({"again"}, timeout=120)
+        assert not errors and reasons["again"] in ("stop", "length")
 
 
 def test_a_request_that_waits_too_long_without_starting_is_handed_back_as_busy(tiny_models):

@@ -1,18 +1,28 @@
 """Structured outputs: every output matches its grammar, and a grammar that the model's own choice already meets
-changes nothing, with speculation, preemption and unconstrained neighbours in the same batch."""
+changes nothing, with speculation, preemption and unconstrained neighbours in the same batch. Compiles stall no one:
+one past its deadline fails alone, requests waiting for theirs hold no place in the waiting queue, tenants take
+turns and share no cached grammar, and the compile process never outlives its owner."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
-import threading
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from executor import LLM, SamplingParams
+from executor.engine import Engine
+from executor.engine_busy import EngineBusy
 from executor.structured_output import Grammars, step_bitmask
 from shared.structured_outputs import StructuredOutputsParams
+from tests.processes import REPO, eventually
 
 PERSON = {
     "type": "object",
@@ -24,6 +34,33 @@ PERSON = {
 }
 PHONE = r"[0-9]{3}-[0-9]{4}"
 SPEC = dict(speculative_model="ngram", num_speculative_tokens=4, speculative_disable_by_batch_size=64)
+DEADLINE_S = 0.5  # the tiny engine's --grammar-compile-timeout
+
+
+def slow_regex(classes: int = 60) -> str:
+    """A regex whose compile time grows with the square of its length: seconds at 60 classes (300 bytes)."""
+    return "".join(f"[^{chr(ord('a') + i % 26)}]*" for i in range(classes))
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (a container's init may never reap an orphan)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def run_to_the_end(engine: Engine, timeout_s: float = 120) -> tuple[dict, dict]:
+    """Step until nothing is left: each request's last output, in the order they ended, and its tokens."""
+    finished, tokens, deadline = {}, {}, time.monotonic() + timeout_s
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, f"still unfinished: {sorted(engine.requests)}"
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finished[out.request_id] = out
+    return finished, tokens
 
 
 def constrained(**kind) -> StructuredOutputsParams:
@@ -39,13 +76,30 @@ def regex_literal(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def llm(default_model) -> LLM:
-    return LLM(default_model, kv_cache_memory="64MiB", max_model_len=1024)
+def llm(default_model):
+    llm = LLM(default_model, kv_cache_memory="64MiB", max_model_len=1024)
+    yield llm
+    llm.engine.close()
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_models) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    """One engine for the compile tests, a short deadline and room for 3 requests waiting for their grammars;
+    each test leaves it with nothing unfinished."""
+    engine = LLM(
+        tiny,
+        kv_cache_memory="4MiB",
+        max_model_len=512,
+        grammar_compile_timeout=DEADLINE_S,
+        max_waiting_seqs=3,
+    ).engine
+    yield engine
+    engine.close()
 
 
 def test_sampled_outputs_match_their_schema_regex_and_choice(llm):
@@ -138,10 +192,10 @@ def test_a_schema_the_library_would_not_hold_is_refused_naming_it():
         constrained(json={"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}})
 
 
-def test_a_grammar_that_fails_while_queued_ends_only_its_request(tiny):
-    engine = LLM(tiny, kv_cache_memory="4MiB", max_model_len=512).engine
-    gate = threading.Event()
-    engine.grammars._workers.submit(gate.wait)  # hold the compile thread, so both grammars below wait
+def test_a_grammar_that_fails_while_queued_ends_only_its_request(tiny_engine):
+    engine = tiny_engine
+    # the worker busy with another tenant's compile (killed at the deadline), so both grammars below wait
+    engine.grammars.compile(constrained(regex=slow_regex()), "holder")
     bad = engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=constrained(regex="[z-a]")))
     good = engine.add_request(
         "good", [1, 2, 3], SamplingParams(max_tokens=3, structured_outputs=constrained(regex="a+"))
@@ -150,17 +204,126 @@ def test_a_grammar_that_fails_while_queued_ends_only_its_request(tiny):
     first = engine.step()
     assert [o.request_id for o in first] == ["plain"]  # not held up by the two compiling
     assert not bad.grammar.ready and not good.grammar.ready
-    gate.set()
-    finished = {}
-    for _ in range(20):
-        for out in engine.step():
-            if out.finish_reason is not None:
-                finished[out.request_id] = out
-        if not engine.has_unfinished():
-            break
+    finished, tokens = run_to_the_end(engine)
     assert finished["bad"].error.startswith("structured_outputs.regex:") and not finished["bad"].new_token_ids
+    assert finished["bad"].error_code == 400
     assert finished["good"].finish_reason == "length" and finished["plain"].finish_reason == "length"
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_grammar_past_its_deadline_fails_alone_and_the_next_compiles_in_a_fresh_process(tiny_engine):
+    engine = tiny_engine
+    slow = SamplingParams(max_tokens=3, structured_outputs=constrained(regex=slow_regex()))
+    engine.add_request("slow", [1, 2, 3], slow)
+    engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    after = SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=constrained(regex="(ab)+"))
+    engine.add_request("after", [7, 8, 9], after)  # the same tenant's, so compiled after "slow"
+    assert eventually(lambda: engine.grammars.worker_pid is not None, timeout=30)
+    first_pid = engine.grammars.worker_pid
+    finished, tokens = run_to_the_end(engine)
+    assert list(finished)[0] == "plain"  # it never waited for the compile
+    assert finished["slow"].error == (
+        "structured_outputs.regex: compiling it took longer than the 0.5 s limit (--grammar-compile-timeout)"
+    )
+    assert finished["slow"].error_code == 400 and not finished["slow"].new_token_ids
+    assert finished["after"].error is None and finished["after"].finish_reason in ("stop", "length")
+    assert re.fullmatch("((ab)+)?a?", engine.tokenizer.decode(tokens["after"], skip_special_tokens=True))
+    assert gone(first_pid) and engine.grammars.worker_pid not in (None, first_pid)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_compile_process_that_dies_fails_its_request_as_our_fault_and_is_replaced(tiny_engine):
+    engine, grammars = tiny_engine, tiny_engine.grammars
+    grammars.compile(constrained(regex="(warm)+"), "dies").result(timeout=120)
+    grammars.timeout_s = 120  # for this test: time to kill the process mid-compile from here
+    try:
+        params = SamplingParams(max_tokens=2, structured_outputs=constrained(regex=slow_regex(70)))
+        engine.add_request("dies", [1, 2, 3], params, "dies")
+        pid = grammars.worker_pid
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        finished, _ = run_to_the_end(engine)
+    finally:
+        grammars.timeout_s = DEADLINE_S
+    assert finished["dies"].error_code == 500  # the spec may well be fine: it is not called bad
+    assert "structured_outputs.regex: the grammar compiler failed" in finished["dies"].error
+    assert grammars.compile(constrained(regex="(after)+"), "dies").result(timeout=120) is not None
+    assert gone(pid) and grammars.worker_pid not in (None, pid)
+
+
+def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(tiny_engine):
+    engine = tiny_engine
+    ready = constrained(regex="(xy)+")
+    engine.grammars.compile(ready, "alpha").result()  # compiled before: a request for it never waits
+    specs = [constrained(regex=slow_regex(50 + i)) for i in range(3)]
+    for i, spec in enumerate(specs):
+        params = SamplingParams(max_tokens=2, structured_outputs=spec)
+        engine.add_request(f"c{i}", [1, 2, 3], params, cache_salt="alpha")
+    assert len(engine.compiling) == 3 and not engine.scheduler.waiting and not engine.queue_full
+    assert engine.load()["waiting"] == 3 and engine.stats()["num_compiling"] == 3
+    more = SamplingParams(max_tokens=2, structured_outputs=constrained(regex="(zw)+"))
+    with pytest.raises(EngineBusy, match="3 of this tenant's requests already wait for their grammars"):
+        engine.add_request("refused", [1, 2, 3], more, cache_salt="alpha")
+    assert "refused" not in engine.requests
+    assert engine.grammars.lookup(more.structured_outputs, "alpha") is None  # nothing queued for it
+    engine.add_request("beta", [1, 2, 3], more, cache_salt="beta")  # another tenant still has room
+    assert len(engine.compiling) == 4 and not engine.queue_full
+    assert engine.abort("beta") == [0]
+    engine.add_request("ready", [1, 2, 3], SamplingParams(max_tokens=2, structured_outputs=ready), "alpha")
+    engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(engine.scheduler.waiting) == 2
+    # c2 waits behind c0 and c1: aborted, its compile is dropped unstarted, and asked again it compiles afresh
+    queued = engine.requests["c2"].grammar.future
+    assert engine.abort("c2") == [0] and queued.cancelled()
+    assert engine.grammars.lookup(specs[2], "alpha") is None
+    assert engine.abort("c0") == [0] and engine.abort("c1") == [0]
+    assert not engine.compiling and engine.load()["waiting"] == 2
+    finished, tokens = run_to_the_end(engine)
+    assert set(finished) == {"ready", "plain"} and finished["ready"].error is None
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_all_tenants_together_have_four_times_one_tenants_places(tiny_engine):
+    engine, added = tiny_engine, []
+    for tenant in range(4):
+        for i in range(3):  # --max-waiting-seqs 3: each tenant's most
+            spec = constrained(regex=f"(t{tenant}r{i})+{slow_regex(45)}")
+            added.append(f"t{tenant}-{i}")
+            engine.add_request(added[-1], [1, 2, 3], SamplingParams(structured_outputs=spec), f"t{tenant}")
+    late = SamplingParams(structured_outputs=constrained(regex="(late)+"))
+    with pytest.raises(EngineBusy, match="12 requests already wait for their grammars to compile"):
+        engine.add_request("late", [1, 2, 3], late, "t4")
+    engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True), "t4")
+    for request_id in added:
+        engine.abort(request_id)
+    finished, _ = run_to_the_end(engine)
+    assert list(finished) == ["plain"] and not engine.compiling
+
+
+def test_tenants_take_turns_at_the_compiler(tiny_engine):
+    grammars, served = tiny_engine.grammars, []
+    queued = [("t-a", "a1"), ("t-a", "a2"), ("t-a", "a3"), ("t-b", "b1"), ("t-b", "b2"), ("t-c", "c1")]
+    futures = []
+    for tenant, name in queued:  # a1 may start at once or not: the turns come out the same
+        future = grammars.compile(constrained(regex=f"{name}(x|y)+"), tenant)
+        future.add_done_callback(lambda _, name=name: served.append(name))  # called in compile order
+        futures.append(future)
+    for future in futures:
+        future.result(timeout=120)
+    assert served == ["a1", "b1", "c1", "a2", "b2", "a3"]
+
+
+def test_a_tenants_cached_grammar_is_no_hit_for_another(tiny_engine):
+    grammars = tiny_engine.grammars
+    spec = constrained(regex="(ab|ba)+c")
+    alpha = grammars.compile(spec, "alpha")
+    alpha.result(timeout=120)
+    compiled = grammars.num_compiled
+    assert grammars.compile(constrained(regex="(ab|ba)+c"), "alpha") is alpha  # a hit: the tenant's own
+    assert grammars.lookup(spec, "beta") is None and grammars.lookup(spec, None) is None
+    beta = grammars.compile(spec, "beta")
+    assert beta is not alpha and grammars.num_compiled == compiled + 1
+    beta.result(timeout=120)
 
 
 def _greedy_json(path: str, n: int = 4, **engine_args) -> tuple[list[list[int]], LLM]:
@@ -196,8 +359,8 @@ def test_speculation_and_preemption_leave_constrained_tokens_unchanged(tiny):
     assert preempted == reference
 
 
-def test_grammars_compile_once_per_spec_within_a_bounded_cache(llm):
-    grammars = Grammars(llm.tokenizer, llm.engine.vocab_size, llm.engine.eos_token_ids, max_cached=2)
+def test_grammars_compile_once_per_spec_within_a_bounded_cache_and_close_ends_their_process(llm):
+    grammars = Grammars(llm.tokenizer, llm.engine.vocab_size, llm.engine.eos_token_ids, 10.0, max_cached=2)
     specs = [constrained(regex=r) for r in ("a+", "b+", "c+")]
     grammars.compile(specs[0]).result()
     assert grammars.compile(constrained(regex="a+")) is grammars.compile(specs[0])
@@ -206,6 +369,38 @@ def test_grammars_compile_once_per_spec_within_a_bounded_cache(llm):
         grammars.compile(spec).result()
     grammars.compile(specs[0]).result()  # the least recently used, dropped for c+
     assert grammars.num_compiled == 4
+    pid = grammars.worker_pid
+    queued = grammars.compile(constrained(regex=slow_regex()))
+    grammars.close()
+    assert gone(pid) and grammars.worker_pid is None and queued.done()
+    with pytest.raises(RuntimeError, match="closed"):
+        grammars.compile(specs[1])
+
+
+@pytest.mark.slow
+def test_the_compile_process_dies_with_its_parent_even_mid_compile(tiny):
+    script = f"""
+import time
+from transformers import AutoTokenizer
+from executor.structured_output import Grammars
+from shared.structured_outputs import StructuredOutputsParams as Spec
+tokenizer = AutoTokenizer.from_pretrained({tiny!r})
+grammars = Grammars(tokenizer, len(tokenizer), frozenset({{tokenizer.eos_token_id}}), timeout_s=600)
+grammars.compile(Spec(regex="a+")).result()
+grammars.compile(Spec(regex={slow_regex(80)!r}))  # minutes, niced
+print(grammars.worker_pid, flush=True)
+time.sleep(600)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(parent.stdout.readline())
+        time.sleep(1)  # into the compile
+        assert not gone(worker)
+        os.kill(parent.pid, signal.SIGKILL)
+        assert eventually(lambda: gone(worker), timeout=10)
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def test_a_batch_without_constraints_builds_no_mask():
