@@ -24,6 +24,7 @@ from executor.kv_sizing import pick_device_and_dtype
 from executor.model_runner import StepLogits
 from executor.request import Request
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
+from executor.sampling_state import PromptTerms, SamplingState
 from executor.scheduler import NewTokens, SchedulerOutput
 from executor.spec_decode import SpecBackoff, verify
 from executor.structured_output import Grammars, RequestGrammar, step_bitmask
@@ -128,6 +129,7 @@ class Engine:
             raise ValueError(f"request_id: {taken!r} is already in use")
         spec = params.structured_outputs
         compiled = None if spec is None else self._compiled_grammar(spec, cache_salt)
+        prompt_terms = PromptTerms(params, token_ids)  # built once, at the first step, for every choice
         choices = [
             Request(
                 choice_id,
@@ -139,6 +141,7 @@ class Engine:
                 grammar=None if compiled is None else RequestGrammar(compiled),  # a matcher each
                 group_id=request_id,
                 index=index,
+                sampling_state=SamplingState(prompt_terms),
             )
             for index, choice_id in enumerate(ids)
         ]
@@ -414,9 +417,7 @@ class Engine:
 
     def _sample(self, step) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
         """Each request's new tokens: one sampled, or its accepted proposals and one more when it verifies."""
-        rows = [
-            SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in step.requests
-        ]
+        rows = [SamplingRow(r.sampling_state, r.generator) for r in step.requests]
         if not rows:
             return [], []
         drafts = [r.spec_token_ids for r in step.requests]

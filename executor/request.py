@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from executor.sampling_state import SamplingState
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -68,12 +69,16 @@ class Request:
     group_id: str = ""
     index: int = 0
     forks: list[Request] = field(default_factory=list)
+    # logit_bias and the penalties' inputs, built at its first sampled step and counted as tokens are appended
+    # (executor/sampling_state.py); parallel sampling's choices share its prompt's part
+    sampling_state: SamplingState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.group_id = self.group_id or self.request_id
         wants_prompt = self.params.prompt_logprobs is not None and self.index == 0
         self.prompt_logprobs = [] if wants_prompt else None
+        self.sampling_state = self.sampling_state or SamplingState.of(self.params, self.prompt_token_ids)
 
     @property
     def num_prompt_tokens_to_score(self) -> int:
@@ -122,7 +127,9 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def append_token(self, token_id: int) -> None:
+        """An output token: the only way one is added, so the sampling state's counts follow every one."""
         self.token_ids.append(token_id)
+        self.sampling_state.append(token_id)
 
     def check_stop(self, max_model_len: int) -> str | None:
         """Token-level stop conditions; stop strings need text and live with the detokenizer."""

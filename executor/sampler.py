@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from executor.sampling_state import SamplingState
 from shared.sampling_params import SamplingParams
 
 
@@ -14,10 +15,15 @@ from shared.sampling_params import SamplingParams
 class SamplingRow:
     """One row of the logits batch and what the sampler needs to know about its request."""
 
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    state: SamplingState  # its request's, kept across steps
     generator: torch.Generator | None  # set when params.seed is not None; advanced only by this row's draws
+    # speculative decoding: the proposals this row's position comes after, which its penalties count as output
+    # (they are not output until accepted)
+    proposals: list[int] = field(default_factory=list)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.state.params
 
 
 @dataclass(slots=True)
@@ -34,49 +40,56 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
 
 
-def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[S, V] occurrence counts, built with one scatter instead of a loop over tokens."""
-    width = max(map(len, token_lists), default=0)
-    # Padding goes to an extra column that is cut off afterwards.
-    padded = [tokens + [vocab_size] * (width - len(tokens)) for tokens in token_lists]
-    index = torch.tensor(padded, dtype=torch.long, device=device).view(len(token_lists), width)
-    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
-    counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
-    return counts[:, :vocab_size]
-
-
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Each row's logit_bias added to its logits, in one scatter; logits itself is left as it was."""
-    entries = [
-        (i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias.items()
-    ]
-    if not entries:
+    """Each row's logit_bias added to its logits from its request's prebuilt [V] row; logits itself is left as
+    it was."""
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
         return logits
-    rows_index, tokens, biases = zip(*entries, strict=True)
-    device = logits.device
-    index = (torch.tensor(rows_index, device=device), torch.tensor(tokens, device=device))
-    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+    bias = torch.stack([rows[i].state.prompt.build(logits).bias for i in biased])
+    if len(biased) == len(rows):
+        return logits + bias
+    return logits.index_add(0, torch.tensor(biased, device=logits.device), bias)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """logit_bias, then repetition (prompt + output), then frequency and presence (output only, as OpenAI
-    defines them): the logits every sampling rule starts from."""
+    defines them): the logits every sampling rule starts from. Only the rows with a penalty are computed."""
     logits = apply_logit_bias(logits, rows)
-    params = [row.params for row in rows]
-    uses_repetition = any(p.repetition_penalty != 1.0 for p in params)
-    uses_counts = any(p.frequency_penalty or p.presence_penalty for p in params)
-    if not (uses_repetition or uses_counts):
+    penalised = [i for i, row in enumerate(rows) if row.state.counts_output]
+    if not penalised:
         return logits
-    device, vocab_size = logits.device, logits.shape[1]
-    output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, device)
-    if uses_repetition:
-        prompt_counts = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device)
-        seen = (prompt_counts > 0) | (output_counts > 0)
+    if len(penalised) == len(rows):
+        return _penalise(logits, rows)
+    index = torch.tensor(penalised, device=logits.device)
+    return logits.index_copy(0, index, _penalise(logits[index], [rows[i] for i in penalised]))
+
+
+def _penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """apply_penalties for rows that each have at least one penalty."""
+    device = logits.device
+    output_counts = torch.stack([row.state.counts(logits) for row in rows])
+    proposed = [(i, token) for i, row in enumerate(rows) for token in row.proposals]
+    if proposed:
+        rows_index, tokens = (torch.tensor(column, device=device) for column in zip(*proposed, strict=True))
+        output_counts.index_put_(
+            (rows_index, tokens), torch.ones(len(proposed), device=device), accumulate=True
+        )
+    params = [row.params for row in rows]
+    repeating = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if repeating:
+        seen = output_counts > 0
+        prompt_seen = torch.stack([rows[i].state.prompt.build(logits).prompt_seen for i in repeating])
+        if len(repeating) == len(rows):
+            seen |= prompt_seen
+        else:  # the others' penalty is 1: what they count as seen changes nothing
+            index = torch.tensor(repeating, device=device)
+            seen[index] |= prompt_seen
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
         # HF/vLLM: shrink positive logits and grow negative ones, so a seen token always loses.
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
-    if uses_counts:
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
         presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
         logits = logits - frequency * output_counts - presence * (output_counts > 0)

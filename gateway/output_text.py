@@ -4,17 +4,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shared.growing_text import GrowingText
 from shared.stop_strings import CompletionText
 
 
 class OutputText:
     """Releases text only once it can no longer turn out to be part of a stop string, so a streamed delta is
-    never taken back; OpenAI's output excludes the stop string itself."""
+    never taken back; OpenAI's output excludes the stop string itself. What an update costs depends on its own
+    text and the stop strings, never on the text released before it."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
         self._completion = CompletionText(tokenizer, prompt_token_ids, stop)
         self._stops = list(stop)
-        self.text = ""  # released so far
+        self._released = GrowingText()
+
+    @property
+    def text(self) -> str:
+        """The text released so far."""
+        return self._released.value()
+
+    @property
+    def num_chars(self) -> int:
+        """Of the text released so far."""
+        return len(self._released)
 
     @property
     def num_tokens(self) -> int:
@@ -36,22 +48,19 @@ class OutputText:
         if self.stopped:  # tokens the executor made before our abort reached it are not output
             return ""
         self._completion.add(token_ids, finished)
-        full = self._completion.text
-        if finished or self.stopped:
-            return self._release(full)
-        return self._release(full[: len(full) - self._held_back(full)])
+        # what is not released yet: at most a stop string's length of held-back text and the new text
+        unreleased = self._completion.text_from(self.num_chars)
+        if not (finished or self.stopped):
+            unreleased = unreleased[: len(unreleased) - self._held_back(unreleased)]
+        self._released.append(unreleased)
+        return unreleased
 
-    def _held_back(self, full: str) -> int:
-        """Length of the longest unreleased tail that is a proper prefix of some stop string."""
+    def _held_back(self, unreleased: str) -> int:
+        """Length of the longest end of the unreleased text that is a proper prefix of some stop string."""
         longest = 0
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(full) - len(self.text)), longest, -1):
-                if full.endswith(stop[:k]):
+            for k in range(min(len(stop) - 1, len(unreleased)), longest, -1):
+                if unreleased.endswith(stop[:k]):
                     longest = k
                     break
         return longest
-
-    def _release(self, upto: str) -> str:
-        new = upto[len(self.text) :]
-        self.text += new
-        return new

@@ -121,12 +121,12 @@ class Generation:
     ) -> Delta:
         """Apply one executor update; after the output has ended, updates change nothing."""
         if self.finished:
-            return Delta("", [], len(self.output.text), None)
+            return Delta("", [], self.output.num_chars, None)
         self.cached_tokens = cached_tokens
         if prompt_logprobs is not None:
             first = TokenLogprob(self.prompt_token_ids[0], None, None)
             self.scored_prompt = [first, *map(token_logprob, prompt_logprobs)]
-        offset = len(self.echo or "") + len(self.output.text)
+        offset = len(self.echo or "") + self.output.num_chars
         text = self.output.add(token_ids, finished=finish_reason is not None)
         if self.output.stopped:
             finish_reason = (

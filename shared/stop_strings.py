@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shared.detokenize import IncrementalDetokenizer
+from shared.growing_text import GrowingText
 
 
 def find_stop(text: str, num_new_chars: int, stops: Sequence[str]) -> tuple[int, str] | None:
@@ -22,12 +23,18 @@ def find_stop(text: str, num_new_chars: int, stops: Sequence[str]) -> tuple[int,
 class CompletionText:
     """A completion's text as its tokens arrive: decoded incrementally and ended before its first stop string.
     With stop strings, a run of tokens (speculative decoding brings several a step) goes in one at a time, so
-    the match is the one the earliest token completes, wherever the steps split the run."""
+    the match is the one the earliest token completes, wherever the steps split the run.
+
+    A token costs what its own text and the stop strings' lengths cost, never the text before it: the text
+    grows in pieces, and stop strings are looked for in its last characters only."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stops: Sequence[str] = ()) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stops = list(stops)
-        self._end: int | None = None  # where the matched stop string starts
+        # a stop string completed by new text starts at most this many characters before it
+        self._reach = max(map(len, self._stops), default=1) - 1
+        self._text = GrowingText()
+        self._recent = ""  # text's last _reach characters
         self.stop_reason: str | None = None  # the stop string matched
         self.num_tokens = 0  # completion tokens up to (and including) the one that completed a stop string
 
@@ -38,7 +45,11 @@ class CompletionText:
     @property
     def text(self) -> str:
         """The decoded text so far, without the stop string and anything after it."""
-        return self._detok.text if self._end is None else self._detok.text[: self._end]
+        return self._text.value()
+
+    def text_from(self, start: int) -> str:
+        """text[start:], at the cost of its own length."""
+        return self._text.since(start)
 
     def add(self, token_ids: Sequence[int], finished: bool = False) -> int:
         """Feed new tokens (finished: the last ones); how many of them count, all but those after a stop
@@ -52,9 +63,21 @@ class CompletionText:
             kept += len(piece)
             if finished and i == len(pieces) - 1:
                 new += self._detok.flush()
-            hit = find_stop(self._detok.text, len(new), self._stops) if self._stops and new else None
-            if hit is not None:
-                self._end, self.stop_reason = hit
+            if new and self._append(new):
                 break
         self.num_tokens += kept
         return kept
+
+    def _append(self, new: str) -> bool:
+        """Add new text; whether it completed a stop string (the text then ends before the match)."""
+        self._text.append(new)
+        if not self._stops:
+            return False
+        recent = self._recent + new
+        hit = find_stop(recent, len(new), self._stops)
+        if hit is None:
+            self._recent = recent[-self._reach :] if self._reach else ""
+            return False
+        index, self.stop_reason = hit
+        self._text.cut(len(self._text) - len(recent) + index)
+        return True

@@ -91,15 +91,11 @@ def verify(
     Row j of a request is the target's distribution after its output plus the first j proposals, so
     penalties see exactly the tokens they would have seen one step at a time.
     """
-    positions: list[SamplingRow] = []
-    for row, draft in zip(rows, draft_token_ids, strict=True):
-        penalised = (
-            row.params.repetition_penalty != 1 or row.params.frequency_penalty or row.params.presence_penalty
-        )
-        for j in range(len(draft) + 1):
-            # only penalties read the context: skip copying it for every row otherwise
-            context = row.output_token_ids + draft[:j] if j and penalised else row.output_token_ids
-            positions.append(SamplingRow(row.params, row.prompt_token_ids, context, row.generator))
+    positions = [
+        SamplingRow(row.state, row.generator, draft[:j])
+        for row, draft in zip(rows, draft_token_ids, strict=True)
+        for j in range(len(draft) + 1)
+    ]
     if logits.shape[0] != len(positions):
         raise ValueError(f"logits has {logits.shape[0]} rows for {len(positions)} positions")
     penalised = apply_penalties(logits, positions)

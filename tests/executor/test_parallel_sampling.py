@@ -73,14 +73,20 @@ def test_unseeded_choices_differ(llm):
     assert len({tuple(c) for c in out}) == 4
 
 
-def test_a_group_under_a_tiny_pool_is_preempted_and_still_gives_the_greedy_output(tiny_models):
+# penalties read each choice's own output, which survives preemption: shared or lost counts would show
+PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, logit_bias={60: 2.0})
+
+
+@pytest.mark.parametrize("penalties", [{}, PENALTIES], ids=["plain", "penalties"])
+def test_a_group_under_a_tiny_pool_is_preempted_and_still_gives_the_greedy_output(tiny_models, penalties):
     # 16 blocks: the group needs 2 shared + 4 x 3 of its own at its end, the other request 5: they preempt
     llm = make_llm(tiny_models, kv_cache_memory=16 * 2 * 2 * BLOCK * 2 * 16 * 4)
     assert llm.stats()["kv_blocks_total"] == 16
     prompts = [list(range(50, 90)), list(range(150, 190))]
-    singles = [choices(llm, p, max_tokens=40, **GREEDY)[0] for p in prompts]
+    greedy = GREEDY | penalties
+    singles = [choices(llm, p, max_tokens=40, **greedy)[0] for p in prompts]
     outs = llm.generate(
-        prompts, [SamplingParams(max_tokens=40, n=4, **GREEDY), SamplingParams(max_tokens=40, **GREEDY)]
+        prompts, [SamplingParams(max_tokens=40, n=4, **greedy), SamplingParams(max_tokens=40, **greedy)]
     )
     assert [c.token_ids for c in outs[0].outputs] == [singles[0]] * 4
     assert outs[1].outputs[0].token_ids == singles[1]

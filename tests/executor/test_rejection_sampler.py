@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from executor.sampler import SamplingRow, sampling_probs
+from executor.sampling_state import SamplingState
 from executor.spec_decode import rejection_sample, verify
 from shared.sampling_params import SamplingParams
 
@@ -103,7 +104,7 @@ def test_verify_follows_temperature_top_k_top_p_and_keeps_seeds():
     p = sampling_probs(logits[None], [params])[0]
     assert (p == 0).sum() >= 3  # the filters took something out
     n = 20_000
-    rows = [SamplingRow(params, [1], [], None)] * n
+    rows = [SamplingRow(SamplingState.of(params, [1]), None)] * n
     torch.manual_seed(2)
     drafts = [[int(t)] for t in torch.randint(0, 8, (n,))]  # deterministic proposals (q one-hot), any token
     out = verify(logits.repeat(2 * n, 1), rows, drafts, [None] * n)
@@ -112,7 +113,7 @@ def test_verify_follows_temperature_top_k_top_p_and_keeps_seeds():
 
     def seeded(seed):
         generator = torch.Generator().manual_seed(seed)
-        row = SamplingRow(params, [1], [], generator)
+        row = SamplingRow(SamplingState.of(params, [1]), generator)
         return [verify(logits.repeat(3, 1), [row], [[4, 0]], [None]).token_ids[0] for _ in range(20)]
 
     assert seeded(7) == seeded(7) and seeded(7) != seeded(8)
@@ -123,7 +124,7 @@ def test_greedy_verification_keeps_the_matching_prefix_and_the_target_token():
     logits = torch.full((4, 6), -5.0)
     for row, best in enumerate([2, 3, 1, 4]):
         logits[row, best] = 5.0
-    row = SamplingRow(params, [1], [], None)
+    row = SamplingRow(SamplingState.of(params, [1]), None)
     assert verify(logits, [row], [[2, 3, 0]], [None]).token_ids == [[2, 3, 1]]
     assert verify(logits, [row], [[2, 3, 1]], [None]).token_ids == [[2, 3, 1, 4]]
     assert verify(logits, [row], [[5, 3, 1]], [None]).token_ids == [[2]]

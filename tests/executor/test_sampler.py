@@ -5,6 +5,7 @@ import torch
 
 from executor import sampler as sampler_module
 from executor.sampler import Sampler, SamplingRow, apply_penalties, draw, sampling_probs
+from executor.sampling_state import SamplingState
 from shared.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -20,7 +21,10 @@ def make_row(
     device: str = "cpu",
 ) -> SamplingRow:
     generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
-    return SamplingRow(params, prompt or [], output or [], generator)
+    state = SamplingState.of(params, prompt or [])
+    for token_id in output or []:
+        state.append(token_id)
+    return SamplingRow(state, generator)
 
 
 FILTER_CASES = [
@@ -102,7 +106,7 @@ def test_sample_frequencies_follow_the_distribution(
     torch.manual_seed(1)
     # Seeded: every row shares one generator, so the per-row seeded draws are what is being measured.
     generator = torch.Generator().manual_seed(7) if seeded else None
-    rows = [SamplingRow(params, [], [], generator) for _ in range(n)]
+    rows = [SamplingRow(SamplingState.of(params, []), generator) for _ in range(n)]
     tokens = torch.tensor(Sampler()(LOGITS.expand(n, -1).clone(), rows).token_ids)
     counts = torch.bincount(tokens, minlength=len(PROBS)).float()
     assert counts[len(expected) :].sum() == 0
@@ -132,7 +136,7 @@ def _draw_steps(
         batch[position] = logits[step]
         token_ids = Sampler()(batch, rows).token_ids
         for row, token_id in zip(rows, token_ids, strict=True):
-            row.output_token_ids.append(token_id)
+            row.state.append(token_id)
         tokens.append(token_ids[position])
     return tokens
 
@@ -158,7 +162,8 @@ def test_different_seeds_give_different_tokens(device: str) -> None:
 
 
 def test_seeded_row_without_generator_is_refused() -> None:
-    row = SamplingRow(SamplingParams(seed=3), [], [], None)
+    row = make_row(SamplingParams(seed=3))
+    row.generator = None
     with pytest.raises(ValueError, match="seed"):
         Sampler()(torch.zeros(1, 4), [row])
 
@@ -224,6 +229,46 @@ def test_logit_bias_forces_and_bans_tokens_while_logprobs_stay_raw(device: str) 
         logits[:1], [make_row(SamplingParams(logit_bias={1: 2}, repetition_penalty=2), output=[1])]
     )
     assert bias_then_penalty[0, 1].item() == pytest.approx((1.0 + 2) / 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_kept_across_steps_penalises_as_one_built_from_the_whole_history(device: str) -> None:
+    """The bias and the prompt's tokens are built at the first step and kept; output counts grow with each
+    appended token; a row's proposals count as its output for that row only. Each step must penalise exactly
+    as state built afresh from the prompt and the whole output would."""
+    torch.manual_seed(4)
+    vocab = 300
+    prompt = torch.randint(0, vocab, (500,)).tolist()
+    params = [
+        SamplingParams(repetition_penalty=1.4, logit_bias={t: t / 100 - 1 for t in range(0, vocab, 3)}),
+        SamplingParams(frequency_penalty=0.3, presence_penalty=-0.5),
+        SamplingParams(),  # no penalty: left out of the penalised rows
+        SamplingParams(repetition_penalty=0.7, frequency_penalty=-0.2, logit_bias={5: 50}),
+        SamplingParams(logit_bias={7: -3}),
+    ]
+    kept = [make_row(p, prompt, device=device) for p in params]
+    outputs: list[list[int]] = [[] for _ in params]
+    for step in range(6):
+        logits = torch.randn(len(params), vocab, device=device) * 3
+        proposals = [torch.randint(0, vocab, (step % 3,)).tolist() for _ in params]
+        for row, proposed in zip(kept, proposals, strict=True):
+            row.proposals = proposed
+        fresh = [
+            make_row(p, prompt, out + proposed, device)
+            for p, out, proposed in zip(params, outputs, proposals, strict=True)
+        ]
+        assert torch.equal(apply_penalties(logits, kept), apply_penalties(logits, fresh))
+        if step == 0:
+            first = [(r.state.prompt.bias, r.state.prompt.prompt_seen, r.state.output_counts) for r in kept]
+        for row, output in zip(kept, outputs, strict=True):
+            token_id = int(torch.randint(0, vocab, ()))
+            row.state.append(token_id)
+            output.append(token_id)
+    # nothing was rebuilt: the same tensors, the counts grown in place by the tokens of each step
+    for row, tensors in zip(kept, first, strict=True):
+        now = (row.state.prompt.bias, row.state.prompt.prompt_seen, row.state.output_counts)
+        assert all(a is b for a, b in zip(now, tensors, strict=True))
+    assert [len(row.state.uncounted) for row in kept] == [1, 1, 0, 1, 0]  # the last step's, not yet counted
 
 
 @pytest.mark.parametrize("device", DEVICES)

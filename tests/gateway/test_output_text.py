@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.output_text import OutputText
+from tests.work_counting import Work, assert_linear, count_work
 
 MULTIBYTE = "Emoji 😀🎉🇯🇵 and CJK 日本語の文章, 中文 — héllo wörld ✓"
 
@@ -114,3 +115,20 @@ def test_the_stop_string_completed_first_wins_however_the_tokens_arrive(tokenize
     feed_one_by_one(one_by_one, ids)
     assert (one_update.text, one_update.stop_reason) == ("the quick brown ", "fox")
     assert (one_by_one.text, one_by_one.stop_reason) == ("the quick brown ", "fox")
+
+
+@pytest.mark.parametrize("stop", [[], ["never said", "The quick brown fox jumps over the lazy cat"]])
+def test_a_tokens_work_does_not_grow_with_the_text_before_it(tokenizer, stop):
+    """Streaming twice the tokens costs twice the work: no copy of the text so far, no scan of it, per token."""
+    sentence = tokenizer.encode(" The quick brown fox jumps over the lazy dog, 日本語 😀.")
+    files = ("gateway/output_text.py", "shared/stop_strings.py", "shared/detokenize.py")
+
+    def work(repeats: int) -> Work:
+        output = OutputText(tokenizer, [], stop)
+        ids = sentence * repeats
+        work = count_work(lambda token_id: output.add([token_id]), ids, files)
+        assert output.add([], finished=True) == ""  # nothing held back: no stop string starts with "."
+        assert output.text == tokenizer.decode(ids) and not output.stopped
+        return work
+
+    assert_linear(work(50), work(100))

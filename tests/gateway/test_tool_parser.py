@@ -8,6 +8,7 @@ import json
 import pytest
 
 from gateway.tool_parser import ToolCallParser
+from tests.work_counting import Work, assert_linear, count_work
 
 NAMES = ["get_weather", "get_time"]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
@@ -133,3 +134,49 @@ def test_constrained_output_that_is_not_a_call_is_text(step):
     text = "I cannot <tool_call> do that"
     content, calls, _, streamed = parse(text, step, constrained=True)
     assert calls == [] and content == streamed == text
+
+
+def _long_call(size: int) -> str:
+    """A call whose every part grows with size: a key, the name (unknown, so it never streams) and a string
+    value each about size / 3 characters long."""
+    third = "x" * (size // 3)
+    return (
+        f'<tool_call>{{"{third}": 1, "name": "get_{third}", "arguments": {{"text": "{third}"}}}}</tool_call>'
+    )
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_feeding_a_call_in_small_pieces_costs_linear_work(constrained):
+    """Each piece is read once: no scan restarts at the call's start, no copy of the text so far."""
+
+    def work(size: int) -> Work:
+        text = _long_call(size)
+        if constrained:
+            text = text.removeprefix("<tool_call>").removesuffix("</tool_call>")
+        parser = ToolCallParser(NAMES, constrained=constrained)
+        pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+        work = count_work(parser.feed, pieces, ("gateway/tool_parser.py", "gateway/tool_call_scan.py"))
+        parser.feed("", finished=True)
+        assert parser.content == text and not parser.calls  # an unknown name: the call is text
+        return work
+
+    assert_linear(work(3_000), work(6_000))
+
+
+@pytest.mark.parametrize("where", ["arguments", "after the object"])
+def test_a_long_call_that_streams_costs_linear_work(where):
+    """Long arguments stream as they come; text after the closed object (before the tag) is not re-read."""
+
+    def work(size: int) -> Work:
+        if where == "arguments":
+            text = CALL.replace('"Paris"', '"' + "Paris " * (size // 6) + '"')
+        else:
+            text = CALL.replace("}}\n", "}} " + "and more " * (size // 9))
+        parser = ToolCallParser(NAMES)
+        pieces = [text[i : i + 2] for i in range(0, len(text), 2)]
+        work = count_work(parser.feed, pieces, ("gateway/tool_parser.py", "gateway/tool_call_scan.py"))
+        assert json.loads(parser.calls[0].arguments)["city"].startswith("Paris")
+        assert parser.content == "" and len(parser.calls) == 1
+        return work
+
+    assert_linear(work(3_000), work(6_000))
