@@ -6,6 +6,10 @@ live one is full, the request waits in this backlog, oldest arrival first, until
 oldest asks Redis (with backoff, and at once when a request of this gateway ends), so a long backlog costs one
 reader. Work then goes to whichever executor frees first, never to one queue chosen at arrival. Past the
 deadline (--queue-timeout after arrival) the request gets 503 with Retry-After.
+
+An executor may also refuse one request as busy while publishing room: its tenant has all its places waiting for
+grammars to compile. Such a request tries another executor at once; with none, it waits out of turn (its own
+doubling backoff, never at the head of the backlog, so it holds up no one else's request) and asks again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from gateway.router import Choice, Router, Saturated
 
 FIRST_BACKOFF_S = 0.01  # the oldest waiter asks Redis again after this, doubling up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 0.2  # an executor publishes its load every step: about this stale at worst on a CPU
+MAX_BUSY_BACKOFF_S = 1.0  # a request refused as busy again and again asks at most this often
 RETRY_AFTER_S = 2
 
 
@@ -48,12 +53,25 @@ class Backlog:
         arrival: float,
         exclude: set[str] = frozenset(),
         avoid: set[str] = frozenset(),
+        refusals: int = 0,
     ) -> Choice:
         """The router's choice among executors with room (exclude: lost executors; avoid: ones that just
-        refused as busy, skipped on the first look only); while all are full, wait in turn."""
-        if not self._waiters:  # with others waiting, a newcomer takes its turn behind them
+        refused as busy, the refusals-th time in a row for this request, skipped on the first look only); while
+        all are full, wait in turn."""
+        if avoid:
             try:
                 return await self.router.choose(ids, cache_salt, exclude, avoid)
+            except Saturated:
+                pass
+            # no other executor has room: back off out of turn, then look like a newcomer
+            left = arrival + self.timeout_s - time.monotonic()
+            pause = min(FIRST_BACKOFF_S * 2 ** min(refusals, 16), MAX_BUSY_BACKOFF_S)
+            if left <= pause:
+                raise _saturated(self.timeout_s)
+            await asyncio.sleep(pause)
+        if not self._waiters:  # with others waiting, a newcomer takes its turn behind them
+            try:
+                return await self.router.choose(ids, cache_salt, exclude)
             except Saturated:
                 pass
         deadline = arrival + self.timeout_s

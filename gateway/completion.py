@@ -82,6 +82,7 @@ class Routed:
     status: int = 200  # what the request's metrics and span report at its end
     error: str | None = None
     constraint_field: str | None = None  # OpenAIRequest.constraint_field
+    busy_refusals: int = 0  # times executors refused it as busy: its backoff before asking again
 
 
 def error_response(error: APIError, request_id: str, executor_id: str = NO_EXECUTOR) -> JSONResponse:
@@ -410,6 +411,7 @@ class Completions:
             except ExecutorRequestError as error:
                 if answered or error.code not in protocol.REROUTABLE:
                     raise _named_for_client(error, routed.constraint_field) from None
+                routed.busy_refusals += 1
                 await self._reroute(routed, avoid={executor.executor_id})
             except ExecutorGone:
                 log.warning(
@@ -438,7 +440,12 @@ class Completions:
         self._uncount(routed)
         started = time.time_ns()
         choice = await self.backlog.choose(
-            routed.request.prompt_token_ids, routed.caller.cache_salt, routed.arrival, routed.tried, avoid
+            routed.request.prompt_token_ids,
+            routed.caller.cache_salt,
+            routed.arrival,
+            routed.tried,
+            avoid,
+            routed.busy_refusals,
         )
         self._record_route(routed.span, started, choice)
         routed.executor, routed.prefill_estimate = choice.executor, choice.prefill_estimate
