@@ -157,6 +157,10 @@ class Engine:
             self.scheduler.add(request)
         return request
 
+    def is_compiling(self, request_id: str) -> bool:
+        """The request waits for its grammar, outside the waiting queue."""
+        return any(r.request_id == request_id for r in self.compiling)
+
     def _compiled_grammar(self, spec: StructuredOutputsParams, cache_salt: str | None) -> Future:
         """Structured outputs: the tenant's grammar for spec, compiled or compiling. Raises the ValueError of one
         known to fail, and EngineBusy for one that would wait for a compile without room to."""
@@ -477,6 +481,7 @@ class Engine:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(waiting),
+            "compiling": len(self.compiling),  # of waiting: not in the waiting queue's places
             # prompt tokens still to prefill: the work a new request waits behind
             "prefill_tokens": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
             "kv_usage": self.pool.num_used_blocks / self.pool.num_blocks,

@@ -176,6 +176,8 @@ class ExecutorService:
         parent = tracing.parent_context(msg.traceparent) if tracing.enabled() else None
         choices = list(self.engine.groups[msg.request_id])
         self.owners[msg.request_id] = Owned(identity, choices, msg.tenant, trace_id, parent)
+        if self.engine.is_compiling(msg.request_id):  # it holds none of the queue's places the gateway counts
+            self.outbox[identity].append(protocol.accepted(msg.request_id))
         log.debug(
             "request %s received from %s (tenant %s)",
             msg.request_id,

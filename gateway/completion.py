@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import re
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -59,6 +60,9 @@ DISCONNECT_POLL_S = 0.25
 # a request is started again from scratch on another executor at most this many times when its executor dies
 # before the client has received anything (a request that kills every executor it reaches must stop somewhere)
 MAX_EXECUTOR_LOSSES = 3
+# a refused request's unread body up to this is left to uvicorn to discard, keeping the connection; a larger one
+# closes it (a client still sending may then see the connection reset rather than the 401)
+CLOSE_UNREAD_BODY_BYTES = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -83,6 +87,14 @@ class Routed:
     error: str | None = None
     constraint_field: str | None = None  # OpenAIRequest.constraint_field
     busy_refusals: int = 0  # times executors refused it as busy: its backoff before asking again
+
+
+def _unread_body_bytes(request: Request) -> int:
+    """The body's declared length (chunked: unknown, so counted as large), for a request whose body was not read."""
+    if "chunked" in request.headers.get("transfer-encoding", "").lower():
+        return sys.maxsize
+    length = request.headers.get("content-length", "0")
+    return int(length) if length.isdigit() else 0
 
 
 def error_response(error: APIError, request_id: str, executor_id: str = NO_EXECUTOR) -> JSONResponse:
@@ -201,8 +213,8 @@ class Completions:
         logs.bind(request_id, span.trace_id(request.headers))
         caller = None
         try:
-            # from the headers alone: a 401 reads no byte of the body (uvicorn discards what comes of it and
-            # keeps the connection), so a caller without a valid key costs next to nothing
+            # from the headers alone: a 401 reads no byte of the body (uvicorn discards a small one and keeps
+            # the connection; a large one closes it, below), so a caller without a valid key costs next to nothing
             caller = await self.tenancy.identify(request.headers)
             parsed, ids = await self._read(request, endpoint, span)
             allowed = caller.models([self.model_name])
@@ -227,7 +239,12 @@ class Completions:
             log.info("request refused (%d, tenant %s): %s", error.status, _tenant(caller), error.message)
             self.metrics.requests.labels(_tenant(caller), endpoint, str(error.status)).inc()
             span.finish(error.status, error.message)
-            return error_response(error, request_id)
+            response = error_response(error, request_id)
+            if caller is None and _unread_body_bytes(request) > CLOSE_UNREAD_BODY_BYTES:
+                # keeping the connection would mean reading the body only to discard it: a keyless flood of
+                # large bodies then costs the gateway what they weigh. Closed, it costs what one buffer holds.
+                response.headers["connection"] = "close"
+            return response
         try:
             # sent before the response starts, so the executor works while the HTTP machinery sets up
             await self._submit(routed)
@@ -401,10 +418,12 @@ class Completions:
                 async for update in self.client.updates(
                     executor.address, routed.request.request_id, alive, routed.timing, len(routed.generations)
                 ):
-                    if not answered:
-                        answered = True
+                    if routed.counted_on is not None:  # the first update: it left the queue's places
                         self._uncount(routed)  # from now on the executor's published load counts it
-                        self.backlog.freed()  # it left its executor's queue: room there, perhaps
+                        self.backlog.freed()  # room there, perhaps
+                    if protocol.is_acceptance(update):
+                        continue  # taken, waiting for its grammar: nothing for the client yet
+                    answered = True
                     self._observe_tokens(routed, update)
                     yield update
                 return

@@ -148,7 +148,8 @@ class ExecutorClient:
                     queue = self._stream(address, update.request_id)
                     if queue is not None:
                         queue.put_nowait((received, update))
-                        self.started.add(update.request_id)
+                        if not protocol.is_acceptance(update):
+                            self.started.add(update.request_id)
                         self._answered(update.request_id)
             elif isinstance(msg, protocol.RequestError):
                 queue = self._stream(address, msg.request_id)

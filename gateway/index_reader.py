@@ -143,6 +143,7 @@ class IndexReader:
                         cached_blocks=leading_run([bool(x) for x in held]),
                         running=int(load.get("running", 0)),
                         waiting=int(load.get("waiting", 0)),
+                        compiling=int(load.get("compiling", 0)),
                         kv_usage=float(load.get("kv_usage", 0.0)),
                         prefill_tokens=int(load.get("prefill_tokens", 0)),
                         inflight_tokens=max(0, int(inflight or 0)),

@@ -96,7 +96,7 @@ class Router:
             return False
         return (
             not info.max_waiting_seqs
-            or max(load.waiting, self.unanswered(info.address)) < info.max_waiting_seqs
+            or max(load.waiting - load.compiling, self.unanswered(info.address)) < info.max_waiting_seqs
         )
 
     async def _view(self, hashes: list[bytes], exclude: set[str]) -> list[tuple[ExecutorInfo, Candidate]]:

@@ -31,6 +31,7 @@ class Candidate:
     cached_blocks: int  # leading run of the prompt's block hashes this executor holds
     running: int = 0
     waiting: int = 0
+    compiling: int = 0  # of waiting, those waiting for their grammar: they hold no place in its queue
     kv_usage: float = 0.0  # share of its KV blocks in use, 0..1
     prefill_tokens: int = 0  # prompt tokens queued there, still to prefill
     inflight_tokens: int = 0  # prompt tokens to prefill of requests routed there, not yet in its load

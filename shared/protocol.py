@@ -68,6 +68,16 @@ class RequestUpdate:
     index: int = 0  # which choice of the request (n > 1); absent from older peers, which send one choice
 
 
+def accepted(request_id: str) -> RequestUpdate:
+    """The update saying an executor took the request but holds it outside its waiting queue (waiting for its
+    grammar): the gateway stops counting it against that queue's places, and the client sees nothing of it."""
+    return RequestUpdate(request_id, [], None, None, 0)
+
+
+def is_acceptance(update: RequestUpdate) -> bool:
+    return not update.token_ids and update.finish_reason is None and update.prompt_logprobs is None
+
+
 @dataclass(slots=True)
 class StepBatch:
     TYPE: ClassVar[str] = "step"

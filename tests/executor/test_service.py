@@ -135,6 +135,7 @@ def test_redis_holds_registration_block_hashes_and_load(executor, gateway):
     assert load == {
         "running": "0",
         "waiting": "0",
+        "compiling": "0",
         "prefill_tokens": "0",
         "kv_usage": "0.0",
         "queue_full": "0",

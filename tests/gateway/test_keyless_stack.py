@@ -103,17 +103,27 @@ def test_without_a_valid_key_the_body_is_never_read(keyed):
     assert _error(_post(gateway.base, too_large, _bearer(key)), 413)["code"] == "request_too_large"
 
 
-def test_the_connection_serves_on_after_a_401_that_left_the_body_unread(keyed):
+def test_a_401_keeps_the_connection_for_a_small_body_and_closes_it_for_a_large_one(keyed):
     gateway, _, key = keyed
+    small = json.dumps({"model": "tiny", "prompt": "x" * 1000}).encode()
     answers = pipelined(
         gateway.port,
         [
-            request("POST", "/v1/completions", REFUSED_IF_PARSED),
+            request("POST", "/v1/completions", small),
             request("GET", "/v1/models", close=True, headers=_bearer(key)),
         ],
     )
     assert [status for status, _ in answers] == [401, 200]
     assert [m["id"] for m in json.loads(answers[1][1])["data"]] == ["tiny"]
+    # a large body is not read to be thrown away: the 401 closes the connection after a fraction was sent
+    whole = request("POST", "/v1/completions", REFUSED_IF_PARSED)
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=60) as sock:
+        sock.sendall(whole[: 64 * 1024])
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head = data.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    assert head.startswith("http/1.1 401") and "connection: close" in head
 
 
 def test_a_keyless_flood_never_delays_liveness_or_a_keyed_request(keyed):
