@@ -3,7 +3,8 @@
 Starts a one-executor `kvserve up` (default model, float32, CPU, a Redis of its own) with two API keys, alpha the
 attacker and beta the victim (bench/tenant_stack.py), or uses a running stack (--url with both keys). The victim's
 request is a streamed chat of 32 tokens (temperature 0, ignore_eos); its latency alone is the median of --reps.
-Then, per case: the attack starts from alpha (bench/hostile_bodies.py; case 4 sends no key at all), the victim's
+Then, per case: the attack starts from alpha in a process of its own (bench/hostile_bodies.py; case 4 sends no key
+at all), the victim's
 request follows --delay seconds later, and everything is bounded: the victim by --timeout, the attack's requests
 by --delay + --timeout (then their connections are closed). /health/live is polled throughout. Before the next
 case the stack must be quiet again: the executors idle on /metrics and a victim request back near its time
@@ -22,12 +23,14 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import shlex
 import signal
 import statistics
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -134,15 +137,15 @@ async def send_body(client: httpx.AsyncClient, raw: bytes, exchange: Exchange) -
     exchange.finished = True
 
 
-async def run_attack(attack: Attack, setup: Setup, started: float, deadline: float) -> list[Exchange]:
+async def run_attack(
+    attack: Attack, url: str, alpha_key: str, started: float, deadline: float
+) -> list[Exchange]:
     """Every body on its own connection (sent again while attack.repeat_s lasts), each cut at the deadline."""
-    headers = {"authorization": f"Bearer {setup.alpha_key}"} if attack.keyed else {}
+    headers = {"authorization": f"Bearer {alpha_key}"} if attack.keyed else {}
     limits = httpx.Limits(max_connections=len(attack.bodies))
     exchanges: list[Exchange] = []
     timeout = httpx.Timeout(deadline - time.monotonic() + 5)  # the deadline below cuts first
-    async with httpx.AsyncClient(
-        base_url=setup.url, headers=headers, limits=limits, timeout=timeout
-    ) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=timeout) as client:
 
         async def connection(raw: bytes) -> None:
             while True:
@@ -162,6 +165,15 @@ async def run_attack(attack: Attack, setup: Setup, started: float, deadline: flo
 
         await asyncio.gather(*(connection(raw) for raw in attack.bodies))
     return exchanges
+
+
+def attack_in_process(
+    attack: Attack, url: str, alpha_key: str, started: float, deadline: float
+) -> list[Exchange]:
+    """run_attack in a process of its own: a flood's client work (sending gigabytes) would otherwise slow the
+    victim's stream in this process's event loop and be counted as the server's doing. time.monotonic is the
+    same clock in every process."""
+    return asyncio.run(run_attack(attack, url, alpha_key, started, deadline))
 
 
 async def poll_live(url: str, latencies: list[float], timeout: float) -> None:
@@ -210,16 +222,18 @@ async def run_case(attack: Attack, setup: Setup) -> CaseResult:
     deadline = started + setup.delay + setup.timeout
     live: list[float] = []
     poller = asyncio.create_task(poll_live(setup.url, live, setup.timeout))
-    attacking = asyncio.create_task(run_attack(attack, setup, started, deadline))
-    try:
-        await asyncio.sleep(setup.delay)
-        victim = await measure_victim(setup, setup.timeout)
-        exchanges = await attacking
-    finally:
-        for task in (poller, attacking):
-            task.cancel()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as attacker:
+        attacking = asyncio.get_running_loop().run_in_executor(
+            attacker, attack_in_process, attack, setup.url, setup.alpha_key, started, deadline
+        )
+        try:
+            await asyncio.sleep(setup.delay)
+            victim = await measure_victim(setup, setup.timeout)
+            exchanges = await attacking  # bounded by the deadline in its process
+        finally:
+            poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await poller
     quiet_after = await wait_quiet(setup)
     return CaseResult(
         attack.case, attack.description, attack.body_bytes, exchanges, victim, live, quiet_after

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from gateway.sse import sse_data
 
 # messages may quote the client's input (a field's value), which can be megabytes: the reply quotes a bounded part
 MAX_MESSAGE_CHARS = 1000
@@ -37,7 +37,7 @@ class APIError(Exception):
 
     def sse_event(self) -> str:
         """A mid-stream failure: once headers are sent the status cannot change, so the error rides an event."""
-        return f"data: {json.dumps(self.body(), separators=(',', ':'), ensure_ascii=False)}\n\n"
+        return sse_data(self.body())
 
 
 def invalid_request(message: str, param: str | None) -> APIError:

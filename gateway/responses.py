@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 from gateway.logprobs import LogprobFormatter, TokenLogprob, logprob_formatter, token_logprob
 from gateway.openai_protocol import Endpoint, OpenAIRequest
 from gateway.output_text import OutputText
+from gateway.sse import sse_data
 from gateway.tool_parser import ToolCallDelta, ToolCallParser
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -231,10 +231,6 @@ def response_body(generation: Generation | Sequence[Generation]) -> dict:
     return body
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
 class EventStream:
     """Server-sent events as OpenAI sends them: (chat) a role chunk first, content chunks, a finish chunk with an
     empty delta, the usage chunk with `choices: []` if include_usage, then `data: [DONE]`."""
@@ -256,7 +252,7 @@ class EventStream:
         }
         if self.include_usage:  # OpenAI then sends `usage: null` on every chunk but the last
             payload["usage"] = usage
-        return _event(payload | (extra or {}))
+        return sse_data(payload | (extra or {}))
 
     def _choice(
         self, index: int, text: str | None, logprobs: dict | None, finish_reason: str | None, tool_calls=()
