@@ -46,10 +46,15 @@ def run_kvserve(*args: str, env: dict[str, str], timeout: float = 60) -> subproc
     )
 
 
+PORT_TAKEN = "address already in use"  # ZeroMQ and uvicorn say it so, in either case
+PORT_ATTEMPTS = 3  # a free port is free when chosen; another process may take it before the child binds it
+
+
 class ServiceProcess:
     """A `kvserve` command as a child process logging to a file; stop() ends exactly that process."""
 
     entry = [sys.executable, "-m", "kvserve.cli"]  # the `kvserve` command
+    attempts = 1
 
     def start(self, args: list[str], log_path: Path, env: dict | None) -> None:
         self.log_path = log_path
@@ -61,6 +66,13 @@ class ServiceProcess:
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
+
+    def lost_its_port(self) -> bool:
+        """Exited because the port chosen for it was taken meanwhile: worth starting again on another."""
+        if self.process.poll() is None or self.attempts >= PORT_ATTEMPTS:
+            return False
+        self.log.flush()
+        return PORT_TAKEN in self.log_path.read_text(errors="replace").lower()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -78,11 +90,15 @@ class ExecutorProcess(ServiceProcess):
         self, model: str, redis_url: str, log_path: Path, *extra: str, env: dict | None = None
     ) -> None:
         self.id = f"test-{uuid.uuid4().hex[:8]}"
-        self.address = f"tcp://127.0.0.1:{free_port()}"
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
         # what a crashed earlier run under this id would have left
         self.redis.sadd(keys.blocks_key(self.id), "stale")
         self.redis.hset(keys.load_key(self.id), "running", 99)
+        self._launch = lambda: self._start_on_a_free_port(model, redis_url, log_path, extra, env)
+        self._launch()
+
+    def _start_on_a_free_port(self, model, redis_url, log_path, extra, env) -> None:
+        self.address = f"tcp://127.0.0.1:{free_port()}"
         args = ["executor", "--executor-id", self.id, "--bind", self.address, "--redis-url", redis_url]
         args += ["--model", model, "--kv-cache-memory", "8MiB", "--device", "cpu", *extra]
         self.start(args, log_path, env)
@@ -90,7 +106,11 @@ class ExecutorProcess(ServiceProcess):
     def wait_registered(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if self.lost_its_port():
+                self.log.close()
+                self.attempts += 1
+                self._launch()
+            elif self.process.poll() is not None:
                 raise AssertionError(
                     f"executor exited {self.process.returncode}:\n{self.log_path.read_text()}"
                 )
@@ -106,12 +126,20 @@ class GatewayProcess(ServiceProcess):
     def __init__(
         self, model: str, redis_url: str, log_path: Path, *extra: str, env: dict | None = None
     ) -> None:
+        args = ["gateway", "--model", model, "--served-model-name", "tiny", "--redis-url", redis_url]
+        self._launch = lambda: self._start_on_a_free_port(args, log_path, extra, env)
+        self._launch()
+
+    def _start_on_a_free_port(self, args, log_path, extra, env) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        args = ["gateway", "--model", model, "--served-model-name", "tiny", "--redis-url", redis_url]
         self.start([*args, "--port", str(self.port), *extra], log_path, env)
 
     def healthy(self) -> bool:
+        if self.lost_its_port():
+            self.log.close()
+            self.attempts += 1
+            self._launch()
         try:
             return httpx.get(f"{self.base}/health").status_code == 200
         except httpx.HTTPError:
