@@ -110,6 +110,9 @@ class Engine:
         params: SamplingParams,
         cache_salt: str | None = None,
         block_hashes: Sequence[bytes] = (),
+        tenant: str | None = None,
+        weight: float = 1.0,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue; a bad request raises ValueError naming the field and touches nothing else, one
         that must wait for a compile while too many do raises EngineBusy. block_hashes: the prompt's chain as the
@@ -137,6 +140,9 @@ class Engine:
                 params,
                 self.eos_token_ids,
                 cache_salt=cache_salt,
+                tenant=tenant,
+                weight=weight,
+                priority=priority,
                 generator=self._generator(params.choice_seed(index)),
                 grammar=None if compiled is None else RequestGrammar(compiled),  # a matcher each
                 group_id=request_id,

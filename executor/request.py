@@ -30,6 +30,11 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
+    # fair share (executor/fair_share.py): whose request it is (None: the anonymous tenant), the tenant's weight,
+    # and its priority within the tenant (lower first)
+    tenant: str | None = None
+    weight: float = 1.0
+    priority: int = 0
     # wall-clock times (time.time_ns) of its life, for queue-time metrics and trace spans; 0 until it happens
     arrival_ns: int = field(default_factory=time.time_ns)
     queued_ns: int = 0  # when it joined the scheduler's queue (later than arrival while its grammar compiled)

@@ -165,7 +165,14 @@ class ExecutorService:
                 raise ValueError(f"sampling: unknown parameter {unknown[0]!r}")
             params = SamplingParams(**msg.sampling)
             self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, params, msg.cache_salt, msg.block_hashes
+                msg.request_id,
+                msg.prompt_token_ids,
+                params,
+                msg.cache_salt,
+                msg.block_hashes,
+                tenant=msg.tenant,
+                weight=msg.tenant_weight,
+                priority=msg.priority,
             )
         except ValueError as error:
             self._send_error(identity, msg.request_id, str(error), 400, trace_id)

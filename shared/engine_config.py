@@ -69,6 +69,12 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # tenants take the engine's tokens in proportion to their weights, a burst waiting behind itself
+    # (executor/fair_share.py); off: one first-come-first-served queue for all
+    fair_share: bool = True
+    # a tenant's cached KV blocks within its share of the pool are not evicted for another tenant's requests, and
+    # blocks used once go before blocks used again (executor/block_pool.py); off: one LRU for all
+    kv_shares: bool = True
     speculative_model: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
@@ -196,6 +202,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument(
+        "--fair-share",
+        action=argparse.BooleanOptionalAction,
+        default=d.fair_share,
+        help="tenants share each step's tokens in proportion to their key's weight (default: on)",
+    )
+    g.add_argument(
+        "--kv-shares",
+        action=argparse.BooleanOptionalAction,
+        default=d.kv_shares,
+        help="keep a tenant's cached KV within its share from other tenants' bursts; evict blocks used once "
+        "before blocks used again (default: on)",
+    )
     g.add_argument("--speculative-model", default=None, help="ngram or a draft model path")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
     g.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min)

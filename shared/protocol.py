@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 import msgpack
 
 PROTOCOL_VERSION = 1
+MAX_TENANT_WEIGHT = 1000.0  # a tenant's fair-share weight is in (0, this]
+MAX_PRIORITY = 2**31  # a request's priority is within +- this
 
 # logprobs of one generated token: [token_id, logprob, rank, [[token_id, logprob], ...]] (top entries, best first)
 TokenLogprobsWire = list
@@ -41,6 +43,10 @@ class GenerateRequest:
     )  # the prompt's full-block chain (shared.block_hash)
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields by name
     tenant: str | None = None
+    # fair share (executor/fair_share.py): the tenant's weight, and the request's priority within its tenant
+    # (lower first, as vLLM's `priority`)
+    tenant_weight: float = 1.0
+    priority: int = 0
     cache_salt: str | None = None
     traceparent: str | None = None  # W3C trace context, so one trace spans both processes
 
@@ -142,6 +148,10 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # not NaN
+
+
 class _Fields:
     def __init__(self, body: dict, kind: str, request_id: str | None) -> None:
         self.body, self.kind, self.request_id = body, kind, request_id
@@ -201,6 +211,15 @@ def _read_generate(f: _Fields) -> GenerateRequest:
         ),
         sampling=f.get("sampling", lambda v: isinstance(v, dict), "a map of sampling parameters", {}),
         tenant=f.optional_text("tenant"),
+        tenant_weight=f.get(
+            "tenant_weight",
+            lambda v: _is_number(v) and 0 < v <= MAX_TENANT_WEIGHT,
+            "a number in (0, 1000]",
+            1.0,
+        ),
+        priority=f.get(
+            "priority", lambda v: _is_int(v) and abs(v) <= MAX_PRIORITY, "an integer in +-2**31", 0
+        ),
         cache_salt=f.optional_text("cache_salt"),
         traceparent=f.optional_text("traceparent"),
     )
