@@ -208,6 +208,7 @@ def serve(args: argparse.Namespace) -> int:
             "kv_blocks_total": engine.pool.num_blocks,
             "max_model_len": engine.max_model_len,
             "max_waiting_seqs": engine.config.max_waiting_seqs,
+            "waiting_tenants_share": engine.waiting_tenants_share,
         }
     )
     index.start_heartbeat()

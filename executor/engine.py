@@ -163,6 +163,11 @@ class Engine:
             self.scheduler.add(request)
         return request
 
+    @property
+    def waiting_tenants_share(self) -> int:
+        """All tenants together may have this many times --max-waiting-seqs waiting (1: one bound for all)."""
+        return COMPILING_TENANTS_SHARE if self.config.fair_share else 1
+
     def is_compiling(self, request_id: str) -> bool:
         """The request waits for its grammar, outside the waiting queue."""
         return any(r.request_id == request_id for r in self.compiling)

@@ -76,6 +76,7 @@ class Gateway:
         await self.tenancy.startup()
         self.client = ExecutorClient(self.config.curve)  # needs the running event loop
         self.router.unanswered = self.client.unanswered.__getitem__
+        self.router.unanswered_of_tenant = self.client.unanswered_of_tenant.__getitem__
         self.router.refused = self.client.refused.get
         self.completions = Completions(
             self.config.model_name,

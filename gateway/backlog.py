@@ -1,11 +1,14 @@
 """Back-pressure at the gateway: a request no executor can start soon waits here, not in an executor's queue.
 
-An executor's waiting queue is bounded (--max-waiting-seqs, --max-waiting-tokens): at its bound it publishes
-`queue_full` and refuses new requests as busy before doing any work. The router skips full executors; when every
-live one is full, the request waits in this backlog, oldest arrival first, until one has room, and only the
-oldest asks Redis (with backoff, and at once when a request of this gateway ends), so a long backlog costs one
-reader. Work then goes to whichever executor frees first, never to one queue chosen at arrival. Past the
-deadline (--queue-timeout after arrival) the request gets 503 with Retry-After.
+An executor's waiting queue is bounded per tenant (--max-waiting-seqs, --max-waiting-tokens) and for all tenants
+together: at the latter it publishes `queue_full`, and at either it refuses new requests as busy before doing any
+work. The router skips executors without room for the request's tenant; when no live one has room, the request
+waits in this backlog, in its tenant's line, oldest arrival first, until one has room. Each tenant's line has one
+reader, its oldest request, which asks Redis (with backoff, and at once when a request of this gateway ends), so
+a long backlog costs one reader per tenant waiting, and a tenant's burst waits behind itself: another tenant's
+request, with places free for it, never queues behind it. Work then goes to whichever executor frees first,
+never to one queue chosen at arrival. Past the deadline (--queue-timeout after arrival) the request gets 503 with
+Retry-After.
 
 An executor may also refuse one request as busy while publishing room: its tenant has all its places waiting for
 grammars to compile. Such a request tries another executor at once; with none, it waits out of turn (its own
@@ -34,16 +37,18 @@ class Backlog:
     def __init__(self, router: Router, timeout_s: float) -> None:
         self.router = router
         self.timeout_s = timeout_s
-        self._waiters: list[tuple[float, int, asyncio.Future]] = []  # heap by arrival: the first one asks
+        # per tenant, a heap by arrival: each tenant's first one asks for the tenant's line
+        self._lines: dict[str | None, list[tuple[float, int, asyncio.Future]]] = {}
         self._order = itertools.count()  # breaks ties between equal arrivals
         self._freed = asyncio.Event()  # set when a request ends here: some executor may have room now
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return sum(len(line) for line in self._lines.values())
 
     def freed(self) -> None:
-        """A request of this gateway ended: the oldest waiter looks again now instead of after its backoff."""
+        """A request of this gateway ended: each line's oldest waiter looks again now instead of after its
+        backoff."""
         self._freed.set()
 
     async def choose(
@@ -54,13 +59,14 @@ class Backlog:
         exclude: set[str] = frozenset(),
         avoid: set[str] = frozenset(),
         refusals: int = 0,
+        tenant: str | None = None,
     ) -> Choice:
-        """The router's choice among executors with room (exclude: lost executors; avoid: ones that just
-        refused as busy, the refusals-th time in a row for this request, skipped on the first look only); while
-        all are full, wait in turn."""
+        """The router's choice among executors with room for the tenant (exclude: lost executors; avoid: ones
+        that just refused as busy, the refusals-th time in a row for this request, skipped on the first look
+        only); while none has, wait in the tenant's line."""
         if avoid:
             try:
-                return await self.router.choose(ids, cache_salt, exclude, avoid)
+                return await self.router.choose(ids, cache_salt, exclude, avoid, tenant)
             except Saturated:
                 pass
             # no other executor has room: back off out of turn, then look like a newcomer
@@ -69,35 +75,41 @@ class Backlog:
             if left <= pause:
                 raise _saturated(self.timeout_s)
             await asyncio.sleep(pause)
-        if not self._waiters:  # with others waiting, a newcomer takes its turn behind them
+        if not self._lines.get(tenant):  # with others of its tenant waiting, a newcomer queues behind them
             try:
-                return await self.router.choose(ids, cache_salt, exclude)
+                return await self.router.choose(ids, cache_salt, exclude, tenant=tenant)
             except Saturated:
                 pass
         deadline = arrival + self.timeout_s
         held_since = time.monotonic()
         turn = asyncio.get_running_loop().create_future()
         entry = (arrival, next(self._order), turn)
-        heapq.heappush(self._waiters, entry)
-        if self._waiters[0] is entry:
+        line = self._lines.setdefault(tenant, [])
+        heapq.heappush(line, entry)
+        if line[0] is entry:
             turn.set_result(None)
         try:
             await asyncio.wait_for(asyncio.shield(turn), max(0.0, deadline - time.monotonic()))
-            choice = await self._poll(ids, cache_salt, exclude, deadline)
+            choice = await self._poll(ids, cache_salt, exclude, deadline, tenant)
             return dataclasses.replace(choice, held_s=time.monotonic() - held_since)
         except TimeoutError:
             raise _saturated(self.timeout_s) from None
         finally:
-            self._leave(entry)
+            self._leave(tenant, entry)
 
     async def _poll(
-        self, ids: Sequence[int], cache_salt: str | None, exclude: set[str], deadline: float
+        self,
+        ids: Sequence[int],
+        cache_salt: str | None,
+        exclude: set[str],
+        deadline: float,
+        tenant: str | None,
     ) -> Choice:
-        """The oldest waiter's loop: ask, back off (or wake when a request ends), ask again."""
+        """A line's oldest waiter's loop: ask, back off (or wake when a request ends), ask again."""
         backoff = FIRST_BACKOFF_S
         while True:
             try:
-                return await self.router.choose(ids, cache_salt, exclude)
+                return await self.router.choose(ids, cache_salt, exclude, tenant=tenant)
             except Saturated:
                 pass
             left = deadline - time.monotonic()
@@ -110,13 +122,17 @@ class Backlog:
             except TimeoutError:
                 backoff = min(2 * backoff, MAX_BACKOFF_S)
 
-    def _leave(self, entry: tuple[float, int, asyncio.Future]) -> None:
-        """Out of the backlog, however the wait ended; the next oldest, if any, takes its turn at once."""
-        if entry in self._waiters:
-            self._waiters.remove(entry)
-            heapq.heapify(self._waiters)
-        if self._waiters and not self._waiters[0][2].done():
-            self._waiters[0][2].set_result(None)
+    def _leave(self, tenant: str | None, entry: tuple[float, int, asyncio.Future]) -> None:
+        """Out of the tenant's line, however the wait ended; the line's next oldest, if any, takes its turn at
+        once."""
+        line = self._lines.get(tenant, [])
+        if entry in line:
+            line.remove(entry)
+            heapq.heapify(line)
+        if not line:
+            self._lines.pop(tenant, None)
+        elif not line[0][2].done():
+            line[0][2].set_result(None)
 
 
 def _saturated(timeout_s: float) -> APIError:

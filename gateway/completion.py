@@ -359,7 +359,7 @@ class Completions:
         span: RequestSpan,
     ) -> Routed:
         started = time.time_ns()
-        choice = await self.backlog.choose(ids, caller.cache_salt, arrival)
+        choice = await self.backlog.choose(ids, caller.cache_salt, arrival, tenant=caller.key_tenant)
         self._record_route(span, started, choice)
         params = fit_to_context(parsed, len(ids), choice.executor.max_model_len, self.limits)
         span.describe(caller.tenant, parsed.model, params.max_tokens, params.temperature, params.top_p)
@@ -368,7 +368,9 @@ class Completions:
             prompt_token_ids=ids,
             block_hashes=choice.block_hashes,
             sampling=dataclasses.asdict(params),
-            tenant=caller.record.tenant if caller.record else None,
+            tenant=caller.key_tenant,
+            tenant_weight=caller.weight,
+            priority=parsed.priority,
             cache_salt=caller.cache_salt,
             traceparent=span.traceparent(),
         )
@@ -465,6 +467,7 @@ class Completions:
             routed.tried,
             avoid,
             routed.busy_refusals,
+            routed.caller.key_tenant,
         )
         self._record_route(routed.span, started, choice)
         routed.executor, routed.prefill_estimate = choice.executor, choice.prefill_estimate

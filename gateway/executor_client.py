@@ -77,6 +77,9 @@ class ExecutorClient:
         # its published load may not count them, so the router counts them here
         self.awaiting: set[str] = set()
         self.unanswered: Counter[str] = Counter()
+        # the same per (executor address, tenant): an executor's waiting places are per tenant
+        self.unanswered_of_tenant: Counter[tuple[str, str | None]] = Counter()
+        self.tenant_of: dict[str, str | None] = {}  # request id -> its tenant, while awaiting
         self.started: set[str] = set()  # request ids whose stream has had an update
 
     def _socket(self, address: str) -> zmq.asyncio.Socket:
@@ -173,6 +176,8 @@ class ExecutorClient:
         self.sent_to[request.request_id] = address
         self.awaiting.add(request.request_id)
         self.unanswered[address] += 1
+        self.unanswered_of_tenant[address, request.tenant] += 1
+        self.tenant_of[request.request_id] = request.tenant
         try:
             await self._send(address, request)
         except zmq.Again:
@@ -244,7 +249,12 @@ class ExecutorClient:
     def _answered(self, request_id: str) -> None:
         if request_id in self.awaiting:
             self.awaiting.discard(request_id)
-            self.unanswered[self.sent_to[request_id]] -= 1
+            address = self.sent_to[request_id]
+            self.unanswered[address] -= 1
+            key = (address, self.tenant_of.pop(request_id))
+            self.unanswered_of_tenant[key] -= 1
+            if not self.unanswered_of_tenant[key]:
+                del self.unanswered_of_tenant[key]  # tenants come and go: keep only those with requests out
 
     async def abort(self, address: str, request_id: str, index: int | None = None) -> None:
         """Stop the request on the executor: every choice of it, or only choice index."""

@@ -56,7 +56,10 @@ class ExecutorInfo:
     model: str
     block_size: int
     max_model_len: int
-    max_waiting_seqs: int = 0  # it refuses work with this many waiting; 0: not published
+    # it refuses a tenant's request while that tenant has this many waiting (0: not published), and anyone's while
+    # waiting_tenants_share times as many wait in all (1: one bound for all tenants, an older or unfair executor)
+    max_waiting_seqs: int = 0
+    waiting_tenants_share: int = 1
 
 
 # KEYS[1]: the set of executor ids. ARGV: key prefix, blocks, load and inflight suffixes, then the prompt's
@@ -136,6 +139,7 @@ class IndexReader:
                         int(info["block_size"]),
                         int(info["max_model_len"]),
                         int(info.get("max_waiting_seqs", 0)),
+                        int(info.get("waiting_tenants_share", 1)),
                     ),
                     Candidate(
                         executor_id,

@@ -27,6 +27,12 @@ def add_keys_args(keys: argparse.ArgumentParser) -> None:
     create.add_argument("--tpm", type=int, default=None, help="prompt + completion tokens per minute")
     create.add_argument("--max-concurrency", type=int, default=None, help="requests running at once")
     create.add_argument("--models", default=None, help="comma-separated model names (default: every model)")
+    create.add_argument(
+        "--weight",
+        type=float,
+        default=1.0,
+        help="the tenant's share of each engine step and of the KV cache relative to other tenants' (default: 1)",
+    )
     create.set_defaults(run=create_key)
 
     listing = actions.add_parser("list", help="every key, revoked ones too, newest first")
@@ -87,7 +93,12 @@ def run_keys(args: argparse.Namespace) -> int:
 
 def create_key(store: KeyStore, args: argparse.Namespace) -> int:
     key, record = store.create(
-        args.tenant, args.rpm, args.tpm, args.max_concurrency, models=parse_models(args.models)
+        args.tenant,
+        args.rpm,
+        args.tpm,
+        args.max_concurrency,
+        models=parse_models(args.models),
+        weight=args.weight,
     )
     print(key, flush=True)
     print(
@@ -114,6 +125,7 @@ def _row(record: KeyRecord) -> list[str]:
         _limit(record.rpm),
         _limit(record.tpm),
         _limit(record.max_concurrency),
+        f"{record.weight:g}",
         ",".join(record.models) if record.models else "all",
         time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(record.created_at)),
         "active" if record.revoked_at is None else "revoked",
@@ -125,7 +137,7 @@ def list_keys(store: KeyStore, args: argparse.Namespace) -> int:
     if not records:
         print("no API keys" + (f" for tenant {args.tenant}" if args.tenant else ""), file=sys.stderr)
         return 0
-    header = ["KEY ID", "TENANT", "RPM", "TPM", "MAX CONCURRENCY", "MODELS", "CREATED", "STATUS"]
+    header = ["KEY ID", "TENANT", "RPM", "TPM", "MAX CONCURRENCY", "WEIGHT", "MODELS", "CREATED", "STATUS"]
     _table(header, [_row(r) for r in records])
     return 0
 

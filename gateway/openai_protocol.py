@@ -22,6 +22,7 @@ from gateway.request_limits import (
     max_tokens_allowed,
 )
 from gateway.tools import ToolCalling, parse_tool_calling
+from shared.protocol import MAX_PRIORITY
 from shared.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
 from shared.structured_outputs import StructuredOutputsParams
 
@@ -64,6 +65,8 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the output's
     prompt_logprobs: int | None = None  # vLLM's extension as asked: top entries per prompt position
     constraint_field: str | None = None  # the field the output's constraint came from, for errors naming it
+    # vLLM's extension: the order within the caller's tenant, lower first (tenants share by weight, not by this)
+    priority: int = 0
 
 
 def body_too_large(size: str) -> APIError:
@@ -340,6 +343,13 @@ def _sampling(
     return sampling
 
 
+def _priority(body: dict) -> int:
+    priority = _typed(body, "priority", int, "an integer", 0)
+    if abs(priority) > MAX_PRIORITY:
+        raise invalid_request(f"priority must be within +-{MAX_PRIORITY}, got {priority}", "priority")
+    return priority
+
+
 def _common(body: dict, served_models: Collection[str]) -> tuple[str, bool, bool]:
     """model, stream, stream_options.include_usage: the same on both endpoints."""
     model = _model(body, served_models)
@@ -403,6 +413,7 @@ def parse_chat_request(
         tools,
         prompt_logprobs=prompt_logprobs,
         constraint_field=field,
+        priority=_priority(body),
     )
 
 
@@ -484,6 +495,7 @@ def parse_completion_request(
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         constraint_field=field,
+        priority=_priority(body),
     )
 
 

@@ -41,8 +41,10 @@ class Router:
             raise ValueError(f"routing policy: {policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
         self.index = index
         self.policy = policy
-        # executor address -> requests this gateway sent there that have had no answer yet (ExecutorClient's)
+        # executor address -> requests this gateway sent there that have had no answer yet (ExecutorClient's),
+        # and the same for one tenant
         self.unanswered: Callable[[str], int] = lambda address: 0
+        self.unanswered_of_tenant: Callable[[tuple[str, str | None]], int] = lambda key: 0
         # executor address -> why it refused this gateway's connection, or None (ExecutorClient's refused)
         self.refused: Callable[[str], str | None] = lambda address: None
 
@@ -52,10 +54,11 @@ class Router:
         cache_salt: str | None,
         exclude: set[str] = frozenset(),
         avoid: set[str] = frozenset(),
+        tenant: str | None = None,
     ) -> Choice:
-        """The executor for a prompt under the policy, among those with room in their queue; executors in
-        exclude (tried and lost) are skipped, and so are those in avoid (they just refused it as busy).
-        Raises Saturated when live executors exist but none has room."""
+        """The executor for a prompt under the policy, among those with room in their queue for the tenant's
+        request; executors in exclude (tried and lost) are skipped, and so are those in avoid (they just refused
+        it as busy). Raises Saturated when live executors exist but none has room."""
         block_size = DEFAULT_BLOCK_SIZE  # a guess, checked against what the executors report
         hashes = hash_blocks(ids, block_size, cache_salt)
         view = await self._view(hashes, exclude)
@@ -64,7 +67,7 @@ class Router:
             hashes = hash_blocks(ids, block_size, cache_salt)
             view = await self._view(hashes, exclude)
         view = [(info, load) for info, load in view if info.block_size == block_size]
-        view = [(info, load) for info, load in view if self._has_room(info, load, avoid)]
+        view = [(info, load) for info, load in view if self._has_room(info, load, avoid, tenant)]
         if not view:
             raise Saturated
         if self.policy == "round_robin":
@@ -89,15 +92,19 @@ class Router:
             reason,
         )
 
-    def _has_room(self, info: ExecutorInfo, load: Candidate, avoid: set[str]) -> bool:
-        """Not at its queue bound, by what it published or by what this gateway sent it since: a burst (or
-        the backlog emptying) must not send all at once to the executor that looked free."""
+    def _has_room(self, info: ExecutorInfo, load: Candidate, avoid: set[str], tenant: str | None) -> bool:
+        """Not at its queue bound for this tenant nor for all, by what it published or by what this gateway
+        sent it since: a burst (or the backlog emptying) must not send all at once to the executor that looked
+        free. The tenant's own places are counted by what this gateway sent (the executor publishes only the
+        total): another gateway's requests of the same tenant make it refuse as busy, and the request waits."""
         if load.queue_full or info.executor_id in avoid:
             return False
-        return (
-            not info.max_waiting_seqs
-            or max(load.waiting - load.compiling, self.unanswered(info.address)) < info.max_waiting_seqs
-        )
+        if not info.max_waiting_seqs:
+            return True
+        everyone = max(load.waiting - load.compiling, self.unanswered(info.address))
+        if everyone >= info.max_waiting_seqs * info.waiting_tenants_share:
+            return False
+        return self.unanswered_of_tenant((info.address, tenant)) < info.max_waiting_seqs
 
     async def _view(self, hashes: list[bytes], exclude: set[str]) -> list[tuple[ExecutorInfo, Candidate]]:
         try:

@@ -47,6 +47,16 @@ class Caller:
         return self.record.tenant if self.record else ANONYMOUS
 
     @property
+    def key_tenant(self) -> str | None:
+        """The tenant as the executors know it: None for an open gateway's callers."""
+        return self.record.tenant if self.record else None
+
+    @property
+    def weight(self) -> float:
+        """The tenant's share of the engine relative to others' (its key's --weight)."""
+        return self.record.weight if self.record else 1.0
+
+    @property
     def cache_salt(self) -> str | None:
         return self.record.cache_salt if self.record else None
 

@@ -20,6 +20,7 @@ import redis
 import redis.asyncio as aioredis
 
 from shared import redis_keys
+from shared.protocol import MAX_TENANT_WEIGHT
 
 KEY_PREFIX = "kvs_"
 _KEY_ID = re.compile(r"[0-9a-f]{16}")
@@ -39,6 +40,8 @@ class KeyRecord:
     models: tuple[str, ...] | None  # None = every model
     created_at: float
     revoked_at: float | None = None
+    # the tenant's share of each engine step and of the KV cache, relative to other tenants' (default 1)
+    weight: float = 1.0
 
 
 def new_key() -> tuple[str, str, str]:
@@ -65,6 +68,12 @@ def check_limit(name: str, value: int | None) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name}: {value!r} must be a positive integer (or unset for no limit)")
     return value
+
+
+def check_weight(value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_TENANT_WEIGHT:
+        raise ValueError(f"weight: {value!r} must be a number in (0, {MAX_TENANT_WEIGHT:g}]")
+    return float(value)
 
 
 def parse_models(text: str | None) -> tuple[str, ...] | None:
@@ -116,6 +125,7 @@ def parse_record(key_id: str, fields: dict[str, str]) -> KeyRecord:
         models=tuple(fields["models"].split(",")) if fields["models"] else None,
         created_at=float(fields["created_at"]),
         revoked_at=float(fields["revoked_at"]) if fields["revoked_at"] else None,
+        weight=float(fields.get("weight") or 1.0),  # keys made before weights have none
     )
 
 
@@ -130,6 +140,7 @@ def record_fields(record: KeyRecord, secret_sha256: str) -> dict[str, str]:
         "models": ",".join(record.models) if record.models else "",
         "created_at": repr(record.created_at),
         "revoked_at": "" if record.revoked_at is None else repr(record.revoked_at),
+        "weight": repr(record.weight),
     }
 
 
@@ -146,6 +157,7 @@ class KeyStore:
         tpm: int | None = None,
         max_concurrency: int | None = None,
         models: tuple[str, ...] | list[str] | None = None,
+        weight: float = 1.0,
     ) -> tuple[str, KeyRecord]:
         """(the full key, to show once, and its record)."""
         check_tenant(tenant)
@@ -154,12 +166,15 @@ class KeyStore:
             for name, value in zip(LIMITS, (rpm, tpm, max_concurrency), strict=True)
         }
         models = check_models(models)
+        weight = check_weight(weight)
         with self.client.pipeline() as pipe:  # MULTI: a tenant's first two keys race to the same salt
             pipe.hsetnx(redis_keys.tenant_key(tenant), "cache_salt", secrets.token_hex(32))
             pipe.hget(redis_keys.tenant_key(tenant), "cache_salt")
             _, salt = pipe.execute()
         key, key_id, secret = new_key()
-        record = KeyRecord(key_id, tenant, _text(salt), **limits, models=models, created_at=time.time())
+        record = KeyRecord(
+            key_id, tenant, _text(salt), **limits, models=models, created_at=time.time(), weight=weight
+        )
         with self.client.pipeline() as pipe:
             pipe.hset(redis_keys.api_key_key(key_id), mapping=record_fields(record, _secret_hash(secret)))
             pipe.sadd(redis_keys.API_KEYS, key_id)

@@ -27,6 +27,7 @@ from shared.api_keys import (
     check_limit,
     check_models,
     check_tenant,
+    check_weight,
     key_id_of,
     mark_keyed,
     parse_record,
@@ -39,6 +40,7 @@ _HEADER = {"type": "header", "format": FORMAT, "version": VERSION}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TENANT_FIELDS = {"type", "tenant", "cache_salt"}
 _KEY_FIELDS = {"type", "key_id", "tenant", "secret_sha256", *LIMITS, "models", "created_at", "revoked_at"}
+_OPTIONAL_KEY_FIELDS = {"weight"}  # absent from exports made before it existed
 
 
 @dataclass(slots=True)
@@ -76,6 +78,7 @@ def export_lines(client: redis.Redis) -> Iterator[str]:
                 "models": list(record.models) if record.models else None,
                 "created_at": record.created_at,
                 "revoked_at": record.revoked_at,
+                "weight": record.weight,
             }
         )
 
@@ -117,9 +120,9 @@ def parse_lines(lines: Iterable[str]) -> tuple[dict[str, str], list[tuple[KeyRec
     return salts, list(keys.values())
 
 
-def _fields(item: dict, allowed: set[str]) -> None:
-    unknown = sorted(set(item) - allowed)
-    missing = sorted(allowed - set(item))
+def _fields(item: dict, required: set[str], optional: set[str] = frozenset()) -> None:
+    unknown = sorted(set(item) - required - optional)
+    missing = sorted(required - set(item))
     if unknown or missing:
         raise ValueError(
             "; ".join(
@@ -150,7 +153,7 @@ def _time(name: str, value, optional: bool) -> float | None:
 
 
 def _key(item: dict, salts: dict[str, str]) -> tuple[KeyRecord, str]:
-    _fields(item, _KEY_FIELDS)
+    _fields(item, _KEY_FIELDS, _OPTIONAL_KEY_FIELDS)
     key_id = item["key_id"]
     if not isinstance(key_id, str) or key_id_of(key_id) != key_id:
         raise ValueError(f"key_id: {key_id!r} must be 16 hex characters")
@@ -168,6 +171,7 @@ def _key(item: dict, salts: dict[str, str]) -> tuple[KeyRecord, str]:
         models=check_models(item["models"]),
         created_at=_time("created_at", item["created_at"], optional=False),
         revoked_at=_time("revoked_at", item["revoked_at"], optional=True),
+        weight=check_weight(item.get("weight", 1.0)),
     )
     return record, secret_sha256
 

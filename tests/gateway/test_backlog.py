@@ -1,4 +1,5 @@
-"""The backlog's two waits: in turn while every executor is full, out of turn for a request refused as busy."""
+"""The backlog's two waits: in its tenant's line while no executor has room for it, out of turn for a request
+refused as busy; and the router's room, counted per tenant."""
 
 import asyncio
 import time
@@ -8,7 +9,8 @@ import pytest
 from gateway.api_error import APIError
 from gateway.backlog import FIRST_BACKOFF_S, Backlog
 from gateway.index_reader import ExecutorInfo
-from gateway.router import Choice, Saturated
+from gateway.router import Choice, Router, Saturated
+from gateway.routing_cost import Candidate
 
 EXECUTOR = ExecutorInfo("e1", "tcp://127.0.0.1:1", "tiny", 16, 1024)
 
@@ -19,7 +21,7 @@ class OneExecutor:
     def __init__(self) -> None:
         self.asked: list[tuple[str, frozenset]] = []  # (who, avoid) per call
 
-    async def choose(self, ids, cache_salt, exclude=frozenset(), avoid=frozenset()):
+    async def choose(self, ids, cache_salt, exclude=frozenset(), avoid=frozenset(), tenant=None):
         self.asked.append((cache_salt, frozenset(avoid)))
         if EXECUTOR.executor_id in avoid:
             raise Saturated()
@@ -62,3 +64,72 @@ def test_the_pause_doubles_with_each_refusal_and_respects_the_deadline():
     with pytest.raises(APIError) as refused:
         asyncio.run(late())
     assert refused.value.status == 503
+
+
+class PlacesPerTenant:
+    """A router over one executor with places for some tenants only (room[tenant] requests more)."""
+
+    def __init__(self, room: dict[str, int]) -> None:
+        self.room = room
+        self.chosen: list[tuple[str, int]] = []  # (tenant, ids[0]) in the order they got a place
+
+    async def choose(self, ids, cache_salt, exclude=frozenset(), avoid=frozenset(), tenant=None):
+        if self.room.get(tenant, 0) <= 0:
+            raise Saturated()
+        self.room[tenant] -= 1
+        self.chosen.append((tenant, ids[0]))
+        return Choice(EXECUTOR, [], 0, 0, 0.0, "least_loaded")
+
+
+def test_a_tenants_burst_waits_in_its_own_line_and_another_tenant_goes_first():
+    async def scenario():
+        router = PlacesPerTenant({"alpha": 0, "beta": 1})
+        backlog = Backlog(router, timeout_s=30)
+        burst = [
+            asyncio.create_task(backlog.choose([i], None, time.monotonic(), tenant="alpha")) for i in range(5)
+        ]
+        await asyncio.sleep(0.05)
+        assert backlog.waiting == 5 and router.chosen == []
+        # beta has a place: it gets it at once, not behind alpha's five
+        await asyncio.wait_for(backlog.choose([100], None, time.monotonic(), tenant="beta"), 0.1)
+        assert router.chosen == [("beta", 100)] and backlog.waiting == 5
+        router.room["alpha"] = 5  # places free for alpha: its line goes in arrival order
+        backlog.freed()
+        await asyncio.wait_for(asyncio.gather(*burst), 5)
+        assert router.chosen[1:] == [("alpha", i) for i in range(5)] and backlog.waiting == 0
+
+    asyncio.run(scenario())
+
+
+class View:
+    def __init__(self, view) -> None:
+        self.view = view
+
+    async def routing_view(self, hashes):
+        return self.view
+
+
+def _router(load: Candidate, share: int, sent: dict) -> Router:
+    info = ExecutorInfo(
+        "e1", "tcp://127.0.0.1:1", "tiny", 16, 1024, max_waiting_seqs=4, waiting_tenants_share=share
+    )
+    router = Router(View([(info, load)]), "cache_aware")
+    router.unanswered = lambda address: sum(n for (_, tenant), n in sent.items())
+    router.unanswered_of_tenant = lambda key: sent.get(key, 0)
+    return router
+
+
+def test_an_executors_places_are_counted_per_tenant_and_for_all():
+    def room(waiting: int, share: int, sent: dict, tenant: str) -> bool:
+        load = Candidate("e1", "tcp://127.0.0.1:1", 0, waiting=waiting)
+        try:
+            asyncio.run(_router(load, share, sent).choose([1, 2, 3], None, tenant=tenant))
+        except Saturated:
+            return False
+        return True
+
+    alpha_full = {("tcp://127.0.0.1:1", "alpha"): 4}
+    assert not room(4, 4, alpha_full, "alpha")  # alpha's own four places are taken
+    assert room(4, 4, alpha_full, "beta")  # beta's are not
+    assert not room(16, 4, alpha_full, "beta")  # all tenants' sixteen are
+    assert not room(4, 1, alpha_full, "beta")  # an executor without places per tenant: one bound for all

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from kvserve.cli import main
 from shared import redis_keys
 from shared.api_keys import authenticate
+from shared.key_backup import _key
 
 
 @pytest.fixture
@@ -60,15 +61,17 @@ def test_create_list_revoke(db_url, capsys, monkeypatch):
     assert key_id in err and key not in err
 
     monkeypatch.setenv("KVSERVE_REDIS_URL", db_url)  # the default for --redis-url
-    status, out, _ = _kvserve(capsys, "keys", "create", "--tenant", "globex", "--max-concurrency", "4")
+    status, out, _ = _kvserve(
+        capsys, "keys", "create", "--tenant", "globex", "--max-concurrency", "4", "--weight", "2.5"
+    )
     other_key = out[0]
     other_id = other_key.split("_")[1]
 
     status, out, _ = _kvserve(capsys, "keys", "list")
     assert status == 0 and len(out) == 3
-    assert out[0].split()[:6] == ["KEY", "ID", "TENANT", "RPM", "TPM", "MAX"]
-    assert out[1].split()[:6] == [other_id, "globex", "-", "-", "4", "all"]  # newest first
-    assert out[2].split()[:6] == [key_id, "acme", "60", "-", "-", "m1,m2"]
+    assert out[0].split()[:8] == ["KEY", "ID", "TENANT", "RPM", "TPM", "MAX", "CONCURRENCY", "WEIGHT"]
+    assert out[1].split()[:7] == [other_id, "globex", "-", "-", "4", "2.5", "all"]  # newest first
+    assert out[2].split()[:7] == [key_id, "acme", "60", "-", "-", "1", "m1,m2"]
     assert out[1].split()[-1] == out[2].split()[-1] == "active"
     assert not any(key in line for line in out)
 
@@ -91,6 +94,11 @@ def test_bad_input_and_missing_redis_url(db_url, capsys):
         capsys, "keys", "create", "--tenant", "t", "--tpm", "0", "--redis-url", db_url
     )
     assert status == 2 and out == [] and "tpm" in err
+    for weight in ("0", "-1", "1001", "nan"):
+        status, out, err = _kvserve(
+            capsys, "keys", "create", "--tenant", "t", "--weight", weight, "--redis-url", db_url
+        )
+        assert status == 2 and out == [] and "weight" in err
     for argv in (["create", "--tenant", "t"], ["list"], ["revoke", "0123456789abcdef"], ["usage"]):
         status, out, err = _kvserve(capsys, "keys", *argv)
         assert status == 2 and out == [] and "--redis-url" in err and "KVSERVE_REDIS_URL" in err
@@ -155,7 +163,7 @@ def test_export_then_import_into_an_empty_redis_restores_every_tenant_and_key(
 ):
     limited = _create(capsys, db_url, "--tenant", "acme", "--rpm", "60", "--tpm", "9000", "--models", "m1,m2")
     plain = _create(capsys, db_url, "--tenant", "acme")
-    other = _create(capsys, db_url, "--tenant", "globex", "--max-concurrency", "2")
+    other = _create(capsys, db_url, "--tenant", "globex", "--max-concurrency", "2", "--weight", "3")
     revoked = _create(capsys, db_url, "--tenant", "globex")
     assert _kvserve(capsys, "keys", "revoke", revoked, "--redis-url", db_url)[0] == 0
     redis.Redis.from_url(db_url).hset(redis_keys.tenant_usage_key("acme"), "requests", 5)  # not a tenant
@@ -170,6 +178,14 @@ def test_export_then_import_into_an_empty_redis_restores_every_tenant_and_key(
     lines = [json.loads(line) for line in text.splitlines()]
     assert lines[0] == {"type": "header", "format": "kvserve-keys", "version": 1}
     assert sorted(line["tenant"] for line in lines if line["type"] == "tenant") == ["acme", "globex"]
+    weights = {line["key_id"]: line["weight"] for line in lines if line["type"] == "key"}
+    assert weights[other.split("_")[1]] == 3.0 and weights[plain.split("_")[1]] == 1.0
+    # an export made before weights existed still imports, each key at weight 1
+    old_line = {k: v for k, v in lines[-1].items() if k != "weight"}
+    assert (
+        _key(old_line, {t["tenant"]: t["cache_salt"] for t in lines if t["type"] == "tenant"})[0].weight
+        == 1.0
+    )
 
     assert not redis.Redis.from_url(empty_url).exists(redis_keys.KEYED_DEPLOYMENT)
     status, out, _ = _kvserve(capsys, "keys", "import", str(backup), "--redis-url", empty_url)

@@ -242,6 +242,8 @@ def test_body_too_large_is_413():
             "must be one of system, user",
         ),
         ({"messages": [{"content": "x"}]}, "messages[0].role", "must be one of"),
+        ({"priority": "high"}, "priority", "must be an integer"),
+        ({"priority": 2**40}, "priority", "within"),
         ({"messages": [{"role": "user"}]}, "messages[0].content", "content is required"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "string or a list of text"),
         (
@@ -461,3 +463,9 @@ def test_echo_and_prompt_logprobs_decide_what_the_executor_scores():
     assert (request.echo, request.prompt_logprobs, request.sampling.prompt_logprobs) == (False, 2, 2)
     chat_request = parse_chat_request(chat(prompt_logprobs=0, max_tokens=0), MODELS)
     assert (chat_request.sampling.max_tokens, chat_request.prompt_logprobs) == (0, 0)
+
+
+def test_priority_is_read_on_both_endpoints_and_defaults_to_zero():
+    assert parse_chat_request(chat(priority=-5), MODELS).priority == -5
+    assert parse_completion_request(completion(priority=7), MODELS).priority == 7
+    assert parse_chat_request(chat(), MODELS).priority == 0
