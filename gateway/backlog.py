@@ -8,7 +8,8 @@ reader, its oldest request, which asks Redis (with backoff, and at once when a r
 a long backlog costs one reader per tenant waiting, and a tenant's burst waits behind itself: another tenant's
 request, with places free for it, never queues behind it. Work then goes to whichever executor frees first,
 never to one queue chosen at arrival. Past the deadline (--queue-timeout after arrival) the request gets 503 with
-Retry-After.
+Retry-After. Executors that keep one bound for all tenants (--no-fair-share) get one line for all, as they have
+one queue.
 
 An executor may also refuse one request as busy while publishing room: its tenant has all its places waiting for
 grammars to compile. Such a request tries another executor at once; with none, it waits out of turn (its own
@@ -31,6 +32,7 @@ FIRST_BACKOFF_S = 0.01  # the oldest waiter asks Redis again after this, doublin
 MAX_BACKOFF_S = 0.2  # an executor publishes its load every step: about this stale at worst on a CPU
 MAX_BUSY_BACKOFF_S = 1.0  # a request refused as busy again and again asks at most this often
 RETRY_AFTER_S = 2
+ONE_LINE = object()  # the line every tenant shares when the executors have one bound for all
 
 
 class Backlog:
@@ -38,7 +40,7 @@ class Backlog:
         self.router = router
         self.timeout_s = timeout_s
         # per tenant, a heap by arrival: each tenant's first one asks for the tenant's line
-        self._lines: dict[str | None, list[tuple[float, int, asyncio.Future]]] = {}
+        self._lines: dict[str | None | object, list[tuple[float, int, asyncio.Future]]] = {}
         self._order = itertools.count()  # breaks ties between equal arrivals
         self._freed = asyncio.Event()  # set when a request ends here: some executor may have room now
 
@@ -75,16 +77,17 @@ class Backlog:
             if left <= pause:
                 raise _saturated(self.timeout_s)
             await asyncio.sleep(pause)
-        if not self._lines.get(tenant):  # with others of its tenant waiting, a newcomer queues behind them
+        if not self._lines.get(self._line(tenant)):  # with others in its line, a newcomer queues behind them
             try:
                 return await self.router.choose(ids, cache_salt, exclude, tenant=tenant)
             except Saturated:
                 pass
+        tenant_line = self._line(tenant)
         deadline = arrival + self.timeout_s
         held_since = time.monotonic()
         turn = asyncio.get_running_loop().create_future()
         entry = (arrival, next(self._order), turn)
-        line = self._lines.setdefault(tenant, [])
+        line = self._lines.setdefault(tenant_line, [])
         heapq.heappush(line, entry)
         if line[0] is entry:
             turn.set_result(None)
@@ -95,7 +98,7 @@ class Backlog:
         except TimeoutError:
             raise _saturated(self.timeout_s) from None
         finally:
-            self._leave(tenant, entry)
+            self._leave(tenant_line, entry)
 
     async def _poll(
         self,
@@ -122,15 +125,17 @@ class Backlog:
             except TimeoutError:
                 backoff = min(2 * backoff, MAX_BACKOFF_S)
 
-    def _leave(self, tenant: str | None, entry: tuple[float, int, asyncio.Future]) -> None:
-        """Out of the tenant's line, however the wait ended; the line's next oldest, if any, takes its turn at
-        once."""
-        line = self._lines.get(tenant, [])
+    def _line(self, tenant: str | None) -> str | None | object:
+        return tenant if self.router.places_per_tenant else ONE_LINE
+
+    def _leave(self, line_key: str | None | object, entry: tuple[float, int, asyncio.Future]) -> None:
+        """Out of its line, however the wait ended; the line's next oldest, if any, takes its turn at once."""
+        line = self._lines.get(line_key, [])
         if entry in line:
             line.remove(entry)
             heapq.heapify(line)
         if not line:
-            self._lines.pop(tenant, None)
+            self._lines.pop(line_key, None)
         elif not line[0][2].done():
             line[0][2].set_result(None)
 

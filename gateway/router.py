@@ -47,6 +47,9 @@ class Router:
         self.unanswered_of_tenant: Callable[[tuple[str, str | None]], int] = lambda key: 0
         # executor address -> why it refused this gateway's connection, or None (ExecutorClient's refused)
         self.refused: Callable[[str], str | None] = lambda address: None
+        # whether the executors last seen keep waiting places per tenant (fair share on): the backlog then keeps
+        # a line per tenant too, else one line for all, first come first served
+        self.places_per_tenant = True
 
     async def choose(
         self,
@@ -67,6 +70,7 @@ class Router:
             hashes = hash_blocks(ids, block_size, cache_salt)
             view = await self._view(hashes, exclude)
         view = [(info, load) for info, load in view if info.block_size == block_size]
+        self.places_per_tenant = any(info.waiting_tenants_share > 1 for info, _ in view)
         view = [(info, load) for info, load in view if self._has_room(info, load, avoid, tenant)]
         if not view:
             raise Saturated

@@ -18,6 +18,8 @@ EXECUTOR = ExecutorInfo("e1", "tcp://127.0.0.1:1", "tiny", 16, 1024)
 class OneExecutor:
     """A router over one executor that always publishes room: only avoid (a busy refusal) can skip it."""
 
+    places_per_tenant = True
+
     def __init__(self) -> None:
         self.asked: list[tuple[str, frozenset]] = []  # (who, avoid) per call
 
@@ -69,7 +71,8 @@ def test_the_pause_doubles_with_each_refusal_and_respects_the_deadline():
 class PlacesPerTenant:
     """A router over one executor with places for some tenants only (room[tenant] requests more)."""
 
-    def __init__(self, room: dict[str, int]) -> None:
+    def __init__(self, room: dict[str, int], places_per_tenant: bool = True) -> None:
+        self.places_per_tenant = places_per_tenant
         self.room = room
         self.chosen: list[tuple[str, int]] = []  # (tenant, ids[0]) in the order they got a place
 
@@ -97,6 +100,26 @@ def test_a_tenants_burst_waits_in_its_own_line_and_another_tenant_goes_first():
         backlog.freed()
         await asyncio.wait_for(asyncio.gather(*burst), 5)
         assert router.chosen[1:] == [("alpha", i) for i in range(5)] and backlog.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_executors_with_one_bound_for_all_get_one_line_first_come_first_served():
+    async def scenario():
+        router = PlacesPerTenant({"alpha": 0, "beta": 0}, places_per_tenant=False)
+        backlog = Backlog(router, timeout_s=30)
+        alpha = asyncio.create_task(backlog.choose([1], None, time.monotonic(), tenant="alpha"))
+        await asyncio.sleep(0.02)
+        beta = asyncio.create_task(backlog.choose([2], None, time.monotonic(), tenant="beta"))
+        await asyncio.sleep(0.02)
+        router.room["beta"] = 1  # room for beta alone: it still waits behind alpha, first in the one line
+        backlog.freed()
+        await asyncio.sleep(0.1)
+        assert router.chosen == [] and not beta.done()
+        router.room["alpha"] = 1
+        backlog.freed()
+        await asyncio.wait_for(asyncio.gather(alpha, beta), 5)
+        assert router.chosen == [("alpha", 1), ("beta", 2)]
 
     asyncio.run(scenario())
 
