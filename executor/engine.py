@@ -20,6 +20,7 @@ from executor.engine_setup import (
     log_kv_capacity,
     num_kv_blocks,
 )
+from executor.kv_block_seconds import KVBlockSeconds
 from executor.kv_sizing import pick_device_and_dtype
 from executor.model_runner import StepLogits
 from executor.request import Request
@@ -81,6 +82,7 @@ class Engine:
         num_blocks, block_bytes = num_kv_blocks(config, models, self.device, self.dtype, self.attention)
         self.scheduler = build_scheduler(config, num_blocks, self.max_model_len, self.device)
         self.kv, self.pool = self.scheduler.kv, self.scheduler.kv.pool
+        self.kv_block_seconds = KVBlockSeconds(self.kv)  # each request's, for its tenant's bill
         self.runner = build_runner(
             config, models.target, num_blocks, self.max_model_len, self.device, self.dtype, self.attention
         )
@@ -266,6 +268,7 @@ class Engine:
 
     def _forget(self, request: Request) -> bool:
         """Drop a finishing choice; whether it was its group's last."""
+        self.kv_block_seconds.settle(request)
         self.requests.pop(request.request_id, None)
         self.backoff.forget(request.request_id)
         group = self.groups.get(request.group_id, [])
@@ -351,6 +354,7 @@ class Engine:
         """Schedule, run the model (sample, verify proposals), let the scheduler book it, propose for the next."""
         refused = self._admit_compiled() if self.compiling else []
         sched = self.scheduler.schedule()
+        self.kv_block_seconds.charge(self.scheduler.running)
         now = time.time_ns()
         self.first_scheduled = [r for r, _ in sched.scheduled if not r.first_scheduled_ns]
         for request in self.first_scheduled:

@@ -39,6 +39,9 @@ class KVCacheManager:
             return self.block_table[0, :0]
         return self.block_table[row, : len(self.tables[request.request_id])]
 
+    def num_blocks(self, request: Request) -> int:
+        return len(self.tables.get(request.request_id, ()))
+
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached blocks at the head of the request, never covering its last token."""
         if not self.pool.enable_caching:

@@ -50,6 +50,8 @@ class Request:
     # prompt tokens whose KV came from the prefix cache when first scheduled; -1 until then
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # KV blocks it held x seconds (executor/kv_block_seconds.py): its tenant's bill for KV memory
+    kv_block_seconds: float = 0.0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     # speculative decoding: proposals awaiting verification, never part of token_ids (so never hashed into the

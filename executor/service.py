@@ -242,19 +242,25 @@ class ExecutorService:
                 out.num_cached_tokens,
                 prompt_logprobs=prompt_logprobs,
                 index=out.index,
+                kv_block_seconds=_kv_block_seconds(owned) if out.group_finished else None,
             )
         )
         if out.group_finished:
             self._release(out.request_id, out.finish_reason)
 
     def _finished(self, request_id: str, indexes: list[int]) -> None:
-        """Aborted choices end with an update each; the request is released once none of it runs."""
+        """Aborted choices end with an update each; the request is released once none of it runs, and the
+        first of its last updates says what its KV held."""
         owned = self.owners[request_id]
-        for index in indexes or [0]:  # none left to stop: the gateway still hears that it ended
+        ended = request_id not in self.engine.groups
+        for i, index in enumerate(indexes or [0]):  # none left to stop: the gateway still hears that it ended
+            kv_block_seconds = _kv_block_seconds(owned) if ended and i == 0 else None
             self.outbox[owned.identity].append(
-                protocol.RequestUpdate(request_id, [], None, "abort", 0, index=index)
+                protocol.RequestUpdate(
+                    request_id, [], None, "abort", 0, index=index, kv_block_seconds=kv_block_seconds
+                )
             )
-        if request_id not in self.engine.groups:
+        if ended:
             self._release(request_id, "abort")
 
     def _release(self, request_id: str, reason: str) -> Owned:
@@ -262,7 +268,8 @@ class ExecutorService:
         owned = self.owners.pop(request_id)
         r = owned.choices[0]
         log.info(
-            "request %s ended (%s): %d prompt tokens (%d cached), %d choices, %d output tokens, %d preemptions",
+            "request %s ended (%s): %d prompt tokens (%d cached), %d choices, %d output tokens, %d preemptions, "
+            "%.3f KV block-seconds",
             request_id,
             reason,
             r.num_prompt_tokens,
@@ -270,6 +277,7 @@ class ExecutorService:
             len(owned.choices),
             sum(c.num_output_tokens for c in owned.choices),
             sum(c.num_preemptions for c in owned.choices),
+            _kv_block_seconds(owned),
             extra=_ids(request_id, owned.trace_id),
         )
         if owned.parent is not None:
@@ -357,6 +365,11 @@ class ExecutorService:
 def _ids(request_id: str | None, trace_id: str | None) -> dict[str, str | None]:
     """`extra` for a log line about one request (shared.logs puts the ids in their own fields)."""
     return {"request_id": request_id, "trace_id": trace_id}
+
+
+def _kv_block_seconds(owned: Owned) -> float:
+    """What a request's KV held, all its choices together (a group's shared prompt blocks counted once)."""
+    return sum(choice.kv_block_seconds for choice in owned.choices)
 
 
 def _wire_logprobs(lp: TokenLogprobs | None) -> list | None:

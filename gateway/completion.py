@@ -87,6 +87,7 @@ class Routed:
     error: str | None = None
     constraint_field: str | None = None  # OpenAIRequest.constraint_field
     busy_refusals: int = 0  # times executors refused it as busy: its backoff before asking again
+    kv_block_seconds: float = 0.0  # what its KV held, as its executor's last update said
 
 
 def _unread_body_bytes(request: Request) -> int:
@@ -282,10 +283,13 @@ class Completions:
     def _uncount(self, routed: Routed) -> None:
         if routed.counted_on is not None:
             # off the token's path
-            task = asyncio.create_task(self._add_inflight(routed.counted_on, -routed.prefill_estimate))
-            self.background.add(task)
-            task.add_done_callback(self.background.discard)
+            self._in_background(self._add_inflight(routed.counted_on, -routed.prefill_estimate))
             routed.counted_on = None
+
+    def _in_background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def _add_inflight(self, executor_id: str, delta: int) -> None:
         try:
@@ -308,7 +312,7 @@ class Completions:
         usage = (generation.num_prompt_tokens, completion_tokens, generation.cached_tokens)
         tenant = routed.caller.tenant
         self.metrics.requests.labels(tenant, generation.endpoint, str(routed.status)).inc()
-        self.metrics.prompt_tokens.labels(tenant).inc(usage[0])
+        self.metrics.count_usage(tenant, usage[0], usage[2], routed.kv_block_seconds)
         self.metrics.e2e.observe(time.monotonic() - routed.arrival)
         routed.span.finish(
             routed.status,
@@ -320,10 +324,27 @@ class Completions:
         )
         try:
             await self.tenancy.release(
-                routed.caller, routed.request.request_id, routed.reserved_tokens, *usage
+                routed.caller,
+                routed.request.request_id,
+                routed.reserved_tokens,
+                *usage,
+                kv_block_seconds=routed.kv_block_seconds,
             )
         except Exception as error:  # the slot's lease and the bucket's refill heal what this misses
             log.error("settling tenant %s's limits failed: %s", tenant, error)
+        owed = self.client.owed_kv_block_seconds(routed.request.request_id)
+        if owed is not None:  # aborted before its last update: its executor says what its KV held later
+            self._in_background(self._bill_owed(routed.caller, owed))
+
+    async def _bill_owed(self, caller: Caller, owed: Awaitable[float | None]) -> None:
+        kv_block_seconds = await owed
+        if not kv_block_seconds:
+            return
+        self.metrics.kv_block_seconds.labels(caller.tenant).inc(kv_block_seconds)
+        try:
+            await self.tenancy.count_kv_block_seconds(caller, kv_block_seconds)
+        except Exception as error:  # as in _end: billing must not fail a request, and this one has ended
+            log.error("counting tenant %s's KV block-seconds failed: %s", caller.tenant, error)
 
     async def _read(
         self, request: Request, endpoint: str, span: RequestSpan
@@ -426,6 +447,7 @@ class Completions:
                     if protocol.is_acceptance(update):
                         continue  # taken, waiting for its grammar: nothing for the client yet
                     answered = True
+                    routed.kv_block_seconds += update.kv_block_seconds or 0.0
                     self._observe_tokens(routed, update)
                     yield update
                 return

@@ -30,6 +30,9 @@ LIVENESS_CHECK_S = 1.0  # how long to wait for an update before asking Redis whe
 # expiry is five): a Redis that restarted empty holds no registration until the executor's next heartbeat
 # (HEARTBEAT_INTERVAL_S), and the requests it is running meanwhile must not be given up
 LIVENESS_MISSES = 3
+# how long the executor of a request this gateway aborted has to say what the request's KV held: it answers an
+# abort at its next step; one that does not answer in this time (it died) is not waited for any longer
+OWED_USAGE_WAIT_S = 30.0
 
 
 class ExecutorRequestError(Exception):
@@ -81,6 +84,9 @@ class ExecutorClient:
         self.unanswered_of_tenant: Counter[tuple[str, str | None]] = Counter()
         self.tenant_of: dict[str, str | None] = {}  # request id -> its tenant, while awaiting
         self.started: set[str] = set()  # request ids whose stream has had an update
+        # requests this gateway aborted -> (their executor, what it will say their KV held): its last update for
+        # one comes after nobody reads the stream, and still says what the tenant used
+        self.owed: dict[str, tuple[str, asyncio.Future[float | None]]] = {}
 
     def _socket(self, address: str) -> zmq.asyncio.Socket:
         socket = self.sockets.get(address)
@@ -154,6 +160,8 @@ class ExecutorClient:
                         if not protocol.is_acceptance(update):
                             self.started.add(update.request_id)
                         self._answered(update.request_id)
+                    elif update.kv_block_seconds is not None:
+                        self._told(address, update.request_id, update.kv_block_seconds)
             elif isinstance(msg, protocol.RequestError):
                 queue = self._stream(address, msg.request_id)
                 if queue is not None:
@@ -235,9 +243,41 @@ class ExecutorClient:
             await self.release(address, request_id)
 
     async def release(self, address: str, request_id: str) -> None:
-        """Done with a request in whatever state: forget it, and abort it on the executor if it still runs."""
+        """Done with a request in whatever state: forget it, and abort it on the executor if it still runs
+        (what its KV held is then owed: `owed_kv_block_seconds`)."""
+        queue = self.streams.get(request_id)
         if self._forget(request_id):
+            future = self._owe(address, request_id)
+            told = _unread_kv_block_seconds(queue)  # its last update may be here already, never read
+            if told is not None:
+                future.set_result(told)
             await self.abort(address, request_id)
+
+    def owed_kv_block_seconds(self, request_id: str) -> asyncio.Future[float | None] | None:
+        """For a request this gateway aborted: the KV block-seconds its executor says it held, once it has ended
+        it (None if it does not say within OWED_USAGE_WAIT_S). None: nothing is owed, its last update was read."""
+        owed = self.owed.get(request_id)
+        return None if owed is None else owed[1]
+
+    def _owe(self, address: str, request_id: str) -> asyncio.Future[float | None]:
+        """Kept until OWED_USAGE_WAIT_S has passed, answered or not, so whoever asks later finds the answer."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.owed[request_id] = (address, future)
+        loop.call_later(OWED_USAGE_WAIT_S, self._expire, request_id, future)
+        return future
+
+    def _told(self, address: str, request_id: str, kv_block_seconds: float) -> None:
+        """The last update of a request this gateway no longer reads, from the executor it aborted it on."""
+        owed = self.owed.get(request_id)
+        if owed is not None and owed[0] == address and not owed[1].done():
+            owed[1].set_result(kv_block_seconds)
+
+    def _expire(self, request_id: str, future: asyncio.Future[float | None]) -> None:
+        if self.owed.get(request_id, (None, None))[1] is future:
+            del self.owed[request_id]
+        if not future.done():
+            future.set_result(None)
 
     def _forget(self, request_id: str) -> bool:
         """Whether the request was still open."""
@@ -278,3 +318,12 @@ class ExecutorClient:
         for socket in self.sockets.values():
             socket.close(linger=0)
         self.context.term()
+
+
+def _unread_kv_block_seconds(queue: asyncio.Queue) -> float | None:
+    """What a request's last update says its KV held, if that update waits unread in the queue."""
+    while not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, tuple) and item[1].kv_block_seconds is not None:
+            return item[1].kv_block_seconds
+    return None

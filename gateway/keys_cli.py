@@ -11,11 +11,9 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from shared.api_keys import KeyRecord, KeyStore, key_id_of, parse_models
+from shared.api_keys import FLOAT_USAGE_COUNTERS, USAGE_COUNTERS, KeyRecord, KeyStore, key_id_of, parse_models
 from shared.key_backup import export_lines, import_lines
 from shared.redis_url import describe_error
-
-USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "rejected")
 
 
 def add_keys_args(keys: argparse.ArgumentParser) -> None:
@@ -43,7 +41,10 @@ def add_keys_args(keys: argparse.ArgumentParser) -> None:
     revoke.add_argument("key", metavar="KEY_ID_OR_KEY")
     revoke.set_defaults(run=revoke_key)
 
-    usage = actions.add_parser("usage", help="each tenant's counters: requests, tokens, rejections")
+    usage = actions.add_parser(
+        "usage",
+        help="each tenant's counters: requests, tokens (cached, computed), KV block-seconds, rejections",
+    )
     usage.add_argument("--tenant", default=None)
     usage.set_defaults(run=show_usage)
 
@@ -163,11 +164,15 @@ def show_usage(store: KeyStore, args: argparse.Namespace) -> int:
     others = sorted({name for counters in usage.values() for name in counters} - set(USAGE_COUNTERS))
     header = ["TENANT", *(name.upper() for name in (*USAGE_COUNTERS, *others))]
     rows = [
-        [tenant, *(str(counters.get(name, 0)) for name in (*USAGE_COUNTERS, *others))]
+        [tenant, *(_counter(name, counters.get(name, 0)) for name in (*USAGE_COUNTERS, *others))]
         for tenant, counters in usage.items()
     ]
     _table(header, rows)
     return 0
+
+
+def _counter(name: str, value: float) -> str:
+    return f"{value:.3f}" if name in FLOAT_USAGE_COUNTERS else str(value)
 
 
 def export_keys(store: KeyStore, args: argparse.Namespace) -> int:

@@ -79,7 +79,7 @@ return {}
 )
 
 # KEYS: tpm bucket, concurrency set, the tenant's usage hash. ARGV: tpm (0: unlimited), tokens to refund
-# (negative: charge), request id, then usage counter names and amounts.
+# (negative: charge), request id, KV block-seconds, then integer usage counter names and amounts.
 _RELEASE = (
     _CLOCK
     + _BUCKETS
@@ -87,7 +87,8 @@ _RELEASE = (
 local tpm, refund = tonumber(ARGV[1]), tonumber(ARGV[2])
 if tpm > 0 and refund ~= 0 then store(KEYS[1], tpm, math.min(tpm, level(KEYS[1], tpm) + refund)) end
 redis.call('ZREM', KEYS[2], ARGV[3])
-for i = 4, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]) end
+redis.call('HINCRBYFLOAT', KEYS[3], 'kv_block_seconds', ARGV[4])
+for i = 5, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]) end
 return 0
 """
 )
@@ -159,6 +160,7 @@ class Limiter:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         cached_tokens: int = 0,
+        kv_block_seconds: float = 0.0,
     ) -> None:
         """Free the request's slot, refund the tokens it reserved but did not use (or charge the excess) and
         count it in its tenant's usage: one script, one round trip (a script in a pipeline would cost redis-py
@@ -167,10 +169,11 @@ class Limiter:
         usage = {
             "requests": 1,
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
             "cached_tokens": cached_tokens,
+            "computed_prompt_tokens": max(0, prompt_tokens - cached_tokens),
+            "completion_tokens": completion_tokens,
         }
-        args = [record.tpm or 0, reserved_tokens - used_tokens, request_id]
+        args = [record.tpm or 0, reserved_tokens - used_tokens, request_id, kv_block_seconds]
         args += [part for pair in usage.items() for part in pair]
         await self._release(keys=[*keys, redis_keys.tenant_usage_key(record.tenant)], args=args)
 
@@ -183,6 +186,11 @@ class Limiter:
             return
         keys = [redis_keys.limit_key(record.key_id, "concurrency") for record, _ in limited]
         await self._refresh(keys=keys, args=[self.LEASE_S, *(request_id for _, request_id in limited)])
+
+    async def count_kv_block_seconds(self, record: KeyRecord, kv_block_seconds: float) -> None:
+        await self.client.hincrbyfloat(
+            redis_keys.tenant_usage_key(record.tenant), "kv_block_seconds", kv_block_seconds
+        )
 
     async def count_rejected(self, record: KeyRecord) -> None:
         """Count a refused (429) request in its tenant's usage."""

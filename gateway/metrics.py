@@ -110,6 +110,25 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(
             "kvserve_prompt_tokens", "Prompt tokens of requests served.", ["tenant"], registry=self.registry
         )
+        self.prompt_tokens_cached = Counter(
+            "kvserve_prompt_tokens_cached",
+            "Prompt tokens whose KV came from an executor's prefix cache (not computed).",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.prompt_tokens_computed = Counter(
+            "kvserve_prompt_tokens_computed",
+            "Prompt tokens an executor computed (prefilled): prompt tokens less cached ones.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.kv_block_seconds = Counter(
+            "kvserve_kv_block_seconds",
+            "KV cache blocks requests held on the executors, times the seconds they held them (x --block-size: "
+            "token-seconds of KV).",
+            ["tenant"],
+            registry=self.registry,
+        )
         self.generation_tokens = Counter(
             "kvserve_generation_tokens", "Tokens generated.", ["tenant"], registry=self.registry
         )
@@ -168,6 +187,15 @@ class GatewayMetrics:
         self.queue_time.observe(held_s)
         if executor_ttft_s is not None:
             self.added_latency.observe(max(0.0, gateway_ttft_s - executor_ttft_s - held_s))
+
+    def count_usage(
+        self, tenant: str, prompt_tokens: int, cached_tokens: int, kv_block_seconds: float
+    ) -> None:
+        """What an ended request used, as its tenant's usage hash counts it (gateway.limits)."""
+        self.prompt_tokens.labels(tenant).inc(prompt_tokens)
+        self.prompt_tokens_cached.labels(tenant).inc(cached_tokens)
+        self.prompt_tokens_computed.labels(tenant).inc(max(0, prompt_tokens - cached_tokens))
+        self.kv_block_seconds.labels(tenant).inc(kv_block_seconds)
 
     def tokens_arrived(self, tenant: str, count: int, gap_s: float | None) -> None:
         """count new tokens in one update, gap_s after the previous update (None for the first)."""

@@ -205,6 +205,7 @@ class Tenancy:
         prompt_tokens: int,
         completion_tokens: int,
         cached_tokens: int,
+        kv_block_seconds: float = 0.0,
     ) -> None:
         """Give back the slot and the unused reservation, and count the tenant's usage."""
         if caller.record is None:
@@ -218,7 +219,13 @@ class Tenancy:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             cached_tokens=cached_tokens,
+            kv_block_seconds=kv_block_seconds,
         )
+
+    async def count_kv_block_seconds(self, caller: Caller, kv_block_seconds: float) -> None:
+        """Add to the tenant's usage what an aborted request's KV held, told after the request ended."""
+        if caller.record is not None:
+            await self.limiter.count_kv_block_seconds(caller.record, kv_block_seconds)
 
     async def _refresh_leases(self) -> None:
         """Keep running requests' concurrency slots alive; a dead gateway's slots lapse on their own."""

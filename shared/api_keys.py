@@ -27,6 +27,18 @@ _KEY_ID = re.compile(r"[0-9a-f]{16}")
 _KEY = re.compile(r"kvs_([0-9a-f]{16})_([A-Za-z0-9_-]{16,128})")  # the secret is secrets.token_urlsafe
 _TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # it becomes part of Redis keys and Prometheus labels
 LIMITS = ("rpm", "tpm", "max_concurrency")
+# a tenant's usage counters (gateway.limits counts them; docs/tenancy.md says what each means), in the order
+# `kvserve keys usage` shows them; all integers but kv_block_seconds
+USAGE_COUNTERS = (
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "computed_prompt_tokens",
+    "kv_block_seconds",
+    "rejected",
+)
+FLOAT_USAGE_COUNTERS = frozenset({"kv_block_seconds"})
 
 
 @dataclass(slots=True, frozen=True)
@@ -219,8 +231,8 @@ class KeyStore:
                 pipe.execute()
         return parse_record(key_id, fields)
 
-    def usage(self, tenant: str | None = None) -> dict[str, dict[str, int]]:
-        """tenant -> its counters (requests, prompt_tokens, completion_tokens, cached_tokens, rejected)."""
+    def usage(self, tenant: str | None = None) -> dict[str, dict[str, int | float]]:
+        """tenant -> its counters (USAGE_COUNTERS, those it has): floats for FLOAT_USAGE_COUNTERS, else ints."""
         if tenant is not None:
             tenants = [check_tenant(tenant)]
         else:
@@ -232,7 +244,10 @@ class KeyStore:
                 pipe.hgetall(redis_keys.tenant_usage_key(name))
             rows = pipe.execute()
         return {
-            name: {counter: int(value) for counter, value in _decoded(fields).items()}
+            name: {
+                counter: float(value) if counter in FLOAT_USAGE_COUNTERS else int(value)
+                for counter, value in _decoded(fields).items()
+            }
             for name, fields in zip(tenants, rows, strict=True)
         }
 

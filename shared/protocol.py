@@ -10,6 +10,7 @@ a version without breaking older peers.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -72,6 +73,10 @@ class RequestUpdate:
     # request's first update that has tokens (or its end); each entry at most MAX_PROMPT_LOGPROBS top entries
     prompt_logprobs: list[TokenLogprobsWire] | None = None
     index: int = 0  # which choice of the request (n > 1); absent from older peers, which send one choice
+    # KV blocks the request held x seconds, all its choices together, for its tenant's bill: only on its last
+    # update (the first of them when an abort ends several choices at once), None on the others and from older
+    # peers. A block holds --block-size tokens' KV, so x block size is token-seconds.
+    kv_block_seconds: float | None = None
 
 
 def accepted(request_id: str) -> RequestUpdate:
@@ -111,7 +116,7 @@ Message = GenerateRequest | AbortRequest | StepBatch | RequestError
 def encode(msg: Message) -> bytes:
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
     if isinstance(msg, StepBatch):
-        body["outputs"] = [_fields(update) for update in msg.outputs]
+        body["outputs"] = [_update_fields(update) for update in msg.outputs]
     else:
         body.update(_fields(msg))
     return msgpack.packb(body, use_bin_type=True)
@@ -139,6 +144,13 @@ def decode(data: bytes) -> Message:
 
 def _fields(msg) -> dict[str, Any]:
     return {name: getattr(msg, name) for name in msg.__slots__}
+
+
+def _update_fields(update: RequestUpdate) -> dict[str, Any]:
+    fields = _fields(update)
+    if update.kv_block_seconds is None:  # every update but a request's last: the key stays off the wire
+        del fields["kv_block_seconds"]
+    return fields
 
 
 # -- reading, with a clear error for each field that is missing or of the wrong type -----------------------
@@ -255,6 +267,12 @@ def _read_step(f: _Fields) -> StepBatch:
                     None,
                 ),
                 index=u.get("index", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0),
+                kv_block_seconds=u.get(
+                    "kv_block_seconds",
+                    lambda v: v is None or (_is_number(v) and 0 <= v < math.inf),
+                    "nil or a finite number >= 0",
+                    None,
+                ),
             )
         )
     return StepBatch(outputs=updates)

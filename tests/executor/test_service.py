@@ -106,6 +106,9 @@ def test_streams_batched_greedy_tokens_equal_to_the_offline_api(executor, gatewa
     logprobs = [entry for u in updates_b for entry in u.logprobs]
     assert len(logprobs) == len(tokens["b"]) and [e[0] for e in logprobs] == tokens["b"]
     assert all(len(top) == 2 and e[3][0][1] >= e[3][1][1] for e in logprobs for top in [e[3]])
+    # what its KV held, on its last update only: 40 prompt tokens + 12 is 4 blocks, for at least 12 steps
+    updates_a = [u for batch in batches for u in batch.outputs if u.request_id == "a"]
+    assert all(u.kv_block_seconds is None for u in updates_a[:-1]) and updates_a[-1].kv_block_seconds > 0
 
 
 def test_repeated_prompt_reports_cached_tokens(executor, gateway):
@@ -202,8 +205,9 @@ def test_abort_stops_a_request(executor, gateway):
     assert eventually(lambda: executor.redis.hget(load_key, "running") == "1")
     assert 0 < float(executor.redis.hget(load_key, "kv_usage")) < 1
     gateway.send(protocol.AbortRequest("long"))
-    more, reasons, _, _ = gateway.collect({"long"})
+    more, reasons, _, batches = gateway.collect({"long"})
     assert reasons == {"long": "abort"}
+    assert batches[-1].outputs[-1].kv_block_seconds > 0  # an aborted request still says what its KV held
     assert len(tokens["long"]) + len(more["long"]) < 500
     assert eventually(lambda: executor.redis.hget(load_key, "running") == "0", timeout=0.5)
     assert executor.redis.hget(load_key, "kv_usage") == "0.0"  # its blocks are free again

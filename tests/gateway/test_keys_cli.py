@@ -108,15 +108,23 @@ def test_bad_input_and_missing_redis_url(db_url, capsys):
 
 def test_usage(db_url, capsys):
     client = redis.Redis.from_url(db_url)
-    usage = {"requests": 3, "prompt_tokens": 40, "completion_tokens": 12, "cached_tokens": 16}
+    usage = {
+        "requests": 3,
+        "prompt_tokens": 40,
+        "completion_tokens": 12,
+        "cached_tokens": 16,
+        "computed_prompt_tokens": 24,
+        "kv_block_seconds": "12.3456",
+    }
     client.hset(redis_keys.tenant_usage_key("acme"), mapping=usage)
     client.hset(redis_keys.tenant_usage_key("globex"), mapping={"requests": 1, "rejected": 2})
     status, out, _ = _kvserve(capsys, "keys", "usage", "--redis-url", db_url)
     assert status == 0
+    header = "REQUESTS PROMPT_TOKENS COMPLETION_TOKENS CACHED_TOKENS COMPUTED_PROMPT_TOKENS KV_BLOCK_SECONDS REJECTED"
     assert [line.split() for line in out] == [
-        ["TENANT", "REQUESTS", "PROMPT_TOKENS", "COMPLETION_TOKENS", "CACHED_TOKENS", "REJECTED"],
-        ["acme", "3", "40", "12", "16", "0"],
-        ["globex", "1", "0", "0", "0", "2"],
+        ["TENANT", *header.split()],
+        ["acme", "3", "40", "12", "16", "24", "12.346", "0"],
+        ["globex", "1", "0", "0", "0", "0", "0.000", "2"],
     ]
     status, out, _ = _kvserve(capsys, "keys", "usage", "--tenant", "globex", "--redis-url", db_url)
     assert [line.split()[0] for line in out] == ["TENANT", "globex"]

@@ -157,8 +157,18 @@ def test_usage_is_counted_per_tenant(redis_url):
     limited, unlimited = _record(tenant, tpm=1000), _record(tenant)
 
     async def body(limiter):
-        await limiter.release(limited, "a", 100, 30, prompt_tokens=20, completion_tokens=10, cached_tokens=16)
+        await limiter.release(
+            limited,
+            "a",
+            100,
+            30,
+            prompt_tokens=20,
+            completion_tokens=10,
+            cached_tokens=16,
+            kv_block_seconds=0.25,
+        )
         await limiter.release(unlimited, "b", 0, 0, prompt_tokens=5, completion_tokens=1)
+        await limiter.count_kv_block_seconds(unlimited, 1.5)  # an aborted request's, told after its end
         await limiter.count_rejected(limited)
         assert (await limiter.admit(unlimited, "c", 10**9)).admitted  # no limits: nothing to check
 
@@ -169,6 +179,9 @@ def test_usage_is_counted_per_tenant(redis_url):
         "prompt_tokens": 25,
         "completion_tokens": 11,
         "cached_tokens": 16,
+        "computed_prompt_tokens": 4 + 5,
+        "kv_block_seconds": 1.75,
         "rejected": 1,
     }
     assert usage == {tenant: expected}
+    assert isinstance(usage[tenant]["kv_block_seconds"], float)

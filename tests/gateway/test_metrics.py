@@ -12,3 +12,14 @@ def test_executor_counters_render_under_their_prometheus_names():
     counters = [line.split()[2] for line in page.splitlines() if line.endswith(" counter")]
     executor_counters = [name for name in counters if f'{name}{{executor="e1"}}' in page]
     assert len(executor_counters) == len(COUNTERS)
+
+
+def test_a_tenants_usage_renders_as_counters_labelled_by_tenant():
+    metrics = GatewayMetrics()
+    metrics.count_usage("acme", prompt_tokens=40, cached_tokens=32, kv_block_seconds=0.5)
+    metrics.count_usage("acme", prompt_tokens=10, cached_tokens=0, kv_block_seconds=0.25)
+    page = metrics.render({}).decode()
+    assert 'kvserve_prompt_tokens_total{tenant="acme"} 50.0' in page
+    assert 'kvserve_prompt_tokens_cached_total{tenant="acme"} 32.0' in page
+    assert 'kvserve_prompt_tokens_computed_total{tenant="acme"} 18.0' in page
+    assert 'kvserve_kv_block_seconds_total{tenant="acme"} 0.75' in page

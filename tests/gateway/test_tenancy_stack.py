@@ -1,4 +1,5 @@
-"""Tenants over real HTTP: keys, 401 and 429, one budget shared by two gateway processes, cache isolation."""
+"""Tenants over real HTTP: keys, 401 and 429, one budget shared by two gateway processes, cache isolation,
+usage billed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import redis
 
 from shared.api_keys import KeyStore
 from shared.redis_server import start_redis_server
-from tests.processes import REPO, ExecutorProcess, GatewayProcess
+from tests.processes import REPO, ExecutorProcess, GatewayProcess, eventually, free_port
 
 post = functools.partial(httpx.post, timeout=60)
 
@@ -25,7 +26,8 @@ LONG_PROMPT = (
 
 @pytest.fixture(scope="module")
 def tenancy_stack(tiny_models, tmp_path_factory):
-    """(gateway base urls, key store) over a Redis of its own, gateways started with --require-api-key."""
+    """(gateway base urls, key store, the first one's metrics url) over a Redis of its own, gateways started
+    with --require-api-key."""
     logs = tmp_path_factory.mktemp("tenancy-logs")
     server = start_redis_server()
     store = KeyStore(redis.Redis.from_url(server.url))
@@ -43,14 +45,15 @@ def tenancy_stack(tiny_models, tmp_path_factory):
         )
         assert refused.returncode == 2 and "no API key exists" in refused.stderr
         store.create("bootstrap")
+        metrics_port = free_port()
         gateways = [
-            GatewayProcess(model, server.url, logs / f"gateway-{i}.log", "--require-api-key")
-            for i in range(2)
+            GatewayProcess(model, server.url, logs / f"gateway-{i}.log", "--require-api-key", *extra)
+            for i, extra in enumerate([("--metrics-port", str(metrics_port)), ()])
         ]
         executor.wait_registered()
         for gateway in gateways:
             gateway.wait_healthy()
-        yield [g.base for g in gateways], store
+        yield [g.base for g in gateways], store, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         for gateway in gateways:
             gateway.stop()
@@ -74,7 +77,7 @@ def _assert_openai_error(response: httpx.Response, status: int) -> dict:
 
 
 def test_keys_are_required_and_checked(tenancy_stack):
-    (base, _), store = tenancy_stack
+    (base, _), store, _ = tenancy_stack
     key, record = store.create("acme")
     assert _complete(base, key).status_code == 200
     assert _assert_openai_error(_complete(base, None), 401)["code"] == "invalid_api_key"
@@ -92,7 +95,7 @@ def test_keys_are_required_and_checked(tenancy_stack):
 
 
 def test_a_key_sees_only_its_models(tenancy_stack):
-    (base, _), store = tenancy_stack
+    (base, _), store, _ = tenancy_stack
     limited, _ = store.create("limited", models=["other-model"])
     listing = httpx.get(f"{base}/v1/models", headers={"authorization": f"Bearer {limited}"})
     assert listing.status_code == 200 and listing.json()["data"] == []
@@ -103,7 +106,7 @@ def test_a_key_sees_only_its_models(tenancy_stack):
 
 
 def test_requests_per_minute_over_two_gateways(tenancy_stack):
-    (first, second), store = tenancy_stack
+    (first, second), store, _ = tenancy_stack
     key, _ = store.create("rpm-tenant", rpm=2)
     assert _complete(first, key).status_code == 200
     assert _complete(second, key).status_code == 200
@@ -115,7 +118,7 @@ def test_requests_per_minute_over_two_gateways(tenancy_stack):
 
 
 def test_tokens_per_minute_budget_shared_by_two_gateways(tenancy_stack):
-    (first, second), store = tenancy_stack
+    (first, second), store, _ = tenancy_stack
     probe, _ = store.create("probe")
     prompt_tokens = _complete(first, probe).json()["usage"]["prompt_tokens"]
     per_request = prompt_tokens + 4  # max_tokens 4, ignore_eos: exactly what is reserved and then used
@@ -133,7 +136,7 @@ def test_tokens_per_minute_budget_shared_by_two_gateways(tenancy_stack):
 
 
 def test_concurrent_requests_limit(tenancy_stack):
-    (first, second), store = tenancy_stack
+    (first, second), store, _ = tenancy_stack
     key, _ = store.create("one-at-a-time", max_concurrency=1)
     started = threading.Event()
     finished = {}
@@ -160,7 +163,7 @@ def test_concurrent_requests_limit(tenancy_stack):
 
 
 def test_tenants_never_share_cached_prefixes(tenancy_stack):
-    (first, second), store = tenancy_stack
+    (first, second), store, _ = tenancy_stack
     alice, _ = store.create("alice")
     bob, _ = store.create("bob")
     alice_again, _ = store.create("alice")  # another key of the same tenant shares its cache
@@ -174,3 +177,41 @@ def test_tenants_never_share_cached_prefixes(tenancy_stack):
     assert cached(second, bob) == 0  # the same prompt, the same executor: no hit, and no timing to probe
     assert cached(first, alice) >= 48
     assert cached(second, alice_again) >= 48
+
+
+def _tenant_series(metrics_url: str, tenant: str) -> dict[str, float]:
+    """The metrics port's series labelled with only this tenant, by name."""
+    suffix = f'{{tenant="{tenant}"}}'
+    lines = httpx.get(metrics_url).text.splitlines()
+    return {
+        line.split()[0].removesuffix(suffix): float(line.split()[1]) for line in lines if suffix + " " in line
+    }
+
+
+def test_usage_bills_cached_and_computed_prompt_tokens_and_kv_block_seconds(tenancy_stack):
+    (first, _), store, metrics_url = tenancy_stack
+    key, _ = store.create("billed")
+    for _ in range(2):  # the second finds the first's full prompt blocks in the prefix cache
+        assert _complete(first, key, prompt=LONG_PROMPT).status_code == 200
+    usage = store.usage("billed")["billed"]
+    assert usage["requests"] == 2 and usage["cached_tokens"] >= 48
+    assert usage["computed_prompt_tokens"] == usage["prompt_tokens"] - usage["cached_tokens"]
+    assert usage["kv_block_seconds"] > 0
+    series = _tenant_series(metrics_url, "billed")
+    assert series["kvserve_prompt_tokens_cached_total"] == usage["cached_tokens"]
+    assert series["kvserve_prompt_tokens_computed_total"] == usage["computed_prompt_tokens"]
+    assert series["kvserve_kv_block_seconds_total"] == pytest.approx(usage["kv_block_seconds"])
+
+
+def test_a_stream_its_client_leaves_still_bills_what_its_kv_held(tenancy_stack):
+    (first, _), store, metrics_url = tenancy_stack
+    key, _ = store.create("leaver")
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    headers = {"authorization": f"Bearer {key}"}
+    with httpx.stream("POST", f"{first}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        assert next(line for line in response.iter_lines() if line.startswith("data: {"))
+    # the gateway aborts it; the executor's last word comes after the stream has ended, and is billed then
+    assert eventually(lambda: store.usage("leaver")["leaver"].get("kv_block_seconds", 0) > 0, timeout=30)
+    usage = store.usage("leaver")["leaver"]
+    assert usage["requests"] == 1 and usage["completion_tokens"] < 900  # it was aborted, not finished
+    assert eventually(lambda: _tenant_series(metrics_url, "leaver")["kvserve_kv_block_seconds_total"] > 0)

@@ -127,10 +127,13 @@ def test_usage_counters_per_tenant(db_url):
     client.hincrby(keys.tenant_usage_key("acme"), "prompt_tokens", 5)
     client.hincrby(keys.tenant_usage_key("acme"), "completion_tokens", 7)
     client.hincrby(keys.tenant_usage_key("globex"), "rejected", 1)
+    client.hincrbyfloat(keys.tenant_usage_key("acme"), "kv_block_seconds", 2.0)  # Redis keeps it as "2"
+    client.hincrbyfloat(keys.tenant_usage_key("acme"), "kv_block_seconds", 1.0)
     expected = {
-        "acme": {"requests": 2, "prompt_tokens": 15, "completion_tokens": 7},
+        "acme": {"requests": 2, "prompt_tokens": 15, "completion_tokens": 7, "kv_block_seconds": 3.0},
         "globex": {"rejected": 1},
     }
+    assert isinstance(store.usage("acme")["acme"]["kv_block_seconds"], float)
     assert store.usage() == expected
     assert store.usage("globex") == {"globex": {"rejected": 1}}
     assert store.usage("nobody") == {"nobody": {}}

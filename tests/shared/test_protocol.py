@@ -40,6 +40,8 @@ MESSAGES = [
             RequestUpdate("c", [], None, "abort", 0),
             RequestUpdate("d", [], None, "length", 0, [[9, -3.5, 4, [[2, -0.5]]], [4, -0.125, 1, []]]),
             RequestUpdate("d", [8], None, "stop", 0, index=7),
+            RequestUpdate("e", [9], None, "stop", 32, kv_block_seconds=0.75),
+            RequestUpdate("f", [], None, "abort", 0, kv_block_seconds=0.0),
         ]
     ),
     StepBatch([]),
@@ -119,6 +121,13 @@ def test_version_mismatch_is_refused_with_a_clear_error():
             _step(token_ids=[], logprobs=None, finish_reason="length", prompt_logprobs=[None]),
             "field 'prompt_logprobs' must be nil or a list of",
         ),
+        *(
+            (
+                _step(token_ids=[], logprobs=None, finish_reason="stop", kv_block_seconds=bad),
+                "field 'kv_block_seconds' must be nil or a finite number >= 0",
+            )
+            for bad in (-1.0, "2.5", float("inf"), float("nan"), True)
+        ),
     ],
 )
 def test_malformed_messages_are_refused_naming_the_problem(data, message):
@@ -151,6 +160,22 @@ def test_choice_indexes_default_for_peers_that_send_none_and_are_checked():
         decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update | {"index": -1}]))
     with pytest.raises(ProtocolError, match="'index' must be nil or an integer >= 0"):
         decode(_raw(v=PROTOCOL_VERSION, type="abort", request_id="r", index="1"))
+
+
+def test_kv_block_seconds_rides_only_on_a_requests_last_update_and_older_peers_send_none():
+    running = RequestUpdate("a", [1], None, None, 0)
+    last = RequestUpdate("a", [2], None, "stop", 0, kv_block_seconds=1.5)
+    body = msgpack.unpackb(encode(StepBatch([running, last])))
+    assert "kv_block_seconds" not in body["outputs"][0] and body["outputs"][1]["kv_block_seconds"] == 1.5
+    update = {
+        "request_id": "a",
+        "token_ids": [],
+        "logprobs": None,
+        "finish_reason": "stop",
+        "num_cached_tokens": 0,
+    }
+    step = decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update]))
+    assert step.outputs[0].kv_block_seconds is None  # an older executor: nothing to bill for its KV
 
 
 def test_shared_protocol_imports_neither_side():
