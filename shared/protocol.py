@@ -44,12 +44,12 @@ class GenerateRequest:
     )  # the prompt's full-block chain (shared.block_hash)
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields by name
     tenant: str | None = None
+    cache_salt: str | None = None
+    traceparent: str | None = None  # W3C trace context, so one trace spans both processes
     # fair share (executor/fair_share.py): the tenant's weight, and the request's priority within its tenant
     # (lower first, as vLLM's `priority`)
     tenant_weight: float = 1.0
     priority: int = 0
-    cache_salt: str | None = None
-    traceparent: str | None = None  # W3C trace context, so one trace spans both processes
 
 
 @dataclass(slots=True)
