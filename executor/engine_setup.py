@@ -82,7 +82,7 @@ def build_scheduler(
     max_batched = config.max_num_batched_tokens
     if not config.enable_chunked_prefill:
         max_batched = max(max_batched, max_model_len)  # a whole prompt must fit one step
-    pool = BlockPool(num_blocks, config.enable_prefix_caching)
+    pool = BlockPool(num_blocks, config.enable_prefix_caching, shares=config.kv_shares)
     kv = KVCacheManager(
         pool, config.block_size, -(-max_model_len // config.block_size) + 1, config.max_num_seqs
     )

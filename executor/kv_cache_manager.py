@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from executor.block_pool import Block, BlockPool
-from executor.request import Request
+from executor.request import Request, RequestStatus
 from shared.block_hash import hash_blocks, max_cached_blocks
 
 
@@ -65,7 +65,8 @@ class KVCacheManager:
         """Make room for num_new_tokens more tokens past the computed ones and the cached prefix, which joins
         the table; False if the pool is short, or would keep fewer than reserve blocks free (a group's choices
         still to fork each need one soon). The caller counts the prefix as computed. A block the new tokens
-        land in that forked choices still share is first copied (copy-on-write)."""
+        land in that forked choices still share is first copied (copy-on-write). Whose cached blocks it may
+        evict: see _may_evict_others."""
         table = self.tables.get(request.request_id, [])
         first_written = request.num_computed_tokens + len(cached_prefix) * self.block_size
         num_tokens = first_written + num_new_tokens
@@ -79,17 +80,19 @@ class KVCacheManager:
         ]
         # cached blocks nobody holds sit in the free queue: taking them shrinks what is left to allocate
         num_reclaimed = sum(1 for b in cached_prefix if b.ref_count == 0)
-        if max(num_needed, 0) + len(shared) + reserve > self.pool.num_free_blocks - num_reclaimed:
+        evict_others = self._may_evict_others(request)
+        room = self.pool.num_allocatable(request.tenant, request.weight, evict_others) - num_reclaimed
+        if max(num_needed, 0) + len(shared) + reserve > room:
             return False
         old_len = len(table)
         if shared:
-            table = self._copy_on_write(request.request_id, table, shared)
+            table = self._copy_on_write(request, table, shared, evict_others)
         if cached_prefix:
             self.pool.touch(list(cached_prefix))
             table = table + list(cached_prefix)
             self._num_cached[request.request_id] = len(cached_prefix)
         if num_needed > 0:
-            table = table + self.pool.allocate(num_needed)
+            table = table + self.pool.allocate(num_needed, request.tenant, request.weight, evict_others)
         self.tables[request.request_id] = table
         if shared:
             self._write_row(request.request_id, shared[0], table)
@@ -97,10 +100,20 @@ class KVCacheManager:
             self._write_row(request.request_id, old_len, table)
         return True
 
-    def _copy_on_write(self, request_id: str, table: list[Block], shared: list[int]) -> list[Block]:
+    def _may_evict_others(self, request: Request) -> bool:
+        """Whether the request may take other tenants' cached blocks within their shares (block_pool.py). A
+        running request may: running requests never starve for blocks. So may a new request of a tenant holding
+        none, or one needing more than its share could wait forever, nothing of its own running to give blocks
+        back. A tenant's other new requests wait for blocks it, or tenants over their shares, give up: a burst
+        waits behind itself."""
+        return request.status is RequestStatus.RUNNING or self.pool.num_held(request.tenant) == 0
+
+    def _copy_on_write(
+        self, request: Request, table: list[Block], shared: list[int], evict_others: bool
+    ) -> list[Block]:
         """The table with its shared blocks at these positions replaced by private copies of them."""
         table = list(table)
-        copies = self.pool.allocate(len(shared))
+        copies = self.pool.allocate(len(shared), request.tenant, request.weight, evict_others)
         self.pool.free([table[i] for i in shared])  # the siblings keep theirs
         for i, copy in zip(shared, copies, strict=True):
             self.pending_copies.append((table[i].block_id, copy.block_id))
@@ -111,7 +124,7 @@ class KVCacheManager:
         """child shares every block of parent's table by reference; whichever writes into a shared block first
         copies it then (allocate). Both must have the same tokens computed."""
         table = list(self.tables.get(parent.request_id, []))
-        self.pool.touch(table)
+        self.pool.share(table)
         self.tables[child.request_id] = table
         self._num_cached[child.request_id] = self._num_cached.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
