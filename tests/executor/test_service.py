@@ -180,7 +180,7 @@ def test_block_hashes_that_disagree_with_the_executors_are_counted_and_warned_ab
     before = mismatches()
     gateway.generate("h-agrees", prompt, max_tokens=1, temperature=0.0)  # hashed as the executor hashes
     gateway.collect({"h-agrees"})
-    salted = protocol.GenerateRequest("h-salt", prompt, hash_blocks(prompt, 16), {"max_tokens": 1}, None, "t")
+    salted = protocol.GenerateRequest("h-salt", prompt, hash_blocks(prompt, 16), {"max_tokens": 1}, cache_salt="t")
     eight = protocol.GenerateRequest("h-size", prompt, hash_blocks(prompt, 8), {"max_tokens": 1})
     for msg in (salted, eight):  # a gateway that forgot the salt, one with another block size
         gateway.send(msg)
@@ -273,7 +273,7 @@ def test_traced_requests_leave_spans_in_the_gateways_trace(tiny_models, redis_ur
             def send(request_id: str, prompt: list[int], tenant: str | None = None, **sampling) -> None:
                 sampling = {"temperature": 0.0, "ignore_eos": True, **sampling}
                 tp = traceparent(traced[request_id])
-                client.send(protocol.GenerateRequest(request_id, prompt, [], sampling, tenant, None, tp))
+                client.send(protocol.GenerateRequest(request_id, prompt, [], sampling, tenant, traceparent=tp))
 
             send("t1", PROMPT_A, tenant="acme", max_tokens=16)
             client.collect({"t1"})
