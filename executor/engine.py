@@ -29,18 +29,17 @@ from executor.sampling_state import PromptTerms, SamplingState
 from executor.scheduler import NewTokens, SchedulerOutput
 from executor.spec_decode import SpecBackoff, verify
 from executor.structured_output import Grammars, RequestGrammar, step_bitmask
+from executor.waiting_queue import TENANTS_SHARE
 from kernels.backend import choose_attention_backend
 from shared.block_hash import hash_blocks
 from shared.engine_config import EngineConfig
+from shared.protocol import MAX_TENANT_WEIGHT
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputsParams
 
 log = logging.getLogger("kvserve.engine")
 
 HASHES_CHECKED = 4  # leading blocks of a prompt whose gateway hashes are compared with the engine's
-# structured outputs: requests waiting for their grammars, all tenants together, as a multiple of the most one
-# tenant may have waiting (--max-waiting-seqs): no tenant takes every place, and memory stays bounded
-COMPILING_TENANTS_SHARE = 4
 
 
 def choice_request_id(group_id: str, index: int) -> str:
@@ -123,6 +122,8 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if not 0 < weight <= MAX_TENANT_WEIGHT:  # the fair share divides service by it
+            raise ValueError(f"weight: a tenant's weight must be in (0, {MAX_TENANT_WEIGHT:g}], got {weight}")
         token_ids = self._prompt_token_ids(prompt)
         self._check_fits(len(token_ids), params)
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
@@ -187,14 +188,14 @@ class Engine:
 
     def _check_compile_room(self, cache_salt: str | None) -> None:
         """EngineBusy unless a request of this tenant may wait for its grammar: one tenant has at most
-        --max-waiting-seqs waiting, all tenants together COMPILING_TENANTS_SHARE times that."""
+        --max-waiting-seqs waiting, all tenants together TENANTS_SHARE times that (as in the waiting queue)."""
         per_tenant = self.config.max_waiting_seqs
         own = sum(1 for r in self.compiling if r.cache_salt == cache_salt)
         if own >= per_tenant:
             raise EngineBusy(
                 f"executor busy: {own} of this tenant's requests already wait for their grammars to compile"
             )
-        if len(self.compiling) >= COMPILING_TENANTS_SHARE * per_tenant:
+        if len(self.compiling) >= TENANTS_SHARE * per_tenant:
             raise EngineBusy(
                 f"executor busy: {len(self.compiling)} requests already wait for their grammars to compile"
             )
@@ -279,8 +280,13 @@ class Engine:
 
     @property
     def queue_full(self) -> bool:
-        """The waiting queue is at its bound (--max-waiting-seqs / --max-waiting-tokens)."""
+        """The waiting queue is at its bound, every tenant's places taken (executor/waiting_queue.py)."""
         return self.scheduler.queue_full
+
+    def queue_full_for(self, tenant: str | None) -> bool:
+        """A new request of tenant's finds no place in the waiting queue: its own places (--max-waiting-seqs,
+        --max-waiting-tokens) are taken, or all tenants' together."""
+        return self.scheduler.queue_full_for(tenant)
 
     def hand_back_overdue(self) -> list[str]:
         """Drop the requests that have waited --max-waiting-time without starting, so their gateways can send
@@ -497,6 +503,7 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(waiting),
             "compiling": len(self.compiling),  # of waiting: not in the waiting queue's places
+            "waiting_max_tenant": self.scheduler.waiting.max_per_tenant,  # the most places one tenant holds
             # prompt tokens still to prefill: the work a new request waits behind
             "prefill_tokens": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
             "kv_usage": self.pool.num_used_blocks / self.pool.num_blocks,

@@ -94,6 +94,7 @@ def build_scheduler(
         config.enable_chunked_prefill,
         config.max_waiting_seqs,
         config.waiting_tokens_for(device.type),
+        config.fair_share,
     )
 
 

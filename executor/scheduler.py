@@ -1,8 +1,19 @@
-"""Continuous batching under one token budget per step: decodes first, then prefill chunks.
+"""Continuous batching under one token budget per step: decodes first, then prefill chunks, shared by tenant.
 
 A step has two halves here: schedule() decides what runs, and update_from_output() books what the model made of
 it (computed tokens, accepted proposals, full blocks published, finished requests freed). The scheduler is the one
 place that moves a request's num_computed_tokens.
+
+Fair share. Every running decode goes first, each step. What the budget leaves is handed out one prefill chunk at a
+time, to the tenant with the least service so far (executor/fair_share.py), counting what this step has already
+given it and the chunk itself: that tenant's partial prefills first, oldest first, then its next waiting request.
+So a tenant's burst of long prompts waits behind itself: another tenant's prompt goes ahead of the rest of the
+burst, and the tenants' prefill tokens follow their weights while all have work. Nor does a prefill burst stall
+other tenants' streams: every running decode is scheduled first in every step, and a step computes at most
+max_num_batched_tokens tokens (512 on CPU by default, 2048 on CUDA), decodes included; so whatever any tenant
+prefills, a stream's next token waits one step at most, a step that adds at most one budget's worth of prefill to
+the decodes. With fair share off, or with one tenant, the order is first come first served: running prefills,
+oldest first, then the waiting requests in their order (a lower priority value first).
 """
 
 from __future__ import annotations
@@ -11,8 +22,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from executor.fair_share import VirtualTokenCounter, service
 from executor.kv_cache_manager import KVCacheManager
 from executor.request import Request, RequestStatus
+from executor.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -46,16 +59,18 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_waiting_seqs: int | None = None,
         max_waiting_tokens: int | None = None,
+        fair_share: bool = True,
     ) -> None:
         self.kv = kv
-        self.max_waiting_seqs = max_waiting_seqs  # None: no bound (the offline API queues everything)
-        self.max_waiting_tokens = max_waiting_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
+        # max_waiting_*: one tenant's places in the queue; None: no bound (the offline API queues everything)
+        self.waiting = WaitingQueue(fair_share, max_waiting_seqs, max_waiting_tokens)
         self.running: list[Request] = []  # oldest first; the newest is preempted first
+        self.counter = VirtualTokenCounter()  # service per tenant (tenants as the waiting queue knows them)
+        self._charged: dict[Request, float] = {}  # what this step has charged each request's tenant so far
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which were found
@@ -64,29 +79,34 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.queued_ns = time.time_ns()
-        self.waiting.append(request)
+        self.counter.join(self.waiting.tenant_of(request))
+        self.waiting.add(request)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stopped, or aborted by its owner): out of the queues, its blocks given back."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_ns = time.time_ns()
+        held = True
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            held = False  # a choice still to fork, or a request that never got here (its grammar failed)
+        if held:
+            self.counter.leave(self.waiting.tenant_of(request))
         self.kv.free(request)
 
     @property
     def queue_full(self) -> bool:
-        """Whether the waiting queue is at its bound: a new request would wait here for a step that is not
-        near, so the service refuses it (the gateway sends it where it can start sooner, or holds it)."""
-        if self.max_waiting_seqs is not None and len(self.waiting) >= self.max_waiting_seqs:
-            return True
-        if self.max_waiting_tokens is None or not self.waiting:
-            return False
-        to_prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        return to_prefill >= self.max_waiting_tokens
+        """Whether the waiting queue is at its bound, all tenants' places taken."""
+        return self.waiting.full
+
+    def queue_full_for(self, tenant: str | None) -> bool:
+        """Whether a new request of tenant's would find no place in the waiting queue: it would wait for a step
+        that is not near, so the service refuses it (the gateway sends it where it can start sooner, or holds it)."""
+        return self.waiting.full_for(tenant)
 
     def unstarted_since(self, before_ns: int) -> list[Request]:
         """Waiting requests that joined the queue before before_ns and were never scheduled (no output, no KV)."""
@@ -98,55 +118,110 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._charged = {}
         budget = self.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + prefills:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            # a decode also verifies its proposals (spec tokens): as many as the budget leaves room for
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
-            if num_new == 0:
+        prefills: dict[str | None, deque[Request]] = {}  # running prefills by tenant, oldest first
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens > 1:
+                prefills.setdefault(self.waiting.tenant_of(request), deque()).append(request)
+        for request in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:
+            if budget == 0:
                 break
-            request.truncate_spec_tokens(max(0, request.num_computed_tokens + num_new - request.num_tokens))
-            if request.spec_token_ids and not self.kv.allocate(request, num_new):
-                # proposals never preempt anyone: drop them and schedule the plain decode
-                request.set_spec_tokens([])
-                num_new = request.num_tokens - request.num_computed_tokens
-            while not self.kv.allocate(request, num_new, reserve=len(request.forks)):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                budget = self.max_num_batched_tokens - out.num_tokens  # the victim's tokens come back
-                if victim is request:
-                    break
+            if request.status is RequestStatus.RUNNING:  # else preempted earlier in this loop
+                budget = self._schedule_running(request, out, budget)
+        admitting = True  # until a waiting request does not fit; never in a step that preempted
+        while budget > 0:
+            request = self._next_prefill(prefills, admitting and not out.preempted, budget)
+            if request is None:
+                break
             if request.status is RequestStatus.RUNNING:
-                out.scheduled.append((request, num_new))
+                prefills[self.waiting.tenant_of(request)].popleft()
+                budget = self._schedule_running(request, out, budget)
+                continue
+            num_new = self._admit(request, out, budget)
+            if num_new is None:
+                admitting = False
+            else:
                 budget -= num_new
-        if not out.preempted:
-            self._admit(out, budget)
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        for request in list(self.waiting):
-            if budget <= 0 or len(self.running) + request.group_size > self.max_num_seqs:
+    def _next_prefill(
+        self, prefills: dict[str | None, deque[Request]], admitting: bool, budget: int
+    ) -> Request | None:
+        """The request whose prefill chunk goes next, None when no tenant has one to give (or may start one): the
+        next of the tenant whose counter would be lowest once charged for the chunk, a tenant's partial prefills
+        before its waiting requests. Ranked by the counter after the chunk (weighted fair queuing's finish time),
+        not before it: a chunk may be a whole step's budget, and an arriving tenant is lifted to the lowest
+        counter, so with the counter before it a tie would hand a burst one more step while a new tenant's short
+        prompt waited."""
+        nexts: dict[str | None, Request] = {}
+        for tenant, queue in prefills.items():
+            while queue and queue[0].status is not RequestStatus.RUNNING:
+                queue.popleft()  # preempted earlier in this step
+            if queue:
+                nexts[tenant] = queue[0]
+        if admitting:
+            for tenant in self.waiting.tenants():
+                nexts.setdefault(tenant, self.waiting.first(tenant))
+
+        def finish_time(tenant: str | None) -> tuple[float, int]:
+            request = nexts[tenant]
+            # a waiting request's cached prefix is looked up only if it starts: ranked as if none were cached
+            chunk = min(request.num_tokens - request.num_computed_tokens, budget)
+            return self.counter.of(tenant) + service(chunk) / request.weight, request.arrival_ns
+
+        return nexts[min(nexts, key=finish_time)] if nexts else None
+
+    def _schedule_running(self, request: Request, out: SchedulerOutput, budget: int) -> int:
+        """Schedule a running request's next tokens (a decode and its proposals, or a prefill chunk) within the
+        budget, preempting the newest running requests while its blocks do not fit; the budget left."""
+        # a decode also verifies its proposals (spec tokens): as many as the budget leaves room for
+        num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+        request.truncate_spec_tokens(max(0, request.num_computed_tokens + num_new - request.num_tokens))
+        if request.spec_token_ids and not self.kv.allocate(request, num_new):
+            # proposals never preempt anyone: drop them and schedule the plain decode
+            request.set_spec_tokens([])
+            num_new = request.num_tokens - request.num_computed_tokens
+        while not self.kv.allocate(request, num_new, reserve=len(request.forks)):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            budget = self.max_num_batched_tokens - out.num_tokens  # the victim's tokens come back
+            if victim is request:
                 break
-            cached = self.kv.find_cached_prefix(request)
-            num_new = request.num_tokens - len(cached) * self.kv.block_size
-            if num_new > budget and not self.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if not self.kv.allocate(request, num_new, cached, reserve=len(request.forks)):
-                break
-            self.waiting.remove(request)
-            request.num_computed_tokens = len(cached) * self.kv.block_size
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = len(cached) * self.kv.block_size
-                self.prefix_cache_queries += request.num_prompt_tokens
-                self.prefix_cache_hits += request.num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+        if request.status is RequestStatus.RUNNING:
             out.scheduled.append((request, num_new))
+            self._charge(request, service(num_new))
             budget -= num_new
+        return budget
+
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Start a waiting request with what of its prompt the budget allows: the tokens scheduled, or None when
+        it does not fit (max_num_seqs, blocks, or a whole prompt without chunked prefill)."""
+        if len(self.running) + request.group_size > self.max_num_seqs:
+            return None
+        cached = self.kv.find_cached_prefix(request)
+        num_cached = len(cached) * self.kv.block_size
+        num_new = request.num_tokens - num_cached
+        if num_new > budget and not self.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        if not self.kv.allocate(request, num_new, cached, reserve=len(request.forks)):
+            return None
+        self.waiting.remove(request)
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+            self.prefix_cache_queries += request.num_prompt_tokens
+            self.prefix_cache_hits += request.num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append((request, num_new))
+        self._charge(request, service(num_new, num_cached))
+        return num_new
+
+    def _charge(self, request: Request, tokens: float) -> None:
+        self.counter.charge(self.waiting.tenant_of(request), request.weight, tokens)
+        self._charged[request] = self._charged.get(request, 0.0) + tokens
 
     def fork(self, out: SchedulerOutput, parent: Request) -> list[Request]:
         """Parallel sampling: the step out scheduled has just prefilled parent's prompt, so the choices waiting
@@ -164,6 +239,7 @@ class Scheduler:
             child.first_scheduled_ns = parent.first_scheduled_ns
             child.status = RequestStatus.RUNNING
             self.kv.fork(parent, child)
+            self.counter.join(self.waiting.tenant_of(child))
             self.running.append(child)
             out.scheduled.append((child, num_new))
         return children
@@ -177,7 +253,10 @@ class Scheduler:
         request.num_computed_tokens = request.num_draft_computed = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
+        refund = self._charged.pop(request, 0.0)  # scheduled earlier in this step: it computes none of it now
+        if refund:
+            self.counter.charge(self.waiting.tenant_of(request), request.weight, -refund)
         out.preempted.append(request)
         out.scheduled = [(r, n) for r, n in out.scheduled if r is not request]
 

@@ -155,7 +155,8 @@ class ExecutorService:
         if self.drain_deadline is not None:
             self._send_error(identity, msg.request_id, "executor draining", protocol.DRAINING, trace_id)
             return
-        if self.engine.queue_full:  # back-pressure: refused before any work, the gateway routes it elsewhere
+        # back-pressure: refused before any work, the gateway routes it elsewhere (or holds it)
+        if self.engine.queue_full_for(msg.tenant):
             message = "executor busy: its waiting queue is full"
             self._send_error(identity, msg.request_id, message, protocol.BUSY, trace_id)
             return

@@ -55,8 +55,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None  # bytes; CPU default 4GiB
     max_num_seqs: int = 256
-    # back-pressure: an executor refuses new requests (the gateway sends them elsewhere or holds them) while
-    # this many wait unstarted, or while the waiting prompts hold this many tokens still to prefill
+    # back-pressure: an executor refuses a tenant's new requests (the gateway sends them elsewhere or holds them)
+    # while this many of the tenant's wait unstarted, or while its waiting prompts hold this many tokens still to
+    # prefill; all tenants together, TENANTS_SHARE times that (executor/waiting_queue.py)
     max_waiting_seqs: int = 16
     max_waiting_tokens: int | None = None  # None: WAITING_STEPS steps' token budget
     # a request that has waited this long without starting is handed back to its gateway to go elsewhere (0: never)
@@ -175,15 +176,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-waiting-seqs",
         type=int,
         default=d.max_waiting_seqs,
-        help="refuse new requests as busy while this many wait unstarted, or (structured outputs) while this "
-        "many of the tenant's, or 4x this many of all, wait for their grammars to compile (default: %(default)s)",
+        help="refuse a tenant's new requests as busy while this many of its requests wait unstarted, or 4x this "
+        "many of all tenants' (with --no-fair-share: this many of anyone's); likewise for requests waiting for "
+        "their structured-outputs grammars to compile (default: %(default)s)",
     )
     g.add_argument(
         "--max-waiting-tokens",
         type=int,
         default=None,
-        help=f"refuse new requests as busy while waiting prompts hold this many tokens to prefill "
-        f"(default: {WAITING_STEPS} x --max-num-batched-tokens)",
+        help=f"refuse a tenant's new requests as busy while its waiting prompts hold this many tokens to "
+        f"prefill, or all tenants' 4x this many (default: {WAITING_STEPS} x --max-num-batched-tokens)",
     )
     g.add_argument(
         "--max-waiting-time",

@@ -186,6 +186,21 @@ def test_load_counts_the_prompt_tokens_still_to_prefill(llm):
     assert {first, second} and llm.engine.load()["running"] == 0
 
 
+def test_load_reports_the_most_requests_one_tenant_has_waiting(llm):
+    """The gateway counts each tenant's places from it; a tenant's weight must be positive to share by."""
+    engine, params = llm.engine, SamplingParams(max_tokens=1, temperature=0)
+    for i in range(3):
+        engine.add_request(f"wa{i}", [5, 6, 7 + i], params, tenant="A")
+    engine.add_request("wb", [5, 6, 9], params, tenant="B", weight=2.5)
+    assert (engine.load()["waiting"], engine.load()["waiting_max_tenant"]) == (4, 3)
+    with pytest.raises(ValueError, match="weight"):
+        engine.add_request("w0", [5, 6], params, tenant="C", weight=0)
+    while engine.has_unfinished():
+        llm.step()
+    assert engine.load()["waiting_max_tenant"] == 0
+    assert_no_blocks_held(llm)
+
+
 def test_a_steps_token_budget_defaults_by_device(tiny_models):
     """512 on a CPU, where a 2,048-token step would take seconds; an explicit budget is kept."""
     from shared.engine_config import EngineConfig

@@ -7,13 +7,16 @@ from shared.sampling_params import SamplingParams
 MAX_MODEL_LEN = 1024
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, caching=True):
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, caching=True, fair_share=True):
     kv = KVCacheManager(BlockPool(num_blocks, caching), block_size)
-    return Scheduler(kv, max_num_seqs, budget, MAX_MODEL_LEN, chunked)
+    return Scheduler(kv, max_num_seqs, budget, MAX_MODEL_LEN, chunked, fair_share=fair_share)
 
 
-def request(rid, n, first=0, max_tokens=8, eos=frozenset()):
-    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens), eos)
+def request(rid, n, first=0, max_tokens=8, eos=frozenset(), tenant=None, weight=1.0, priority=0):
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(
+        rid, list(range(first, first + n)), params, eos, tenant=tenant, weight=weight, priority=priority
+    )
 
 
 def run_step(sched, sample=lambda request: [7]):
@@ -69,7 +72,7 @@ def test_out_of_blocks_preempts_the_newest_and_requeues_it_first():
     run_step(sched)  # decode into slot 7: still the second block
     out = run_step(sched)  # slot 8 needs a third block each: the newest (b) makes room
     assert out.preempted == [b] and [r for r, _ in out.scheduled] == [a]
-    assert b.status is RequestStatus.WAITING and sched.waiting[0] is b
+    assert b.status is RequestStatus.WAITING and next(iter(sched.waiting)) is b
     assert b.num_computed_tokens == 0 and sched.num_preemptions == 1
     # its full blocks stay in the prefix cache: readmission recomputes only the tail
     assert len(sched.kv.find_cached_prefix(b)) == 1
@@ -102,14 +105,16 @@ def test_removing_requests_frees_every_block():
 
 
 def test_the_waiting_queue_is_full_at_its_bound_of_requests_or_tokens_to_prefill():
+    """With fair share off, one bound for all: today's single-queue back-pressure, whoever sends."""
     kv = KVCacheManager(BlockPool(64, True), 4)
-    by_count = Scheduler(kv, 1, 32, MAX_MODEL_LEN, max_waiting_seqs=2)
-    by_count.add(request("a", 3))
-    by_count.add(request("b", 3))
-    assert by_count.queue_full
+    by_count = Scheduler(kv, 1, 32, MAX_MODEL_LEN, max_waiting_seqs=2, fair_share=False)
+    by_count.add(request("a", 3, tenant="A"))
+    by_count.add(request("b", 3, tenant="A"))
+    assert by_count.queue_full and by_count.queue_full_for("B")  # one tenant's burst takes every place
     run_step(by_count)  # a starts: one waits
-    assert not by_count.queue_full
-    by_tokens = Scheduler(KVCacheManager(BlockPool(64, True), 4), 1, 32, MAX_MODEL_LEN, max_waiting_tokens=20)
+    assert not by_count.queue_full and not by_count.queue_full_for("A")
+    kv = KVCacheManager(BlockPool(64, True), 4)
+    by_tokens = Scheduler(kv, 1, 32, MAX_MODEL_LEN, max_waiting_tokens=20, fair_share=False)
     assert not by_tokens.queue_full  # an empty queue is never full, whatever the bound
     by_tokens.add(request("a", 3))
     by_tokens.add(request("b", 12))
@@ -119,7 +124,27 @@ def test_the_waiting_queue_is_full_at_its_bound_of_requests_or_tokens_to_prefill
     unbounded = make(max_num_seqs=1)  # the offline API queues whatever it is given
     for i in range(50):
         unbounded.add(request(f"r{i}", 3))
-    assert not unbounded.queue_full
+    assert not unbounded.queue_full and not unbounded.queue_full_for(None)
+
+
+def test_each_tenant_has_its_own_waiting_places_and_all_together_four_times_that():
+    kv = KVCacheManager(BlockPool(64, True), 4)
+    sched = Scheduler(kv, 1, 32, MAX_MODEL_LEN, max_waiting_seqs=2)
+    sched.add(request("a1", 3, tenant="A"))
+    sched.add(request("a2", 3, tenant="A"))
+    assert sched.queue_full_for("A")  # A's burst fills A's places...
+    assert not sched.queue_full_for("B") and not sched.queue_full  # ...and B still finds one
+    for tenant in "BCD":
+        for i in range(2):
+            sched.add(request(f"{tenant}{i}", 3, tenant=tenant))
+    assert sched.queue_full and sched.queue_full_for("E")  # 4 x 2 places, all taken
+    assert sched.waiting.max_per_tenant == 2
+    run_step(sched)  # a1 starts: a place is free again, for anyone
+    assert not sched.queue_full and not sched.queue_full_for("E") and not sched.queue_full_for("A")
+    kv = KVCacheManager(BlockPool(64, True), 4)
+    by_tokens = Scheduler(kv, 1, 32, MAX_MODEL_LEN, max_waiting_tokens=20)
+    by_tokens.add(request("a", 20, tenant="A"))
+    assert by_tokens.queue_full_for("A") and not by_tokens.queue_full_for(None)
 
 
 def test_unstarted_since_lists_only_requests_never_scheduled():
@@ -185,3 +210,102 @@ def test_max_tokens_finishes_a_request_with_length():
     assert a.finish_reason is None
     run_step(sched)
     assert a.finish_reason == "length" and a.output_token_ids == [7, 7] and not sched.running
+
+
+# -- fair share between tenants -------------------------------------------------------------------
+
+
+def burst_then_one(fair_share: bool) -> tuple[Scheduler, Request]:
+    """Tenant A's 16 long prompts, one step of them, then tenant B's short one."""
+    sched = make(num_blocks=512, max_num_seqs=32, budget=32, fair_share=fair_share)
+    for i in range(16):
+        sched.add(request(f"a{i}", 64, first=1000 * i, max_tokens=4, tenant="A"))
+    run_step(sched)
+    b = request("b", 8, first=99_000, max_tokens=4, tenant="B")
+    sched.add(b)
+    return sched, b
+
+
+def test_a_burst_waits_behind_itself_and_another_tenants_prompt_starts_at_the_next_step():
+    sched, b = burst_then_one(fair_share=True)
+    out = run_step(sched)
+    assert (b, 8) in out.scheduled and out.num_tokens == 32  # B's whole prompt, A the rest of the budget
+    assert b.num_output_tokens == 1
+
+    sched, b = burst_then_one(
+        fair_share=False
+    )  # one first-come-first-served line: B waits for A's 1024 tokens
+    steps = 1
+    while (b, 8) not in run_step(sched).scheduled:
+        steps += 1
+    assert steps > 16 * 64 // 32
+
+
+def test_backlogged_tenants_get_prefill_tokens_in_proportion_to_their_weights():
+    sched = make(num_blocks=1024, max_num_seqs=64, budget=30)
+    for i in range(30):  # more than either gets through: both stay backlogged
+        sched.add(request(f"a{i}", 40, first=1000 * i, max_tokens=1, tenant="A", weight=2.0))
+        sched.add(request(f"b{i}", 40, first=1000 * i + 500, max_tokens=1, tenant="B"))
+    given = {"A": 0, "B": 0}
+    for _ in range(40):
+        for r, n in run_step(sched).scheduled:
+            given[r.tenant] += n
+    assert given["A"] + given["B"] == 40 * 30
+    assert abs(given["A"] - 2 * given["B"]) <= 2 * 30  # within a chunk or so of 2:1 (800:400)
+
+
+def test_priority_orders_requests_within_a_tenant_and_across_all_without_fair_share():
+    for fair_share in (True, False):
+        sched = make(max_num_seqs=1, fair_share=fair_share)
+        sched.add(request("late", 3, priority=1))
+        sched.add(request("first", 3, first=10))
+        sched.add(request("urgent", 3, first=20, priority=-5))
+        sched.add(request("second", 3, first=30))
+        assert [r.request_id for r in sched.waiting] == ["urgent", "first", "second", "late"]
+    sched = make(max_num_seqs=1, fair_share=False)
+    sched.add(request("a", 3, tenant="A"))
+    sched.add(request("b", 3, first=10, tenant="B", priority=-1))
+    assert [r.request_id for r in sched.waiting] == ["b", "a"]  # one line for all: priority, then arrival
+
+
+def test_a_preempted_request_goes_back_first_in_its_own_tenants_line():
+    sched = make(num_blocks=4, block_size=4, budget=100)
+    a, b = request("a", 7, tenant="A"), request("b", 7, first=50, tenant="B")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # prompts: 2 blocks each, the pool is full
+    b2, a2 = request("b2", 3, first=80, tenant="B"), request("a2", 3, first=90, tenant="A")
+    sched.add(b2)
+    sched.add(a2)
+    run_step(sched)  # no block for b2 or a2: they wait
+    out = run_step(sched)  # a's slot 8 needs a third block: the newest, b, makes room
+    assert out.preempted == [b]
+    assert sched.waiting.first("B") is b and [r.request_id for r in sched.waiting] == ["b", "b2", "a2"]
+
+
+def test_with_one_tenant_or_without_fair_share_the_schedule_is_first_come_first_served():
+    """The same mixed workload (prefix hits, chunked prompts, preemptions, proposals to verify) gives the same
+    schedule with fair share off as with every request one tenant's; with tenants apart it does not."""
+
+    def run(fair_share: bool, tenants: str) -> list[list[tuple[str, int]]]:
+        sched = make(num_blocks=14, block_size=4, max_num_seqs=6, budget=24, fair_share=fair_share)
+        schedule = []
+        for step in range(60):
+            if step < 12:
+                tenant = tenants[step % len(tenants)]
+                n = 6 + (step * 7) % 23
+                sched.add(
+                    request(f"r{step}", n, first=(step % 3) * 5, max_tokens=3 + step % 5, tenant=tenant)
+                )
+            for r in sched.running:
+                if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens % 2:
+                    r.set_spec_tokens([7, 8])
+            out = run_step(sched, sample=lambda r: [7] * (1 + len(r.spec_token_ids) // 2))
+            schedule.append([(r.request_id, n) for r, n in out.scheduled])
+        assert not sched.num_unfinished and sched.num_preemptions  # it all ran, and it ran out of blocks
+        return schedule
+
+    fcfs = run(fair_share=False, tenants="ABC")
+    assert run(fair_share=True, tenants="A") == fcfs
+    assert run(fair_share=False, tenants="A") == fcfs
+    assert run(fair_share=True, tenants="ABC") != fcfs

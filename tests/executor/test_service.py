@@ -32,8 +32,8 @@ class Gateway:
     def send(self, msg) -> None:
         self.socket.send(protocol.encode(msg))
 
-    def generate(self, request_id: str, prompt: list[int], **sampling) -> None:
-        self.send(protocol.GenerateRequest(request_id, prompt, hash_blocks(prompt, 16), sampling))
+    def generate(self, request_id: str, prompt: list[int], tenant: str | None = None, **sampling) -> None:
+        self.send(protocol.GenerateRequest(request_id, prompt, hash_blocks(prompt, 16), sampling, tenant))
 
     def receive(self, timeout: float = 20.0):
         if not self.socket.poll(int(timeout * 1000)):
@@ -142,6 +142,7 @@ def test_redis_holds_registration_block_hashes_and_load(executor, gateway):
         "prefill_tokens": "0",
         "kv_usage": "0.0",
         "queue_full": "0",
+        "waiting_max_tenant": "0",
         "updated_at": load["updated_at"],
     }
     for key in keys.executor_keys(executor.id):
@@ -183,7 +184,9 @@ def test_block_hashes_that_disagree_with_the_executors_are_counted_and_warned_ab
     before = mismatches()
     gateway.generate("h-agrees", prompt, max_tokens=1, temperature=0.0)  # hashed as the executor hashes
     gateway.collect({"h-agrees"})
-    salted = protocol.GenerateRequest("h-salt", prompt, hash_blocks(prompt, 16), {"max_tokens": 1}, None, "t")
+    salted = protocol.GenerateRequest(
+        "h-salt", prompt, hash_blocks(prompt, 16), {"max_tokens": 1}, cache_salt="t"
+    )
     eight = protocol.GenerateRequest("h-size", prompt, hash_blocks(prompt, 8), {"max_tokens": 1})
     for msg in (salted, eight):  # a gateway that forgot the salt, one with another block size
         gateway.send(msg)
@@ -277,7 +280,9 @@ def test_traced_requests_leave_spans_in_the_gateways_trace(tiny_models, redis_ur
             def send(request_id: str, prompt: list[int], tenant: str | None = None, **sampling) -> None:
                 sampling = {"temperature": 0.0, "ignore_eos": True, **sampling}
                 tp = traceparent(traced[request_id])
-                client.send(protocol.GenerateRequest(request_id, prompt, [], sampling, tenant, None, tp))
+                client.send(
+                    protocol.GenerateRequest(request_id, prompt, [], sampling, tenant, traceparent=tp)
+                )
 
             send("t1", PROMPT_A, tenant="acme", max_tokens=16)
             client.collect({"t1"})
@@ -421,17 +426,20 @@ def test_a_failing_engine_step_ends_its_requests_with_500_and_the_loop_goes_on(l
 
 def test_at_its_queue_bound_the_executor_refuses_new_work_as_busy_before_any_work(tiny_models):
     with _local_service(tiny_models["llama"], max_num_seqs=1, max_waiting_seqs=1) as (service, client, _):
-        # "long" holds the one running slot, so "first" waits (the queue is at its bound of one) and "second" is
-        # refused at once, whichever steps the messages arrive between
-        client.generate("long", PROMPT_B, max_tokens=900, temperature=0.0, ignore_eos=True)
+        # "long" holds the one running slot, so "first" waits (tenant A's one place) and A's "second" is refused
+        # at once, whichever steps the messages arrive between; tenant B's "other" still finds a place
+        client.generate("long", PROMPT_B, "A", max_tokens=900, temperature=0.0, ignore_eos=True)
         client.collect({"long"}, until_tokens=1)
-        client.generate("first", PROMPT_B, max_tokens=3, temperature=0.0)
-        client.generate("second", PROMPT_B, max_tokens=3, temperature=0.0)
-        _, reasons, errors, _ = client.collect({"long", "first", "second"})
-        assert reasons == {"long": "length", "first": "length"} and set(errors) == {"second"}
+        client.generate("first", PROMPT_B, "A", max_tokens=3, temperature=0.0)
+        client.generate("second", PROMPT_B, "A", max_tokens=3, temperature=0.0)
+        client.generate("other", PROMPT_B, "B", max_tokens=3, temperature=0.0)
+        _, reasons, errors, _ = client.collect({"long", "first", "second", "other"})
+        assert reasons == {"long": "length", "first": "length", "other": "length"} and set(errors) == {
+            "second"
+        }
         assert errors["second"].code == protocol.BUSY and "busy" in errors["second"].message
         assert not service.engine.has_unfinished()
-        client.generate("later", PROMPT_B, max_tokens=3, temperature=0.0)  # room again
+        client.generate("later", PROMPT_B, "A", max_tokens=3, temperature=0.0)  # room again
         _, reasons, _, _ = client.collect({"later"})
         assert reasons == {"later": "length"}
 
