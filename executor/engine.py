@@ -169,7 +169,7 @@ class Engine:
     @property
     def waiting_tenants_share(self) -> int:
         """All tenants together may have this many times --max-waiting-seqs waiting (1: one bound for all)."""
-        return COMPILING_TENANTS_SHARE if self.config.fair_share else 1
+        return TENANTS_SHARE if self.config.fair_share else 1
 
     def is_compiling(self, request_id: str) -> bool:
         """The request waits for its grammar, outside the waiting queue."""
