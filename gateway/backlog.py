@@ -73,10 +73,12 @@ class Backlog:
                 pass
             # no other executor has room: back off out of turn, then look like a newcomer
             left = arrival + self.timeout_s - time.monotonic()
-            pause = min(FIRST_BACKOFF_S * 2 ** min(refusals, 16), MAX_BUSY_BACKOFF_S)
-            if left <= pause:
+            if left <= 0:
                 raise _saturated(self.timeout_s)
-            await asyncio.sleep(pause)
+            # the last pause ends at the deadline: the request is held for --queue-timeout, never refused early
+            await asyncio.sleep(min(FIRST_BACKOFF_S * 2 ** min(refusals, 16), MAX_BUSY_BACKOFF_S, left))
+            if time.monotonic() >= arrival + self.timeout_s:
+                raise _saturated(self.timeout_s)
         if not self._lines.get(self._line(tenant)):  # with others in its line, a newcomer queues behind them
             try:
                 return await self.router.choose(ids, cache_salt, exclude, tenant=tenant)

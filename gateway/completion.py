@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
@@ -87,6 +87,10 @@ class Routed:
     error: str | None = None
     constraint_field: str | None = None  # OpenAIRequest.constraint_field
     busy_refusals: int = 0  # times executors refused it as busy: its backoff before asking again
+    # executors that refused it as busy: skipped while another has room. The gateway counts a tenant's places by
+    # what it sent itself, so two executors full of another gateway's requests of the tenant would otherwise bounce
+    # it between them without pause until a place freed, past its queue timeout.
+    busy_at: set[str] = field(default_factory=set)
     kv_block_seconds: float = 0.0  # what its KV held, as its executor's last update said
 
 
@@ -455,7 +459,8 @@ class Completions:
                 if answered or error.code not in protocol.REROUTABLE:
                     raise _named_for_client(error, routed.constraint_field) from None
                 routed.busy_refusals += 1
-                await self._reroute(routed, avoid={executor.executor_id})
+                routed.busy_at.add(executor.executor_id)
+                await self._reroute(routed, avoid=routed.busy_at)
             except ExecutorGone:
                 log.warning(
                     "executor %s stopped answering (request %s)",

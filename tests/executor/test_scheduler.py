@@ -302,7 +302,9 @@ def test_with_one_tenant_or_without_fair_share_the_schedule_is_first_come_first_
                     r.set_spec_tokens([7, 8])
             out = run_step(sched, sample=lambda r: [7] * (1 + len(r.spec_token_ids) // 2))
             schedule.append([(r.request_id, n) for r, n in out.scheduled])
-        assert not sched.num_unfinished and sched.num_preemptions  # it all ran, and it ran out of blocks
+        assert not sched.num_unfinished  # it all ran
+        # and it ran out of blocks (tenants apart, KV shares may keep a tenant past its share waiting instead)
+        assert sched.num_preemptions or (fair_share and len(tenants) > 1)
         return schedule
 
     fcfs = run(fair_share=False, tenants="ABC")

@@ -1,12 +1,15 @@
 """Tenants over real HTTP: keys, 401 and 429, one budget shared by two gateway processes, cache isolation,
-usage billed."""
+usage billed, a burst waiting behind itself."""
 
 from __future__ import annotations
 
 import functools
+import json
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -14,6 +17,7 @@ import redis
 
 from shared.api_keys import KeyStore
 from shared.redis_server import start_redis_server
+from tests.gateway.http_wire import request
 from tests.processes import REPO, ExecutorProcess, GatewayProcess, eventually, free_port
 
 post = functools.partial(httpx.post, timeout=60)
@@ -215,3 +219,46 @@ def test_a_stream_its_client_leaves_still_bills_what_its_kv_held(tenancy_stack):
     usage = store.usage("leaver")["leaver"]
     assert usage["requests"] == 1 and usage["completion_tokens"] < 900  # it was aborted, not finished
     assert eventually(lambda: _tenant_series(metrics_url, "leaver")["kvserve_kv_block_seconds_total"] > 0)
+
+
+def test_a_tenants_burst_waits_behind_itself_not_in_front_of_another_tenant(tenancy_stack):
+    """More long prompts than one tenant's waiting places, then another tenant's short one: it starts within a
+    step or two of arriving, ahead of most of the burst (first come first served, all of the burst goes first)."""
+    (first, _), store, _ = tenancy_stack
+    keys = {"burst": store.create("burst")[0], "other": store.create("other")[0]}
+    port = int(first.rsplit(":", 1)[1])
+    first_tokens: dict[str, float] = {}
+    answers: dict[str, bytes] = {}
+
+    def send(tenant: str, prompt: str) -> socket.socket:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}
+        headers = {"authorization": f"Bearer {keys[tenant]}"}
+        sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+        sock.sendall(
+            request("POST", "/v1/completions", json.dumps(body).encode(), close=True, headers=headers)
+        )
+        return sock
+
+    def read(name: str, sock: socket.socket) -> None:
+        data = b""
+        with sock:
+            while chunk := sock.recv(65536):
+                data += chunk
+                if b"data: {" in data:
+                    first_tokens.setdefault(name, time.monotonic())
+        answers[name] = data
+
+    # the whole burst is written before the other tenant's request: arrival order is certain
+    burst = {f"b{i}": send("burst", f"{i} " + LONG_PROMPT * 8) for i in range(32)}
+    readers = [threading.Thread(target=read, args=item) for item in burst.items()]
+    for reader in readers:
+        reader.start()
+    try:
+        assert eventually(lambda: first_tokens, timeout=120)  # the burst is being prefilled
+        read("other", send("other", "Hello"))
+    finally:
+        for reader in readers:
+            reader.join(120)
+    assert all(answer.startswith(b"HTTP/1.1 200") for answer in answers.values()) and len(first_tokens) == 33
+    ahead = sorted(first_tokens, key=first_tokens.get).index("other")
+    assert ahead < 16, f"{ahead} of the burst's 32 prompts started before the other tenant's"
