@@ -174,7 +174,7 @@ class Scheduler:
 
     def _schedule_running(self, request: Request, out: SchedulerOutput, budget: int) -> int:
         """Schedule a running request's next tokens (a decode and its proposals, or a prefill chunk) within the
-        budget, preempting the newest running requests while its blocks do not fit; the budget left."""
+        budget, preempting running requests (_preemption_victim) while its blocks do not fit; the budget left."""
         # a decode also verifies its proposals (spec tokens): as many as the budget leaves room for
         num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
         request.truncate_spec_tokens(max(0, request.num_computed_tokens + num_new - request.num_tokens))
@@ -183,7 +183,7 @@ class Scheduler:
             request.set_spec_tokens([])
             num_new = request.num_tokens - request.num_computed_tokens
         while not self.kv.allocate(request, num_new, reserve=len(request.forks)):
-            victim = self.running[-1]
+            victim = self._preemption_victim()
             self._preempt(victim, out)
             budget = self.max_num_batched_tokens - out.num_tokens  # the victim's tokens come back
             if victim is request:
@@ -193,6 +193,19 @@ class Scheduler:
             self._charge(request, service(num_new))
             budget -= num_new
         return budget
+
+    def _preemption_victim(self) -> Request:
+        """The running request to preempt for blocks: the newest of the tenant whose running requests hold the
+        most blocks for its weight, so a tenant's growth takes from its own newest work before another tenant's
+        (with one tenant, or fair share off, the newest of all, as before)."""
+        held: dict[str | None, float] = {}  # newest first: on a tie, the tenant of the newest request
+        for r in reversed(self.running):
+            tenant = self.waiting.tenant_of(r)
+            held[tenant] = held.get(tenant, 0.0) + self.kv.num_blocks(r) / r.weight
+        if len(held) == 1:
+            return self.running[-1]
+        tenant = max(held, key=held.get)
+        return next(r for r in reversed(self.running) if self.waiting.tenant_of(r) == tenant)
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
         """Start a waiting request with what of its prompt the budget allows: the tokens scheduled, or None when

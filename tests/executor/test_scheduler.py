@@ -311,3 +311,19 @@ def test_with_one_tenant_or_without_fair_share_the_schedule_is_first_come_first_
     assert run(fair_share=True, tenants="A") == fcfs
     assert run(fair_share=False, tenants="A") == fcfs
     assert run(fair_share=True, tenants="ABC") != fcfs
+
+
+def test_blocks_for_a_tenants_growth_come_from_the_tenant_holding_the_most_first():
+    sched = make(num_blocks=6, block_size=4, budget=100)
+    a1, a2 = request("a1", 7, tenant="A"), request("a2", 3, first=20, tenant="A")
+    sched.add(a1)
+    sched.add(a2)
+    run_step(sched)  # A holds 3 blocks
+    b = request("b", 7, first=50, tenant="B")
+    sched.add(b)
+    run_step(sched)  # B's prompt (7 tokens, 2 blocks), the newest request; A's two decodes
+    out = run_step(
+        sched
+    )  # b's slot 8 needs a block, the last free one goes to a2's slot 4: someone must make room
+    assert b not in out.preempted and out.preempted[0].tenant == "A"
+    assert [r.request_id for r, _ in out.scheduled if r.tenant == "B"] == ["b"]
