@@ -220,7 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--modes", default="off,on", help="which of off,on to run, in order")
-    parser.add_argument("--kv-cache-memory", default="768MiB", help="the executor's KV pool")
+    parser.add_argument(
+        "--kv-cache-memory",
+        default="384MiB",
+        help="the executor's KV pool: about a third of the flood's prompts",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=300.0,
+        help="the gateway's: the flood is held at the gateway for the run, not refused, so errors are failures",
+    )
     parser.add_argument("--prefix-tokens", type=int, default=800, help="each of the victim's two prefixes")
     parser.add_argument("--victim-tokens", type=int, default=32, help="output tokens per victim request")
     parser.add_argument(
@@ -258,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         for mode in modes:
-            extra = ["--kv-cache-memory", args.kv_cache_memory, *MODES[mode], *args.up_args.split()]
+            extra = ["--kv-cache-memory", args.kv_cache_memory, "--queue-timeout", str(args.queue_timeout)]
+            extra += [*MODES[mode], *args.up_args.split()]
             log = args.log_dir / f"noisy-neighbour-{mode}-up.log"
             with tenant_stack(["victim", "aggressor"], log, extra_args=extra) as stack:
                 print(f"mode {mode}: kvserve up at {stack.url} {' '.join(extra)}", flush=True)
