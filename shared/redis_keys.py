@@ -5,7 +5,9 @@ Layout (`<id>` is an executor id):
 - `kvserve:executors`                 set of executor ids that registered. A set member cannot expire on its own,
                                       so a reader treats an id whose info hash is gone as dead.
 - `kvserve:executor:<id>`             hash, the registration: address, model, block_size, kv_blocks_total,
-                                      max_model_len, max_waiting_seqs (its queue bound), started_at. Its TTL is the heartbeat: refreshed every
+                                      max_model_len, max_waiting_seqs (one tenant's queue bound),
+                                      waiting_tenants_share (all tenants' bound is that many times it; 1: one bound
+                                      for all, fair share off), started_at. Its TTL is the heartbeat: refreshed every
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
 - `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached,
                                       and BLOCKS_MARKER (not hex: never a hash). A set without the marker was
