@@ -111,9 +111,13 @@ class BlockPool:
         room = self.num_allocatable(tenant, weight, evict_others)
         if n > room:
             raise RuntimeError(f"asked for {n} KV blocks, {room} to be had")
-        shares = self._shares(tenant, weight) if self.shares else {}  # fixed for the call: num_allocatable's
+        # the shares, fixed for the call (num_allocatable's), are needed only once no free block is left: until
+        # then only the asking tenant's own count grows, and it is in them already
+        shares: dict[Tenant, float] | None = None
         out = []
         for _ in range(n):
+            if not self._free and shares is None:
+                shares = self._shares(tenant, weight)
             block = self._victim(tenant, shares, evict_others)
             self._num_free -= 1
             if block.block_hash is not None:
@@ -168,7 +172,7 @@ class BlockPool:
         if not once and not again:
             del self._idle[block.owner]
 
-    def _victim(self, tenant: Tenant, shares: dict[Tenant, float], evict_others: bool) -> Block:
+    def _victim(self, tenant: Tenant, shares: dict[Tenant, float] | None, evict_others: bool) -> Block:
         """Take the next free block to hand out (num_allocatable has said there is one)."""
         if self._free:
             return self._free.popitem(last=False)[1]
@@ -189,7 +193,8 @@ class BlockPool:
 
     def _shares(self, tenant: Tenant, weight: float) -> dict[Tenant, float]:
         """Each tenant owning blocks, and tenant: its share of the pool in blocks, by weight."""
-        weights = {t: self._weights[t] for t in self._num_held.keys() | self._num_idle.keys()}
+        # the asking tenant may own blocks taken in this call before its weight is recorded: it has it here
+        weights = {t: self._weights.get(t, weight) for t in self._num_held.keys() | self._num_idle.keys()}
         weights[tenant] = weight
         total = sum(weights.values())
         return {t: self.num_blocks * w / total for t, w in weights.items()}
