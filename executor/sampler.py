@@ -186,16 +186,37 @@ def uniforms(counts: list[int], generators: list[torch.Generator | None], device
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs (non-negative, any total) by inverse transform sampling: the first token
-    whose running total passes u x the row's total, u ~ U[0, 1). One random number a row, where drawing noise
-    for every vocabulary entry cost a fifth of a decode step; a seeded row's u comes from its own generator."""
+    """One token per row of probs (non-negative, any total) by inverse transform sampling, one random number a
+    row (drawing noise for every vocabulary entry cost a fifth of a decode step); a seeded row's u comes from
+    its own generator."""
     u = torch.cat(uniforms([1] * len(generators), generators, probs.device)).unsqueeze(1)
-    cdf = probs.cumsum(dim=-1)  # accumulated in double on CPU, so each entry is its prefix sum rounded once
-    total = cdf[:, -1:]
-    # strictly below the total, so the first entry past it exists and has mass: a token of probability 0
-    # (filtered out) never has a running total above the one before it, so it is never chosen
+    return invert(probs, probs.cumsum(dim=-1), u)
+
+
+def invert(probs: torch.Tensor, running: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token with mass whose running total passes u x the row's total.
+
+    running is probs' running total as the device summed it. On the CPU each entry is its prefix sum rounded
+    once, so a token without mass never has a total above the one before it and is never chosen. A GPU's
+    float32 scan rounds its partial sums in another order: across a token without mass the total may rise (and
+    elsewhere fall), and the search may land on it. Rows where it did are searched again over totals in which
+    such a token takes the total of the last token with mass before it, made non-decreasing: the first entry
+    past the target then always has mass. Only those rows pay for it (cummax costs four times the search)."""
+    chosen = _search(running, u)
+    missed = (probs.gather(1, chosen) == 0).squeeze(1)
+    if missed.any():  # one sync, where the tokens are about to go to the host anyway
+        rows = missed.nonzero().squeeze(1)
+        repaired = torch.where(probs[rows] > 0, running[rows], 0.0).cummax(dim=-1).values
+        chosen[rows] = _search(repaired, u[rows])
+    return chosen.squeeze(1)
+
+
+def _search(running: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[S, 1]: the first entry whose running total passes u x the last, a target strictly below that total
+    (so the entry exists)."""
+    total = running[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    return torch.searchsorted(running, target, right=True).clamp_(max=running.shape[1] - 1)
 
 
 def token_logprobs(

@@ -356,6 +356,32 @@ def test_draw_never_takes_a_token_without_mass() -> None:
     assert set(tokens[3::4].tolist()) == {7}
 
 
+def test_a_token_without_mass_is_never_drawn_from_running_totals_rounded_as_a_gpu_may() -> None:
+    """A GPU's float32 scan rounds partial sums in its own order: its running total may rise across a token
+    without mass, or fall. Forced here on the CPU in float32: totals nudged by an ulp either way, and u values
+    aimed at every raised step; the plain search then lands on tokens without mass, invert never does."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.zeros(2, 4096)
+    probs[:, ::3] = torch.rand(2, 1366, generator=generator)  # tokens 3k + 1 and 3k + 2 have none
+    probs[1, -2:] = 0.0  # and a row whose last tokens have none
+    running = probs.cumsum(dim=-1)
+    inf = torch.tensor(float("inf"))
+    nudged = torch.rand(running.shape, generator=generator) < 0.5
+    running = torch.where(nudged & (probs == 0), running.nextafter(inf), running)  # rises across no mass
+    running = torch.where(nudged & (probs > 0), running.nextafter(-inf), running)  # and falls
+    total = running[:, -1:]
+    # each step up at a token without mass, hit: u x total just at the total before it
+    steps = (probs == 0) & nudged
+    u = torch.cat([torch.where(steps, running.nextafter(-inf) / total, 0.0), torch.rand(2, 4096)], dim=1).T
+    for row in range(2):
+        rows = probs[row].expand(len(u), -1).contiguous()
+        totals = running[row].expand(len(u), -1).contiguous()
+        plain = sampler_module._search(totals, u[:, row : row + 1]).squeeze(1)
+        assert (rows.gather(1, plain[:, None]) == 0).sum() > 100  # the case is forced
+        chosen = sampler_module.invert(rows, totals, u[:, row : row + 1])
+        assert bool((rows.gather(1, chosen[:, None]) > 0).all())
+
+
 def test_draw_takes_one_number_from_a_seeded_rows_generator() -> None:
     """A seeded row's draw depends on its generator alone: one uniform each, so its stream stays aligned."""
     probs = torch.full((1, 1000), 1.0)
