@@ -26,9 +26,6 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-import xgrammar as xgr
-
-from executor.grammar_compile import compile_spec
 from shared.structured_outputs import StructuredOutputsParams
 
 NICENESS = 10  # added to the executor's nice value for compiles: the engine's threads come first for the CPU
@@ -163,6 +160,11 @@ def serve(conn: Connection, parent_pid: int, niceness: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getpriority(os.PRIO_PROCESS, 0) < niceness:  # on Linux it comes with it from the compile thread
         os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    # here, not at the top: the executor imports this module whether or not the library is installed
+    import xgrammar as xgr
+
+    from executor.grammar_compile import compile_spec
+
     try:
         info = xgr.TokenizerInfo.deserialize_json(conn.recv_bytes().decode())
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

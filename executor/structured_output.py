@@ -28,9 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-import xgrammar as xgr
 
-from executor.grammar_compile import compile_spec
 from executor.grammar_worker import (
     CompileTimeout,
     GrammarWorker,
@@ -40,6 +38,16 @@ from executor.grammar_worker import (
 )
 from executor.tenant_turns import TenantTurns
 from shared.structured_outputs import StructuredOutputsParams
+
+try:
+    import xgrammar as xgr
+
+    from executor.grammar_compile import compile_spec
+except ImportError as error:  # an executor serves without it (the GPU image has none): Grammars says why
+    xgr = compile_spec = None
+    _library_missing: ImportError | None = error
+else:
+    _library_missing = None
 
 log = logging.getLogger("kvserve.structured_output")
 
@@ -79,6 +87,11 @@ class Grammars:
         timeout_s: float,
         max_cached: int = MAX_CACHED_GRAMMARS,
     ) -> None:
+        if _library_missing is not None:
+            raise ValueError(
+                "structured_outputs: this executor cannot enforce them: its grammar library is missing "
+                f"({_library_missing}; pip install xgrammar)"
+            )
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
