@@ -22,7 +22,7 @@ from executor.engine_setup import (
 )
 from executor.kv_block_seconds import KVBlockSeconds
 from executor.kv_sizing import pick_device_and_dtype
-from executor.model_runner import StepLogits
+from executor.model_runner import PROMPT_LOGITS_ROWS, StepLogits
 from executor.request import Request
 from executor.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from executor.sampling_state import PromptTerms, SamplingState
@@ -409,13 +409,18 @@ class Engine:
         )
 
     def _score_prompts(self, step) -> None:
-        """Prompt logprobs from the rows of this step's forward pass: raw distribution, log-softmax in float32."""
+        """Prompt logprobs from the rows of this step's forward pass: raw distribution, log-softmax in float32,
+        PROMPT_LOGITS_ROWS rows of logits at a time."""
         targets, num_top = [], []
         for request, first, count in step.prompt_rows:
             targets += request.prompt_token_ids[first : first + count]
             num_top += [request.params.prompt_logprobs] * count
-        index = torch.tensor(targets, device=step.prompt_logits.device)
-        scored = logprobs_of(step.prompt_logits, index, num_top)
+        index = torch.tensor(targets, device=step.prompt_hidden.device)
+        scored: list[TokenLogprobs] = []
+        for start in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            end = start + PROMPT_LOGITS_ROWS
+            logits = self.runner.logits(step.prompt_hidden[start:end])
+            scored += logprobs_of(logits, index[start:end], num_top[start:end])
         done = 0
         for request, first, count in step.prompt_rows:
             request.prompt_logprobs += scored[done : done + count]
@@ -437,7 +442,7 @@ class Engine:
             offset += n
         index = torch.tensor(rows, device=step.logits.device)
         return StepLogits(
-            requests, step.logits.index_select(0, index), num_rows, step.prompt_rows, step.prompt_logits
+            requests, step.logits.index_select(0, index), num_rows, step.prompt_rows, step.prompt_hidden
         )
 
     def _sample(self, step) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:

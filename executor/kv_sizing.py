@@ -7,9 +7,13 @@ import logging
 
 import torch
 
+from executor.model_runner import PROMPT_LOGITS_ROWS
 from executor.models import AttentionBatch, DecoderLM
+from executor.sampler import Sampler, SamplingRow, logprobs_of
+from executor.sampling_state import SamplingState
 from kernels.backend import AttentionBackend
 from shared.engine_config import EngineConfig
+from shared.sampling_params import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS, SamplingParams
 
 log = logging.getLogger("kvserve.engine")
 
@@ -38,23 +42,45 @@ def kv_cache_bytes(
         return int(config.kv_cache_memory)
     if device.type != "cuda":
         return CPU_DEFAULT_KV_BYTES
-    return _profile_cuda(config, model, device, dtype, attention)
+    return profile_kv_bytes(config, model, device, dtype, attention, torch.cuda)
+
+
+def worst_sampling_params(vocab_size: int) -> SamplingParams:
+    """A request whose sampling holds the most memory: every filter and penalty, the most logprobs, and a
+    logit_bias (a dense row of the vocabulary for as long as it runs)."""
+    return SamplingParams(
+        temperature=0.7,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        logprobs=MAX_LOGPROBS,
+        logit_bias={vocab_size - 1: 1.0},
+    )
 
 
 @torch.inference_mode()
-def _profile_cuda(
+def profile_kv_bytes(
     config: EngineConfig,
     model: DecoderLM,
     device: torch.device,
     dtype: torch.dtype,
     attention: AttentionBackend,
+    memory,
 ) -> int:
-    """gpu_memory_utilization x device memory, minus what others hold, weights and the peak of a full step,
-    run with the kernels that will serve (their scratch memory differs)."""
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    free, total = torch.cuda.mem_get_info(device)
-    held_by_others = (total - free) - torch.cuda.memory_reserved(device)
+    """gpu_memory_utilization x device memory, minus what others hold, weights and the peak of the worst step,
+    run with the kernels that will serve (their scratch memory differs). memory is torch.cuda (a stand-in in
+    tests): mem_get_info, memory_reserved, max_memory_allocated and their resets.
+
+    The worst step: a full token budget through the model, then every logits row a step can hold at once:
+    max_num_seqs x (1 + proposals) sampled with every filter, penalty and the most logprobs, alongside one
+    slice of prompt logprobs (PROMPT_LOGITS_ROWS, the most the step computes at a time)."""
+    memory.empty_cache()
+    memory.reset_peak_memory_stats(device)
+    free, total = memory.mem_get_info(device)
+    held_by_others = (total - free) - memory.memory_reserved(device)
     spec = model.spec
     n = config.max_num_batched_tokens
     bs = config.block_size
@@ -73,11 +99,21 @@ def _profile_cuda(
     )
     input_ids = torch.zeros(n, dtype=torch.int64, device=device)
     hidden = model(input_ids, positions, caches, batch)
-    model.compute_logits(hidden[-min(n, config.max_num_seqs) :]).softmax(-1)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - scratch.numel() * scratch.element_size()
-    del scratch, caches, hidden
-    torch.cuda.empty_cache()
+    num_sampled = config.max_num_seqs * (1 + config.num_speculative_tokens)
+    logits = model.compute_logits(hidden[-min(n, num_sampled) :])
+    prompt_hidden = hidden[: min(n, PROMPT_LOGITS_ROWS)].clone()
+    del hidden
+    num_prompt = prompt_hidden.shape[0]
+    logprobs_of(
+        model.compute_logits(prompt_hidden), input_ids[:num_prompt], [MAX_PROMPT_LOGPROBS] * num_prompt
+    )
+    params = worst_sampling_params(spec.vocab_size)
+    rows = [SamplingRow(SamplingState.of(params, [0]), None) for _ in range(logits.shape[0])]
+    Sampler()(logits, rows)
+    memory.synchronize(device)
+    peak = memory.max_memory_allocated(device) - scratch.numel() * scratch.element_size()
+    del scratch, caches, logits, prompt_hidden, rows
+    memory.empty_cache()
     budget = int(total * config.gpu_memory_utilization) - held_by_others - peak
     log.info(
         "profiling: %.2f GiB device, %.2f GiB held by others, %.2f GiB weights+activation peak -> %.2f GiB for KV",

@@ -17,6 +17,11 @@ from executor.models import AttentionBatch, DecoderLM
 from executor.request import Request
 from kernels.backend import TORCH, AttentionBackend
 
+# prompt logprobs: logits are computed (and scored) for this many prompt positions at a time, so that a step's
+# logits never exceed max(this, its sampled rows) x vocabulary; every position at once would be a step's whole
+# token budget (8,192 x 49k float32 rows: 1.6 GB, and again as log-softmax)
+PROMPT_LOGITS_ROWS = 256
+
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros, its pages mapped now (by torch's threads), in 2 MiB pages where transparent huge
@@ -44,9 +49,10 @@ class StepLogits:
     # per request: 1, plus the proposals it verifies this step (one row of logits each)
     num_rows: list[int]
     # prompt logprobs: (request, first prompt token scored, how many) per request that asked, and their rows'
-    # logits [sum(how many), V] in that order: the row of position p scores prompt token p + 1
+    # hidden states [sum(how many), H] in that order (ModelRunner.logits, PROMPT_LOGITS_ROWS at a time): the
+    # row of position p scores prompt token p + 1
     prompt_rows: list[tuple[Request, int, int]]
-    prompt_logits: torch.Tensor | None
+    prompt_hidden: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -141,23 +147,32 @@ class ModelRunner:
                     chunk.first_prompt_row, chunk.num_prompt_rows = first - start, last - first
                     prompt_rows.append((req, first + 1, last - first))
             chunks.append(chunk)
-        logits = self.run(chunks)
+        hidden = self.forward(chunks)
         num_sampled = sum(num_rows)
-        prompt_logits = logits[num_sampled:] if prompt_rows else None
-        return StepLogits(sampled, logits[:num_sampled], num_rows, prompt_rows, prompt_logits)
+        prompt_hidden = hidden[num_sampled:] if prompt_rows else None
+        return StepLogits(sampled, self.logits(hidden[:num_sampled]), num_rows, prompt_rows, prompt_hidden)
+
+    def run(self, chunks: list[Chunk]) -> torch.Tensor:
+        """One forward pass over chunks that want no prompt rows; logits [sum(num_logits), V] in chunk order."""
+        return self.logits(self.forward(chunks))
 
     @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> torch.Tensor:
-        """One forward pass over every chunk; logits [sum(num_logits), V] in chunk order, then the prompt rows'
-        [sum(num_prompt_rows), V], also in chunk order."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, V] float32 logits of hidden states; none for none."""
+        if hidden.shape[0] == 0:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """One forward pass over every chunk; the hidden states of the rows that want logits
+        [sum(num_logits), H] in chunk order, then those of the prompt rows [sum(num_prompt_rows), H], also in
+        chunk order."""
         rows = self._decode_rows(chunks)
         if rows is not None:
-            return self.model.compute_logits(self.decode_graphs.run(rows))
+            return self.decode_graphs.run(rows)
         batch, input_ids, positions, logit_rows = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, batch)
-        if logit_rows.numel() == 0:
-            return hidden.new_empty((0, 0))
-        return self.model.compute_logits(hidden[logit_rows])
+        return self.model(input_ids, positions, self.kv_caches, batch)[logit_rows]
 
     def _decode_rows(self, chunks: list[Chunk]) -> list[DecodeRow] | None:
         """The step as decode rows when a decode graph can run it: one new token and its logits per chunk."""
