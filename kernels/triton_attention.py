@@ -207,16 +207,22 @@ def _combine_splits_kernel(
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def _cuda_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _choose_num_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int, max_context: int) -> int:
+def _num_sms(device: torch.device) -> int | None:
+    """The device's multiprocessors; None off a GPU (the interpreter), where the context is never split."""
+    if device.type != "cuda":
+        return None
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, max_context: int, sms: int | None) -> int:
     """Split the context only for decode-like batches (one query per sequence) too few to fill the GPU."""
-    if query.device.type != "cuda" or query.shape[0] != num_seqs or max_context < 1024:
+    if sms is None or num_tokens != num_seqs or max_context < 1024:
         return 1
     programs = num_seqs * num_kv_heads
-    sms = _num_sms(query.device.index if query.device.index is not None else torch.cuda.current_device())
     if programs >= 2 * sms:
         return 1
     splits = max(1, min(16, triton.cdiv(2 * sms, programs), max_context // 512))
@@ -255,7 +261,10 @@ def paged_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     tile_n = 64 if decode_like or head_dim_pad <= 64 else 32
     if num_kv_splits is None:
-        num_kv_splits = _choose_num_splits(query, num_seqs, num_kv_heads, block_table.shape[1] * block_size)
+        max_context = block_table.shape[1] * block_size
+        num_kv_splits = _choose_num_splits(
+            num_tokens, num_seqs, num_kv_heads, max_context, _num_sms(query.device)
+        )
     if num_kv_splits > 1:
         part_out = torch.empty(
             (num_tokens, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=query.device

@@ -7,6 +7,7 @@ with the Triton kernels in Triton's interpreter; with CUDA, real graphs are capt
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,78 @@ def test_engine_on_cuda_captures_graphs_and_gives_the_eager_tokens(tiny_models):
             assert sorted(graphs.graphs) == capture_sizes(16)
         outputs.append(_greedy_tokens(llm))
     assert outputs[0] == outputs[1]
+
+
+@pytest.fixture(scope="module")
+def default_layout(default_model, tmp_path_factory) -> str:
+    """The default model's layout (9 query / 3 KV heads of 64, 576 wide, 49k vocabulary) in bf16, with its own
+    first two layers. Not random weights: in bf16 those give near-ties every few tokens (top-2 margins of one
+    bf16 step at the logits' size), where greedy agreement between any two kernels hinges on rounding."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, path = Path(default_model), tmp_path_factory.mktemp("default-layout")
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    (path / "config.json").write_text(json.dumps(config))
+    kept = re.compile(r"model\.layers\.(\d+)\.")
+    weights = {
+        name: tensor.to(torch.bfloat16)
+        for name, tensor in load_file(source / "model.safetensors").items()
+        if (match := kept.match(name)) is None or int(match.group(1)) < 2
+    }
+    save_file(weights, path / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy2(source / name, path / name)
+    return str(path)
+
+
+H200_SMS = 132
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the interpreter is off: on CUDA the test above captures graphs")
+def test_default_layout_in_bf16_padded_with_an_h200s_splits_gives_the_torch_tokens(
+    default_layout, monkeypatch
+):
+    """What an H200 runs first: bf16, the padded decode path at max_model_len 2048, the Triton kernel splitting
+    each context as it would over 132 multiprocessors; greedy tokens as the torch backend's."""
+    from kernels import triton_attention
+
+    splits = []
+    choose = triton_attention._choose_num_splits
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: H200_SMS)
+    monkeypatch.setattr(
+        triton_attention, "_choose_num_splits", lambda *args: splits.append(choose(*args)) or splits[-1]
+    )
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            default_layout,
+            device="cpu",
+            dtype="bfloat16",
+            attention_backend=backend,
+            max_model_len=2048,
+            kv_cache_memory="16MiB",
+            max_num_seqs=4,
+        )
+        if backend == "triton":
+            llm.engine.runner.enable_decode_graphs(4, llm.engine.max_model_len, capture=False)
+        runs[backend] = [o.outputs[0] for o in llm.generate(TEXTS, params)]
+    for want, got in zip(runs["torch"], runs["triton"], strict=True):
+        differ = next(
+            (i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids, strict=False)) if a != b), None
+        )
+        if differ is not None:  # say whether it was a near-tie
+            margin = want.logprobs[differ].top[0][1] - want.logprobs[differ].top[1][1]
+            pytest.fail(
+                f"step {differ}: {got.token_ids} != {want.token_ids}; torch's top-2 margin {margin:.3f}"
+            )
+    assert 4 in splits  # the padded decodes (a block table 2048 wide, 3 KV heads, 4 rows) split in four
