@@ -211,16 +211,25 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _choose_num_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int, max_context: int) -> int:
+def choose_num_splits(
+    num_tokens: int, num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int
+) -> int:
     """Split the context only for decode-like batches (one query per sequence) too few to fill the GPU."""
-    if query.device.type != "cuda" or query.shape[0] != num_seqs or max_context < 1024:
+    if num_tokens != num_seqs or max_context < 1024:
         return 1
     programs = num_seqs * num_kv_heads
-    sms = _num_sms(query.device.index if query.device.index is not None else torch.cuda.current_device())
-    if programs >= 2 * sms:
+    if programs >= 2 * num_sms:
         return 1
-    splits = max(1, min(16, triton.cdiv(2 * sms, programs), max_context // 512))
+    splits = max(1, min(16, triton.cdiv(2 * num_sms, programs), max_context // 512))
     return 1 << (splits.bit_length() - 1)  # a power of two: few variants to compile
+
+
+def _choose_num_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int, max_context: int) -> int:
+    """choose_num_splits for the GPU query is on; 1 off CUDA (the interpreter)."""
+    if query.device.type != "cuda":
+        return 1
+    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    return choose_num_splits(query.shape[0], num_seqs, num_kv_heads, max_context, _num_sms(index))
 
 
 def paged_attention(
