@@ -218,14 +218,16 @@ def _num_sms(device: torch.device) -> int | None:
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, max_context: int, sms: int | None) -> int:
+def choose_num_splits(
+    num_tokens: int, num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int | None
+) -> int:
     """Split the context only for decode-like batches (one query per sequence) too few to fill the GPU."""
-    if sms is None or num_tokens != num_seqs or max_context < 1024:
+    if num_sms is None or num_tokens != num_seqs or max_context < 1024:
         return 1
     programs = num_seqs * num_kv_heads
-    if programs >= 2 * sms:
+    if programs >= 2 * num_sms:
         return 1
-    splits = max(1, min(16, triton.cdiv(2 * sms, programs), max_context // 512))
+    splits = max(1, min(16, triton.cdiv(2 * num_sms, programs), max_context // 512))
     return 1 << (splits.bit_length() - 1)  # a power of two: few variants to compile
 
 
@@ -262,7 +264,7 @@ def paged_attention(
     tile_n = 64 if decode_like or head_dim_pad <= 64 else 32
     if num_kv_splits is None:
         max_context = block_table.shape[1] * block_size
-        num_kv_splits = _choose_num_splits(
+        num_kv_splits = choose_num_splits(
             num_tokens, num_seqs, num_kv_heads, max_context, _num_sms(query.device)
         )
     if num_kv_splits > 1:

@@ -197,7 +197,6 @@ def default_layout(default_model, tmp_path_factory) -> str:
     return str(path)
 
 
-H200_SMS = 132
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -212,12 +211,13 @@ def test_default_layout_in_bf16_padded_with_an_h200s_splits_gives_the_torch_toke
     """What an H200 runs first: bf16, the padded decode path at max_model_len 2048, the Triton kernel splitting
     each context as it would over 132 multiprocessors; greedy tokens as the torch backend's."""
     from kernels import triton_attention
+    from kernels.triton_compile_check import H200_SMS
 
     splits = []
-    choose = triton_attention._choose_num_splits
+    choose = triton_attention.choose_num_splits
     monkeypatch.setattr(triton_attention, "_num_sms", lambda device: H200_SMS)
     monkeypatch.setattr(
-        triton_attention, "_choose_num_splits", lambda *args: splits.append(choose(*args)) or splits[-1]
+        triton_attention, "choose_num_splits", lambda *args: splits.append(choose(*args)) or splits[-1]
     )
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
     runs = {}
