@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.triton_mode import interpret_on_cpu_only_machines
 
@@ -244,3 +245,47 @@ def test_default_layout_in_bf16_padded_with_an_h200s_splits_gives_the_torch_toke
                 f"step {differ}: {got.token_ids} != {want.token_ids}; torch's top-2 margin {margin:.3f}"
             )
     assert 4 in splits  # the padded decodes (a block table 2048 wide, 3 KV heads, 4 rows) split in four
+
+
+class HostReads(TorchDispatchMode):
+    """The ops that read a device tensor's values back to the host (a scalar, or a shape that depends on them):
+    inside a CUDA graph's capture each is an error, and in a replay a value frozen at capture."""
+
+    READS = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten.equal.default,
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETING, reason="interpreter off"))],
+)
+def test_the_captured_forward_reads_nothing_back_to_the_host(default_layout, backend):
+    """What capture runs (the padded decode forward) must size everything from shapes: the Triton backend does;
+    the torch backend reads the lengths back, which is why it never captures."""
+    attention = _backend(backend, "cpu")
+    model_dir = Path(default_layout)
+    model = build_model(
+        decoder_spec(read_config(model_dir)), load_weights(model_dir), torch.bfloat16, torch.device("cpu")
+    )
+    runner = ModelRunner(model, 24, BLOCK, torch.device("cpu"), torch.bfloat16, attention)
+    runner.enable_decode_graphs(max_num_seqs=4, max_model_len=2048, capture=False)
+    _prefill(runner, PROMPTS, TABLES)
+    graphs = runner.decode_graphs
+    rows = runner._decode_rows(_decode_chunks(0))
+    graphs._fill(rows, 4)
+    with HostReads() as reads:
+        graphs._forward(4)
+    assert (reads.seen == []) == (backend == "triton"), reads.seen
