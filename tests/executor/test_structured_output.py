@@ -422,3 +422,20 @@ def test_drawn_draft_proposals_the_grammar_refuses_are_rejected(tiny):
     assert llm.stats()["spec_draft_tokens"] > 0
     for out in outs:
         assert re.fullmatch("((ab|cd)+)?[ac]?", out.outputs[0].text), out.outputs[0].text
+
+
+def test_without_the_grammar_library_a_structured_request_is_refused_naming_it(tiny_models, monkeypatch):
+    """As on the GPU image, which has no xgrammar: the engine serves, and only a request that needs the library
+    is refused, with a message saying which and how to install it."""
+    from executor import structured_output
+
+    monkeypatch.setattr(structured_output, "_library_missing", ImportError("No module named 'xgrammar'"))
+    llm = LLM(tiny_models["llama"], device="cpu", kv_cache_memory="8MiB")
+    plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(
+        ValueError, match=r"structured_outputs: .*No module named 'xgrammar'.*pip install xgrammar"
+    ):
+        llm.generate([[5, 6, 7]], constrained)
+    assert len(llm.generate([[5, 6, 7]], plain)[0].outputs[0].token_ids) == 3
+    assert not llm.engine.has_unfinished()
