@@ -1,23 +1,32 @@
-"""One check of the GPU path, JSON out: the Triton kernels against their torch twins on CUDA, decode-attention
-bandwidth as a share of the device's peak (beside torch SDPA over a gathered contiguous cache), and end-to-end
-output tokens/s of the default model at several concurrencies. Sized to finish within 8 minutes on one GPU.
+"""One check of the GPU path, JSON out, in sections that gpu_session.sh runs as separate processes:
 
-python -m bench.gpu_check [--peak-gbps 4800] [--out gpu_check.json] [--skip-e2e]
+- kernels: each Triton kernel against its torch twin, in each input dtype;
+- e2e: the attention backends' greedy tokens on the same prompts, and one engine that sizes its KV cache by
+  profiling GPU memory (bench/gpu_e2e.py);
+- figures: decode-attention bandwidth as a share of the device's peak (beside torch SDPA over a gathered
+  contiguous cache), and output tokens/s at several concurrencies with CUDA graphs on and off.
+
+The JSON is rewritten after every row, so a process killed at its timeout keeps all it had produced; a section
+that raises is reported with its traceback and the next one still runs. --toy shrinks every size, for a dry run
+in Triton's interpreter on CPU (--device cpu).
+
+python -m bench.gpu_check [--section all|kernels|e2e|figures] [--out FILE] [--peak-gbps 4800] [--toy]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import random
+import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
+from bench import gpu_e2e, gpu_report
 from kernels import reference
 
 # peak memory bandwidth in GB/s by device name; the first entry whose key the name contains wins, so the
@@ -40,6 +49,7 @@ PEAK_GBPS = {
 
 # attention shapes for the decode benchmark: (query heads, KV heads, head dim)
 DECODE_SHAPES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+TOY_DECODE_SHAPES = {"toy": (4, 2, 64)}
 
 
 # input dtype -> largest error allowed, relative to 1 + |expected| (see _max_error)
@@ -53,53 +63,89 @@ ATTENTION_CASES = {
     "decode-2000-split4": ([1], [2000], 8, 1, 128, 32, 4),
     "decodes-auto-split": ([1] * 8, [1, 5, 100, 700, 1500, 2000, 17, 64], 32, 8, 128, 16, None),
 }
+TOY_ATTENTION_CASES = {"mixed": ([1, 7, 1], [40, 7, 17], 4, 2, 64, 16, None)}
+TOY_TOLERANCE = {torch.float32: TOLERANCE[torch.float32], torch.bfloat16: TOLERANCE[torch.bfloat16]}
+# what --toy sets, whatever else was asked: each section runs in seconds in Triton's interpreter
+TOY_SIZES = {
+    "decode_batch": 2,
+    "decode_context": 40,
+    "iters": 1,
+    "e2e_concurrency": [2],
+    "e2e_prompt_len": 8,
+    "e2e_output_len": 3,
+    "concurrency": [2],
+    "prompt_len": 8,
+    "output_len": 2,
+    "kv_cache_memory": "16MiB",
+}
+SECTIONS = {
+    "kernels": ("correctness",),
+    "e2e": ("end_to_end", "profiling"),
+    "figures": ("decode_attention", "throughput"),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth in GB/s")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
-    parser.add_argument("--decode-batch", type=int, default=64)
-    parser.add_argument("--decode-context", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--model", default=None, help="end-to-end model (default: the default model)")
-    parser.add_argument("--concurrency", default="1,16,64,256", help="end-to-end concurrent requests")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--section", default="all", choices=["all", *SECTIONS])
+    parser.add_argument("--out", default=None, help="also write the JSON here, rewritten after every row")
     parser.add_argument(
-        "--e2e-backends",
-        default="triton,triton-eager,torch",
-        help="attention backends to serve with; -eager: no CUDA graphs",
+        "--toy", action="store_true", help="toy sizes everywhere (overrides them), for a dry run"
     )
-    parser.add_argument("--skip-e2e", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=420, help="skip what would start after this")
-    parser.add_argument("--kv-cache-memory", default="16GiB", help="end-to-end KV pool")
-    parser.add_argument("--iters", type=int, default=50, help="timed calls per decode variant")
     parser.add_argument(
         "--device",
         default="cuda",
         choices=["cuda", "cpu"],
         help="cpu: Triton's interpreter, to test this script",
     )
+    parser.add_argument(
+        "--budget-s", type=float, default=420, help="start no engine that would end after this"
+    )
+    parser.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth in GB/s")
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-context", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per decode variant")
+    parser.add_argument("--model", default=None, help="the model to serve (default: the default model)")
+    parser.add_argument("--no-model", action="store_true", help="none to serve: engine rows say skipped")
+    parser.add_argument(
+        "--kv-cache-memory", default="16GiB", help="KV pool of every engine but the profiled one"
+    )
+    parser.add_argument(
+        "--e2e-backends",
+        default="triton,triton-eager,torch",
+        help="e2e: attention backends whose greedy tokens are compared; -eager: no CUDA graphs",
+    )
+    parser.add_argument("--e2e-concurrency", default="1,8", help="e2e: concurrent requests")
+    parser.add_argument("--e2e-prompt-len", type=int, default=128)
+    parser.add_argument("--e2e-output-len", type=int, default=32)
+    parser.add_argument(
+        "--throughput-backends",
+        default="triton,triton-eager",
+        help="figures: backends timed (graphs on, off)",
+    )
+    parser.add_argument("--concurrency", default="1,64,256", help="figures: concurrent requests timed")
+    parser.add_argument("--prompt-len", type=int, default=512, help="figures: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="figures: output tokens")
     args = parser.parse_args(argv)
-    args.concurrency = [int(n) for n in args.concurrency.split(",")]
-    args.e2e_backends = args.e2e_backends.split(",")
-    for backend in args.e2e_backends:
-        try:
-            split_backend(backend)
-        except ValueError as error:
-            parser.error(f"--e2e-backends: {error}")
+    for name in ("concurrency", "e2e_concurrency"):
+        setattr(args, name, [int(n) for n in getattr(args, name).split(",")])
+    for name in ("e2e_backends", "throughput_backends"):
+        setattr(args, name, getattr(args, name).split(","))
+        for backend in getattr(args, name):
+            try:
+                gpu_e2e.split_backend(backend)
+            except ValueError as error:
+                parser.error(f"--{name.replace('_', '-')}: {error}")
+    args.attention_cases, args.tolerance, args.decode_shapes = ATTENTION_CASES, TOLERANCE, DECODE_SHAPES
+    if args.toy:
+        vars(args).update(TOY_SIZES)
+        args.attention_cases, args.tolerance, args.decode_shapes = (
+            TOY_ATTENTION_CASES,
+            TOY_TOLERANCE,
+            TOY_DECODE_SHAPES,
+        )
     return args
-
-
-def split_backend(backend: str) -> tuple[str, bool]:
-    """'triton-eager' -> ('triton', True): the attention backend, and whether CUDA graphs are off."""
-    from shared.engine_config import ATTENTION_BACKENDS
-
-    name, _, mode = backend.partition("-")
-    if name not in ATTENTION_BACKENDS or mode not in ("", "eager"):
-        raise ValueError(f"{backend!r} is not auto, torch or triton, optionally with -eager")
-    return name, mode == "eager"
 
 
 def peak_gbps(device_name: str, override: float | None = None) -> float | None:
@@ -163,53 +209,58 @@ def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float() - expected).abs() / (1 + expected.abs())).max().item()
 
 
-def correctness(device: str) -> list[dict]:
-    """Each Triton kernel against its torch twin, in each input dtype."""
+def correctness(device: str, cases: dict, tolerance: dict) -> Iterator[dict]:
+    """Each Triton kernel against its torch twin, in each input dtype. A case that raises is reported failed with
+    its error, and the next still runs (after a CUDA fault, which poisons the process, they fail too)."""
+    checks = [(f"paged_attention/{name}", case) for name, case in cases.items()]
+    checks += [
+        (kernel, None) for kernel in ("reshape_and_cache", "rms_norm", "add_rms_norm", "rotary_embedding")
+    ]
+    for dtype, tol in tolerance.items():
+        for kernel, case in checks:
+            row = {"kernel": kernel, "dtype": str(dtype).removeprefix("torch.")}
+            try:
+                error = _kernel_error(kernel, case, dtype, device)
+            except Exception as failure:
+                traceback.print_exc()
+                yield row | {"error": repr(failure), "ok": False}
+                continue
+            limit = 0.0 if kernel == "reshape_and_cache" else tol  # a copy: exact
+            yield row | {"max_error": error, "ok": error <= limit}
+
+
+def _kernel_error(kernel: str, case: tuple | None, dtype: torch.dtype, device: str) -> float:
+    """The Triton kernel's largest error against its twin's (see _max_error), on random inputs."""
     from kernels import triton_attention, triton_cache, triton_norm_rope
 
-    results = []
-    for dtype, tol in TOLERANCE.items():
-        for name, (q_lens, lens, heads, kv_heads, dim, bs, splits) in ATTENTION_CASES.items():
-            args = paged_batch(q_lens, lens, heads, kv_heads, dim, bs, dtype, device)
-            got = triton_attention.paged_attention(*args, scale=dim**-0.5, num_kv_splits=splits)
-            # the twin builds its masks on the CPU
-            expected = reference.paged_attention(*(a.cpu() for a in args), scale=dim**-0.5)
-            results.append(_case(f"paged_attention/{name}", dtype, _max_error(got, expected), tol))
+    if case is not None:
+        q_lens, lens, heads, kv_heads, dim, bs, splits = case
+        args = paged_batch(q_lens, lens, heads, kv_heads, dim, bs, dtype, device)
+        got = triton_attention.paged_attention(*args, scale=dim**-0.5, num_kv_splits=splits)
+        # the twin builds its masks on the CPU
+        return _max_error(got, reference.paged_attention(*(a.cpu() for a in args), scale=dim**-0.5))
+    if kernel == "reshape_and_cache":
         key = torch.randn(40, 3, 64, device=device).to(dtype)
         caches = [torch.zeros(8, 16, 3, 64, dtype=dtype, device=device) for _ in range(4)]
         slots = torch.randperm(128, device=device)[:40]
         triton_cache.reshape_and_cache(key, key * 2, caches[0], caches[1], slots)
         reference.reshape_and_cache(key, key * 2, caches[2], caches[3], slots)
-        error = max(_max_error(caches[0], caches[2]), _max_error(caches[1], caches[3]))
-        results.append(_case("reshape_and_cache", dtype, error, 0.0))
-        x, residual = (torch.randn(33, 576, device=device).to(dtype) for _ in range(2))
-        weight = torch.randn(576, device=device).to(dtype)
-        error = _max_error(triton_norm_rope.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
-        results.append(_case("rms_norm", dtype, error, tol))
+        return max(_max_error(caches[0], caches[2]), _max_error(caches[1], caches[3]))
+    x, residual = (torch.randn(33, 576, device=device).to(dtype) for _ in range(2))
+    weight = torch.randn(576, device=device).to(dtype)
+    if kernel == "rms_norm":
+        return _max_error(triton_norm_rope.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    if kernel == "add_rms_norm":
         got = triton_norm_rope.add_rms_norm(x, residual, weight, 1e-5)
         expected = reference.add_rms_norm(x, residual, weight, 1e-5)
-        error = max(_max_error(a, b) for a, b in zip(got, expected, strict=True))
-        results.append(_case("add_rms_norm", dtype, error, tol))
-        angles = torch.randn(33, 32, device=device).repeat(1, 2) * 100
-        q, k = (
-            torch.randn(33, 9, 64, device=device).to(dtype),
-            torch.randn(33, 3, 64, device=device).to(dtype),
-        )
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        got = triton_norm_rope.rotary_embedding(q, k, cos, sin)
-        expected = reference.rotary_embedding(q, k, cos, sin)
-        error = max(_max_error(a, b) for a, b in zip(got, expected, strict=True))
-        results.append(_case("rotary_embedding", dtype, error, tol))
-    return results
-
-
-def _case(name: str, dtype: torch.dtype, error: float, tolerance: float) -> dict:
-    return {
-        "kernel": name,
-        "dtype": str(dtype).removeprefix("torch."),
-        "max_error": error,
-        "ok": error <= tolerance,
-    }
+        return max(_max_error(a, b) for a, b in zip(got, expected, strict=True))
+    angles = torch.randn(33, 32, device=device).repeat(1, 2) * 100
+    q = torch.randn(33, 9, 64, device=device).to(dtype)
+    k = torch.randn(33, 3, 64, device=device).to(dtype)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got = triton_norm_rope.rotary_embedding(q, k, cos, sin)
+    expected = reference.rotary_embedding(q, k, cos, sin)
+    return max(_max_error(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def time_calls(fn: Callable[[], object], device: str, iters: int = 50, warmup: int = 5) -> float:
@@ -231,19 +282,17 @@ def time_calls(fn: Callable[[], object], device: str, iters: int = 50, warmup: i
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def decode_benchmark(args: argparse.Namespace, peak: float | None) -> list[dict]:
-    """Decode attention over a bf16 paged cache, for each shape in DECODE_SHAPES."""
-    results = []
-    for shape_name, (heads, kv_heads, dim) in DECODE_SHAPES.items():
-        results += _decode_shape(shape_name, heads, kv_heads, dim, args, peak)
+def decode_benchmark(args: argparse.Namespace, peak: float | None) -> Iterator[dict]:
+    """Decode attention over a bf16 paged cache, for each shape in args.decode_shapes."""
+    for shape_name, (heads, kv_heads, dim) in args.decode_shapes.items():
+        yield from _decode_shape(shape_name, heads, kv_heads, dim, args, peak)
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    return results
 
 
 def _decode_shape(
     shape_name: str, heads: int, kv_heads: int, dim: int, args: argparse.Namespace, peak: float | None
-) -> list[dict]:
+) -> Iterator[dict]:
     """Triton (as chosen, and unsplit), our torch path, and torch SDPA over contiguous K/V, with and without
     the gather that makes them contiguous."""
     import torch.nn.functional as F
@@ -277,96 +326,19 @@ def _decode_shape(
         "sdpa-gather-then-attend": sdpa_after_gather,
     }
     baseline = sdpa_contiguous().squeeze(2)
-    results = []
     for name, fn in variants.items():
         out = fn()
         seconds = time_calls(fn, args.device, args.iters)
-        results.append(
-            {
-                "shape": shape_name,
-                "variant": name,
-                "batch": batch,
-                "context": context,
-                "us_per_call": round(seconds * 1e6, 1),
-                "bytes_moved": moved,
-                **bandwidth(moved, seconds, peak),
-                "max_error_vs_sdpa": _max_error(out.reshape(baseline.shape), baseline),
-            }
-        )
-    return results
-
-
-def end_to_end(args: argparse.Namespace, deadline: float) -> list[dict]:
-    """Offline serving of the default model on CUDA: N requests at once, output tokens/s until all finish, for
-    each backend in --e2e-backends ("triton" captures decode graphs, "triton-eager" does not). A backend that
-    fails is reported with its error and the next one still runs. Each row also says how many of its greedy
-    tokens match the first backend's on the same prompts."""
-    results: list[dict] = []
-    first_tokens: dict[int, list[list[int]]] = {}  # concurrency -> the first backend's tokens
-    for backend in args.e2e_backends:
-        try:
-            results += _serve(args, backend, deadline, first_tokens)
-        except Exception as error:
-            traceback.print_exc()
-            results.append({"backend": backend, "error": repr(error), "traceback": traceback.format_exc()})
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-    return results
-
-
-def _serve(args: argparse.Namespace, backend: str, deadline: float, first_tokens: dict) -> list[dict]:
-    from executor import LLM, SamplingParams
-
-    name, enforce_eager = split_backend(backend)
-    started = time.perf_counter()
-    llm = LLM(
-        args.model,
-        device=args.device,
-        attention_backend=name,
-        kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=enforce_eager,
-    )
-    start_s = round(time.perf_counter() - started, 1)
-    graphs = llm.engine.runner.decode_graphs
-    rng = random.Random(0)  # every backend gets the same prompts
-    vocab = llm.engine.vocab_size
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    results = []
-    for n in args.concurrency:
-        if time.perf_counter() > deadline:
-            results.append({"backend": backend, "concurrency": n, "skipped": "time budget spent"})
-            continue
-        # warm-up (Triton compiles the shapes of this batch) on other prompts: the prefix cache must not hold
-        # the measured ones
-        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(2 * n)]
-        llm.generate(prompts[n:], SamplingParams(max_tokens=2, ignore_eos=True))
-        prompts = prompts[:n]
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)  # the tokens reach the host: no sync needed
-        seconds = time.perf_counter() - start
-        tokens = [list(out.outputs[0].token_ids) for out in outputs]
-        expected = first_tokens.setdefault(n, tokens)
-        same = sum(
-            a == b for got, want in zip(tokens, expected, strict=True) for a, b in zip(got, want, strict=True)
-        )
-        total = sum(len(t) for t in tokens)
-        results.append(
-            {
-                "backend": backend,
-                "cuda_graphs": graphs is not None,
-                "engine_start_s": start_s,
-                "concurrency": n,
-                "prompt_len": args.prompt_len,
-                "output_len": args.output_len,
-                "output_tokens": total,
-                "seconds": round(seconds, 2),
-                "output_tok_s": round(total / seconds, 1),
-                "tokens_matching_first_backend": round(same / total, 3),
-            }
-        )
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    return results
+        yield {
+            "shape": shape_name,
+            "variant": name,
+            "batch": batch,
+            "context": context,
+            "us_per_call": round(seconds * 1e6, 1),
+            "bytes_moved": moved,
+            **bandwidth(moved, seconds, peak),
+            "max_error_vs_sdpa": _max_error(out.reshape(baseline.shape), baseline),
+        }
 
 
 def device_problem(device: str) -> str | None:
@@ -388,51 +360,93 @@ def device_problem(device: str) -> str | None:
     return None
 
 
+class ReportFile:
+    """The report, written whole to its file after every row: a process killed mid-section keeps what it made."""
+
+    def __init__(self, path: str | None, header: dict) -> None:
+        self.path = None if path is None else Path(path)
+        self.data = dict(header)
+        self._write()
+
+    def begin(self, section: str) -> None:
+        self.data[section] = []  # present though empty: the section ran
+        self._write()
+
+    def add(self, section: str, row: dict) -> None:
+        self.data[section].append(row)
+        self._write()
+
+    def fail(self, section: str, error: Exception) -> None:
+        self.data.setdefault("errors", {})[section] = {
+            "error": repr(error),
+            "traceback": traceback.format_exc(),
+        }
+        self._write()
+
+    def set(self, key: str, value: object) -> None:
+        self.data[key] = value
+        self._write()
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps(self.data, indent=2) + "\n")
+        os.replace(partial, self.path)  # a kill mid-write leaves the previous whole file, never half of one
+
+
+def section_rows(
+    key: str, args: argparse.Namespace, peak: float | None, clock: gpu_e2e.EngineClock
+) -> Iterator[dict]:
+    if key == "correctness":
+        return correctness(args.device, args.attention_cases, args.tolerance)
+    if key == "decode_attention":
+        return decode_benchmark(args, peak)
+    if args.no_model:
+        return iter([{"skipped": "no model"}])
+    engine_runs = {
+        "end_to_end": gpu_e2e.agreement,
+        "profiling": gpu_e2e.profiled_start,
+        "throughput": gpu_e2e.throughput,
+    }
+    return engine_runs[key](args, clock)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problem = device_problem(args.device)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    import triton
+
     started = time.perf_counter()
-    deadline = started + args.budget_s
+    clock = gpu_e2e.EngineClock(started + args.budget_s)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"
     peak = peak_gbps(name, args.peak_gbps)
-    report: dict = {
+    header = {
         "device": name,
         "peak_gbps": peak,
         "torch": torch.__version__,
+        "triton": triton.__version__,
         "bandwidth_basis": "bytes decode attention must move (K, V, queries, outputs, block tables) per second, "
         "whatever a variant moves in fact",
     }
-    import triton
-
-    report["triton"] = triton.__version__
-    sections = {
-        "correctness": lambda: correctness(args.device),
-        "decode_attention": lambda: decode_benchmark(args, peak),
-        "end_to_end": lambda: [] if args.skip_e2e else end_to_end(args, deadline),
-    }
-    failed = False
-    for key, run in sections.items():
-        # a section that fails is reported with its traceback, and the others still run: one GPU session
-        # should bring back all it can
+    report = ReportFile(args.out, header)
+    sections = SECTIONS.values() if args.section == "all" else [SECTIONS[args.section]]
+    for key in (key for keys in sections for key in keys):
+        report.begin(key)
+        # a section that fails is reported with its traceback, and the others still run
         try:
-            report[key] = run()
+            for row in section_rows(key, args, peak, clock):
+                report.add(key, row)
         except Exception as error:
             traceback.print_exc()
-            report[key] = {"error": repr(error), "traceback": traceback.format_exc()}
-            failed = True
+            report.fail(key, error)
         print(f"{key} done at {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    correct = report["correctness"]
-    report["all_correct"] = isinstance(correct, list) and all(case["ok"] for case in correct)
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return 0 if report["all_correct"] and not failed else 1
+    report.set("seconds", round(time.perf_counter() - started, 1))
+    print(json.dumps(report.data, indent=2))
+    return 1 if gpu_report.problems(report.data) else 0
 
 
 if __name__ == "__main__":

@@ -8,11 +8,15 @@ say nothing. Here, pack the small files; there, build the weights:
 
     python -m bench.gpu_model pack .gpu/model            # here: config, tokenizer, templates (~4 MB)
     python -m bench.gpu_model build .gpu/model DEST      # there: DEST holds them plus random safetensors
+
+`build --num-layers 2` keeps everything of the packed config but its depth: the default model's layout at a
+fraction of its cost, for gpu_session.sh's dry run in Triton's interpreter and for CPU tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -44,28 +48,42 @@ def pack(dest: Path) -> list[str]:
     return copied
 
 
-def build(packed: Path, dest: Path, seed: int = 0) -> Path:
-    """dest: packed's files and random weights of packed's config, as safetensors; kept if already built."""
+def build(packed: Path, dest: Path, seed: int = 0, num_layers: int | None = None) -> Path:
+    """dest: packed's files and random weights of packed's config (num_layers deep, if given), as safetensors;
+    kept if already built at that depth."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if (dest / "model.safetensors").is_file():
-        return dest
     if not (packed / "config.json").is_file():
         raise FileNotFoundError(
             f"{packed}: no config.json (run `python -m bench.gpu_model pack {packed}` first)"
         )
+    config = AutoConfig.from_pretrained(packed, local_files_only=True)
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers: must be at least 1, got {num_layers}")
+        config.num_hidden_layers = num_layers
+        # configs that name each layer's kind (sliding or full attention) keep a list as long as the model
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:num_layers]
+    if _built_layers(dest) == config.num_hidden_layers:
+        return dest
     dest.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = AutoConfig.from_pretrained(packed, local_files_only=True)
     config.initializer_range = INIT_STD
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(dest)
-    for (
-        name
-    ) in SMALL_FILES:  # save_pretrained rewrote config.json; the packed tokenizer files are the model's
+    # save_pretrained rewrote config.json; the packed tokenizer files are the model's
+    for name in SMALL_FILES:
         if (packed / name).is_file() and name != "config.json":
             shutil.copy2(packed / name, dest / name)
     return dest
+
+
+def _built_layers(dest: Path) -> int | None:
+    """How many layers the model already built in dest has, or None where none is."""
+    if not (dest / "model.safetensors").is_file() or not (dest / "config.json").is_file():
+        return None
+    return json.loads((dest / "config.json").read_text()).get("num_hidden_layers")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,13 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     built = sub.add_parser("build", help="random weights for a packed config")
     built.add_argument("packed", type=Path)
     built.add_argument("dest", type=Path)
+    built.add_argument(
+        "--num-layers", type=int, default=None, help="layers to build (default: the packed config's)"
+    )
     args = parser.parse_args(argv)
     if args.command == "pack":
         print(f"{args.dest}: {', '.join(pack(args.dest))}")
     else:
         try:
-            print(build(args.packed, args.dest))
-        except FileNotFoundError as error:
+            print(build(args.packed, args.dest, num_layers=args.num_layers))
+        except (FileNotFoundError, ValueError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
     return 0

@@ -1,5 +1,6 @@
-"""bench/gpu_check: its arithmetic and arguments, its refusal where it cannot run, and the whole script at toy
-sizes (in Triton's interpreter on CPU where no CUDA device exists, on the GPU otherwise)."""
+"""bench/gpu_check: its arithmetic and arguments, its refusal where it cannot run, its report file rewritten row by
+row, and its kernel sections at toy sizes (in Triton's interpreter on CPU where no CUDA device exists, on the GPU
+otherwise). The engine sections run in test_gpu_e2e and in gpu_session.sh's dry run (test_gpu_session)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,18 @@ def test_help_runs_without_a_gpu():
 
 def test_defaults_are_the_issues_workload():
     args = gpu_check.parse_args([])
+    assert args.section == "all"
     assert (args.decode_batch, args.decode_context) == (64, 2048)
-    assert args.concurrency == [1, 16, 64, 256]
+    assert args.concurrency == [1, 64, 256] and args.throughput_backends == ["triton", "triton-eager"]
     assert (args.prompt_len, args.output_len) == (512, 128)
-    assert args.e2e_backends == ["triton", "triton-eager", "torch"]
+    assert args.e2e_backends == ["triton", "triton-eager", "torch"] and args.e2e_concurrency == [1, 8]
     assert gpu_check.parse_args(["--concurrency", "2,8", "--e2e-backends", "torch"]).e2e_backends == ["torch"]
+
+
+def test_toy_overrides_every_size():
+    args = gpu_check.parse_args(["--toy", "--concurrency", "64", "--decode-batch", "64"])
+    assert args.concurrency == [2] and args.decode_batch == 2 and args.kv_cache_memory == "16MiB"
+    assert args.attention_cases is gpu_check.TOY_ATTENTION_CASES and len(args.tolerance) == 2
 
 
 @pytest.mark.parametrize(
@@ -68,23 +76,22 @@ def test_bandwidth_is_bytes_over_time_as_share_of_peak():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_refuses_clearly_without_cuda(capsys):
-    assert gpu_check.main(["--skip-e2e"]) == 2
+    assert gpu_check.main(["--section", "kernels"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
-def test_whole_script_at_toy_sizes(tiny_models, monkeypatch, tmp_path):
-    """Every section runs and reports; the kernels agree with their twins."""
-    monkeypatch.setattr(gpu_check, "ATTENTION_CASES", {"mixed": ([1, 7, 1], [40, 7, 17], 4, 2, 64, 16, None)})
-    monkeypatch.setattr(gpu_check, "TOLERANCE", {torch.float32: 2e-5, torch.bfloat16: 3e-2})
-    monkeypatch.setattr(gpu_check, "DECODE_SHAPES", {"toy": (4, 2, 64)})
+def test_kernel_sections_at_toy_sizes(tmp_path):
+    """The kernels agree with their twins, decode attention is timed in each variant, and without a model the
+    engine rows say so; each section's file holds its own rows."""
     device = "cpu" if INTERPRETING else "cuda"
-    out = tmp_path / "gpu_check.json"
-    argv = ["--device", device, "--model", tiny_models["llama"], "--out", str(out), "--iters", "1"]
-    argv += ["--decode-batch", "2", "--decode-context", "40", "--concurrency", "1,2", "--prompt-len", "8"]
-    argv += ["--output-len", "3", "--kv-cache-memory", "16MiB"]
+    kernels, figures = tmp_path / "kernels.json", tmp_path / "figures.json"
+    assert gpu_check.main(["--section", "kernels", "--toy", "--device", device, "--out", str(kernels)]) == 0
+    argv = ["--section", "figures", "--toy", "--device", device, "--no-model", "--out", str(figures)]
     assert gpu_check.main(argv) == 0
-    report = json.loads(out.read_text())
-    assert report["all_correct"] and len(report["correctness"]) == 2 * 5
+    report = json.loads(kernels.read_text())
+    assert len(report["correctness"]) == 2 * 5 and all(case["ok"] for case in report["correctness"])
+    assert "decode_attention" not in report and report["seconds"] > 0
+    report = json.loads(figures.read_text())
     variants = {row["variant"] for row in report["decode_attention"]}
     assert variants == {
         "triton",
@@ -94,52 +101,52 @@ def test_whole_script_at_toy_sizes(tiny_models, monkeypatch, tmp_path):
         "sdpa-gather-then-attend",
     }
     assert all(row["max_error_vs_sdpa"] < 3e-2 for row in report["decode_attention"])
-    runs = [(row["backend"], row["concurrency"], row["output_tokens"]) for row in report["end_to_end"]]
-    backends = ("triton", "triton-eager", "torch")
-    assert runs == [(backend, n, 3 * n) for backend in backends for n in (1, 2)]
-    assert all(row["tokens_matching_first_backend"] == 1.0 for row in report["end_to_end"])
-    assert [row["cuda_graphs"] for row in report["end_to_end"]] == [device == "cuda"] * 2 + [False] * 4
+    assert report["throughput"] == [{"skipped": "no model"}]
     markdown = gpu_report.render(report)
-    assert "10 of 10 cases within tolerance" in markdown
-    assert markdown.count("| toy |") == 5 and markdown.count("| triton-eager | no |") == 2
+    assert markdown.count("| toy |") == 5 and "- engine: skipped (no model)" in markdown
 
 
-def test_report_names_failures_errors_and_skips():
-    report = {
-        "device": "NVIDIA H200",
-        "peak_gbps": 4800,
-        "correctness": [
-            {"kernel": "rms_norm", "dtype": "float16", "max_error": 1e-3, "ok": True},
-            {"kernel": "paged_attention/x", "dtype": "float16", "max_error": 0.5, "ok": False},
-        ],
-        "decode_attention": {"error": "RuntimeError('out of memory')"},
-        "end_to_end": [
-            {"backend": "triton", "error": "ValueError('capture')"},
-            {"backend": "torch", "concurrency": 256, "skipped": "time budget spent"},
-        ],
-    }
-    markdown = gpu_report.render(report)
-    assert "1 of 2 cases within tolerance" in markdown and "failed: paged_attention/x float16" in markdown
-    assert "**decode_attention failed**: `RuntimeError('out of memory')`" in markdown
-    assert "triton failed: `ValueError('capture')`" in markdown and "torch at 256: skipped" in markdown
+def test_rows_reach_the_file_as_they_come_and_a_failing_section_keeps_them(tmp_path, monkeypatch):
+    out = tmp_path / "kernels.json"
+    seen_in_file = []
+
+    def two_rows_then_fault(key, args, peak, clock):
+        for i in range(2):
+            seen_in_file.append(len(json.loads(out.read_text())[key]))
+            yield {"kernel": f"k{i}", "dtype": "float32", "max_error": 0.0, "ok": True}
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_check, "section_rows", two_rows_then_fault)
+    monkeypatch.setattr(gpu_check, "device_problem", lambda device: None)
+    assert gpu_check.main(["--section", "kernels", "--device", "cpu", "--out", str(out)]) == 1
+    assert seen_in_file == [0, 1]  # each row was in the file before the next was made
+    report = json.loads(out.read_text())
+    assert [row["kernel"] for row in report["correctness"]] == ["k0", "k1"]
+    assert "illegal memory access" in report["errors"]["correctness"]["error"]
+    assert not list(tmp_path.glob("*.partial"))
 
 
-def test_a_failing_backend_is_reported_and_the_next_still_runs(tiny_models, monkeypatch):
-    args = gpu_check.parse_args(["--device", "cpu", "--model", tiny_models["llama"], "--concurrency", "1"])
-    args.prompt_len, args.output_len, args.kv_cache_memory = 8, 2, "16MiB"
-    args.e2e_backends = ["torch", "triton"]
-    serve = gpu_check._serve
-    monkeypatch.setattr(
-        gpu_check,
-        "_serve",
-        lambda args, backend, *rest: serve(args, backend, *rest) if backend == "torch" else 1 / 0,
-    )
-    rows = gpu_check.end_to_end(args, deadline=float("inf"))
-    assert rows[0]["backend"] == "torch" and rows[0]["output_tokens"] == 2
-    assert rows[1]["backend"] == "triton" and "ZeroDivisionError" in rows[1]["error"]
+def test_a_kernel_case_that_raises_is_reported_and_the_next_still_runs(monkeypatch):
+    measure = gpu_check._kernel_error
+
+    def rms_norm_raises(kernel, case, dtype, device):
+        if kernel == "rms_norm":
+            raise ValueError("no kernel for this shape")
+        return measure(kernel, case, dtype, device)
+
+    monkeypatch.setattr(gpu_check, "_kernel_error", rms_norm_raises)
+    device = "cpu" if INTERPRETING else "cuda"
+    rows = list(gpu_check.correctness(device, gpu_check.TOY_ATTENTION_CASES, {torch.float32: 2e-5}))
+    assert [row["kernel"] for row in rows][-3:] == ["rms_norm", "add_rms_norm", "rotary_embedding"]
+    failed = [row for row in rows if not row["ok"]]
+    assert [row["kernel"] for row in failed] == ["rms_norm"] and "no kernel" in failed[0]["error"]
+    assert gpu_report.problems({"correctness": rows}) == ["1 of 5 kernel cases failed"]
 
 
 def test_unknown_e2e_backend_is_refused(capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--e2e-backends", "triton-fast"])
-    assert "'triton-fast' is not auto, torch or triton" in capsys.readouterr().err
+    assert "--e2e-backends: 'triton-fast' is not auto, torch or triton" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--throughput-backends", "torch-graphs"])
+    assert "--throughput-backends: 'torch-graphs'" in capsys.readouterr().err

@@ -1,0 +1,216 @@
+"""gpu_check's engine runs: the model served offline on one device, each section's rows yielded as they come.
+
+- agreement: each attention backend's greedy tokens on the same prompts, against the first backend's;
+- profiled_start: one engine started as `kvserve up` starts it, without kv_cache_memory, so it sizes its KV cache
+  by profiling GPU memory (executor/kv_sizing.py); it reports the blocks it got and the profiling log line;
+- throughput: output tokens/s at each concurrency, per backend ("-eager": no CUDA graphs).
+
+An engine build is not started where the deadline would pass before it is up: EngineClock guesses its time from
+the last build's, or from ENGINE_START_GUESS_S before the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+# a first build on an H200: weights, graph capture of up to 35 batch sizes, the kernels' first compiles (a guess
+# until a build has been timed)
+ENGINE_START_GUESS_S = 30.0
+BUDGET_SPENT = "time budget spent"
+
+
+def split_backend(backend: str) -> tuple[str, bool]:
+    """'triton-eager' -> ('triton', True): the attention backend, and whether CUDA graphs are off."""
+    from shared.engine_config import ATTENTION_BACKENDS
+
+    name, _, mode = backend.partition("-")
+    if name not in ATTENTION_BACKENDS or mode not in ("", "eager"):
+        raise ValueError(f"{backend!r} is not auto, torch or triton, optionally with -eager")
+    return name, mode == "eager"
+
+
+class EngineClock:
+    """Builds engines while the deadline leaves room for one, timing each to guess the next."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.last_build_s: float | None = None
+
+    def has_room(self) -> bool:
+        guess = ENGINE_START_GUESS_S if self.last_build_s is None else self.last_build_s
+        return time.perf_counter() + guess <= self.deadline
+
+    def past_deadline(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    def build(self, model: str | None, **engine_args):
+        from executor import LLM
+
+        started = time.perf_counter()
+        llm = LLM(model, **engine_args)
+        self.last_build_s = time.perf_counter() - started
+        return llm
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What each backend serves: `concurrency` requests at once, each prompt_len random tokens in, output_len out;
+    timed runs are preceded by a warm-up on other prompts (Triton compiles the batch's shapes there)."""
+
+    concurrency: list[int]
+    prompt_len: int
+    output_len: int
+    timed: bool
+
+
+def agreement(args: argparse.Namespace, clock: EngineClock) -> Iterator[dict]:
+    workload = Workload(args.e2e_concurrency, args.e2e_prompt_len, args.e2e_output_len, timed=False)
+    yield from _each_backend(args, args.e2e_backends, workload, clock)
+
+
+def throughput(args: argparse.Namespace, clock: EngineClock) -> Iterator[dict]:
+    workload = Workload(args.concurrency, args.prompt_len, args.output_len, timed=True)
+    yield from _each_backend(args, args.throughput_backends, workload, clock)
+
+
+def _each_backend(
+    args: argparse.Namespace, backends: list[str], workload: Workload, clock: EngineClock
+) -> Iterator[dict]:
+    """A backend that fails is reported with its error, and the next one still runs."""
+    first_tokens: dict[int, list[list[int]]] = {}  # concurrency -> the first backend's tokens
+    for backend in backends:
+        if not clock.has_room():
+            yield {"backend": backend, "skipped": BUDGET_SPENT}
+            continue
+        try:
+            yield from _serve(args, backend, workload, clock, first_tokens)
+        except Exception as error:
+            traceback.print_exc()
+            yield {"backend": backend, "error": repr(error), "traceback": traceback.format_exc()}
+        _free_device_memory(args.device)
+
+
+def _serve(
+    args: argparse.Namespace, backend: str, workload: Workload, clock: EngineClock, first_tokens: dict
+) -> Iterator[dict]:
+    from executor import SamplingParams
+
+    name, enforce_eager = split_backend(backend)
+    llm = clock.build(
+        args.model,
+        device=args.device,
+        attention_backend=name,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=enforce_eager,
+        max_num_seqs=max(workload.concurrency),  # no graphs captured for batches never run
+    )
+    graphs = llm.engine.runner.decode_graphs
+    rng = random.Random(0)  # every backend gets the same prompts
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
+    for n in workload.concurrency:
+        if clock.past_deadline():
+            yield {"backend": backend, "concurrency": n, "skipped": BUDGET_SPENT}
+            continue
+        prompts = [[rng.randrange(vocab) for _ in range(workload.prompt_len)] for _ in range(2 * n)]
+        if workload.timed:  # other prompts: the prefix cache must not hold the measured ones
+            llm.generate(prompts[n:], SamplingParams(max_tokens=2, ignore_eos=True))
+        start = time.perf_counter()
+        outputs = llm.generate(prompts[:n], params)  # the tokens reach the host: no sync needed
+        seconds = time.perf_counter() - start
+        tokens = [list(out.outputs[0].token_ids) for out in outputs]
+        expected = first_tokens.setdefault(n, tokens)
+        same = sum(
+            a == b for got, want in zip(tokens, expected, strict=True) for a, b in zip(got, want, strict=True)
+        )
+        total = sum(len(t) for t in tokens)
+        row = {
+            "backend": backend,
+            "cuda_graphs": graphs is not None,
+            "engine_start_s": round(clock.last_build_s, 1),
+            "concurrency": n,
+            "prompt_len": workload.prompt_len,
+            "output_len": workload.output_len,
+            "output_tokens": total,
+            "seconds": round(seconds, 2),
+            "output_tok_s": round(total / seconds, 1),
+            "tokens_matching_first_backend": round(same / total, 3),
+        }
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        yield row
+
+
+def profiled_start(args: argparse.Namespace, clock: EngineClock) -> Iterator[dict]:
+    """One engine with the serving defaults and no kv_cache_memory, then a few requests through it."""
+    if args.device != "cuda":
+        yield {"skipped": "needs CUDA"}  # elsewhere the pool is a fixed default: nothing is profiled
+        return
+    if not clock.has_room():
+        yield {"skipped": BUDGET_SPENT}
+        return
+    try:
+        row = _profiled_row(args, clock)
+    except Exception as error:
+        traceback.print_exc()
+        row = {"error": repr(error), "traceback": traceback.format_exc()}
+    _free_device_memory(args.device)  # the engine went with _profiled_row's frame
+    yield row
+
+
+def _profiled_row(args: argparse.Namespace, clock: EngineClock) -> dict:
+    from executor import SamplingParams
+
+    with _engine_log_lines() as lines:
+        llm = clock.build(args.model, device="cuda")
+    n = max(args.e2e_concurrency)
+    prompts = [[7 + i] * args.e2e_prompt_len for i in range(n)]
+    params = SamplingParams(max_tokens=args.e2e_output_len, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    return {
+        "backend": llm.engine.attention.name,
+        "cuda_graphs": llm.engine.runner.decode_graphs is not None,
+        "engine_start_s": round(clock.last_build_s, 1),
+        "kv_blocks": llm.engine.pool.num_blocks,
+        "block_size": llm.engine.block_size,
+        "profiling_log": next((line for line in lines if line.startswith("profiling:")), None),
+        "kv_cache_log": next((line for line in lines if line.startswith("KV cache:")), None),
+        "output_tokens": sum(len(out.outputs[0].token_ids) for out in outputs),
+    }
+
+
+@contextmanager
+def _engine_log_lines() -> Iterator[list[str]]:
+    """The engine's INFO lines while the block runs, whatever logging is configured."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("kvserve.engine")
+    handler, level = Collect(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _free_device_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,59 @@
+"""bench/gpu_e2e: a backend that fails does not stop the next, no engine is started that the deadline has no room
+for, the profiled start is reported as needing CUDA elsewhere, and the engine's log lines are caught. The
+sections run whole, in Triton's interpreter, in gpu_session.sh's dry run (test_gpu_session)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bench import gpu_check, gpu_e2e
+
+
+def toy_args(model: str, *extra: str):
+    return gpu_check.parse_args(["--device", "cpu", "--toy", "--model", model, *extra])
+
+
+def test_a_failing_backend_is_reported_and_the_next_still_runs(tiny_models, monkeypatch):
+    args = toy_args(tiny_models["llama"], "--e2e-backends", "torch,triton")
+    serve = gpu_e2e._serve
+    monkeypatch.setattr(
+        gpu_e2e,
+        "_serve",
+        lambda args, backend, *rest: serve(args, backend, *rest) if backend == "torch" else 1 / 0,
+    )
+    rows = list(gpu_e2e.agreement(args, gpu_e2e.EngineClock(float("inf"))))
+    assert rows[0]["backend"] == "torch" and rows[0]["output_tokens"] == 2 * 3
+    assert rows[0]["tokens_matching_first_backend"] == 1.0 and rows[0]["cuda_graphs"] is False
+    assert rows[1]["backend"] == "triton" and "ZeroDivisionError" in rows[1]["error"]
+
+
+def test_no_engine_starts_that_the_deadline_has_no_room_for(monkeypatch):
+    def build(self, *args, **kwargs):
+        raise AssertionError("an engine was started past its room")
+
+    monkeypatch.setattr(gpu_e2e.EngineClock, "build", build)
+    args = toy_args("unused")
+    clock = gpu_e2e.EngineClock(time.perf_counter() + gpu_e2e.ENGINE_START_GUESS_S / 2)
+    rows = list(gpu_e2e.throughput(args, clock))  # the first build's guess is the constant
+    assert rows == [{"backend": b, "skipped": "time budget spent"} for b in ("triton", "triton-eager")]
+    clock.last_build_s = 0.1  # after a build, its own time
+    assert clock.has_room()
+
+
+def test_profiled_start_needs_cuda():
+    rows = list(gpu_e2e.profiled_start(toy_args("unused"), gpu_e2e.EngineClock(float("inf"))))
+    assert rows == [{"skipped": "needs CUDA"}]
+
+
+def test_the_engine_log_lines_are_caught_whatever_logging_is_set_to(tiny_models):
+    with gpu_e2e._engine_log_lines() as lines:
+        gpu_e2e.EngineClock(float("inf")).build(tiny_models["llama"], device="cpu", kv_cache_memory="8MiB")
+    assert any(line.startswith("KV cache: ") for line in lines)
+
+
+@pytest.mark.parametrize("backend", ["triton-fast", "eager"])
+def test_split_backend_refuses_unknown_names(backend):
+    with pytest.raises(ValueError, match="is not auto, torch or triton"):
+        gpu_e2e.split_backend(backend)
