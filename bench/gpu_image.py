@@ -47,21 +47,35 @@ IMAGE_VERSIONS = {"python": "3.12.3", "torch": "2.11.0", "triton": "3.6.0", "tra
 
 PROJECT = "kvserve"  # its own packages travel with the call
 
-_SITECUSTOMIZE = '''"""Written by bench/gpu_image.py: what the GPU image lacks cannot be imported here."""
+_SITECUSTOMIZE = '''"""Written by bench/gpu_image.py: what the GPU image lacks cannot be imported here, and its distributions are
+not listed (pytest, for one, loads the plugins their entry points name)."""
 import importlib.abc
+import importlib.metadata
+import re
 import sys
 
-_MISSING = frozenset({modules!r})
+_MISSING_MODULES = frozenset({modules!r})
+_MISSING_DISTRIBUTIONS = frozenset({distributions!r})
 
 
 class _NotInTheImage(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in _MISSING:
+        if name.partition(".")[0] in _MISSING_MODULES:
             raise ModuleNotFoundError(f"No module named {{name!r}} (the GPU image has no such package)", name=name)
         return None
 
 
+_listed = importlib.metadata.distributions
+
+
+def _distributions(**kwargs):
+    for dist in _listed(**kwargs):
+        if re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower() not in _MISSING_DISTRIBUTIONS:
+            yield dist
+
+
 sys.meta_path.insert(0, _NotInTheImage())
+importlib.metadata.distributions = _distributions
 '''
 
 
@@ -106,9 +120,11 @@ def missing_modules() -> list[str]:
 
 
 def write_site(dest: Path) -> Path:
-    """dest with a sitecustomize.py blocking missing_modules(); put dest first on PYTHONPATH."""
+    """dest with a sitecustomize.py blocking missing_modules() and hiding missing_distributions(); put dest
+    first on PYTHONPATH."""
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(modules=missing_modules()))
+    text = _SITECUSTOMIZE.format(modules=missing_modules(), distributions=missing_distributions())
+    (dest / "sitecustomize.py").write_text(text)
     return dest
 
 

@@ -1,5 +1,6 @@
-"""bench/gpu_session.sh: its dry run (every stage on CPU, in Triton's interpreter, at toy sizes) leaves each
-stage's result and a summary saying each passed; a stage that fails stops none after it."""
+"""bench/gpu_session.sh: its dry run (every stage on CPU, in Triton's interpreter, at toy sizes), with every package
+the GPU image lacks made unimportable (bench/gpu_image.py), leaves each stage's result and a summary saying each
+passed; a stage that fails stops none after it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench import gpu_image
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_session.sh"
@@ -25,33 +28,37 @@ RESULTS = {
 }
 
 
-def run_session(out: Path, python: str, *args: str) -> subprocess.CompletedProcess:
+def run_session(out: Path, python: str, *args: str, site: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OUT=str(out), PYTHON=python)  # passed through: PYTHONPATH too
+    if site is not None:  # first, so that its sitecustomize is the one imported
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
     return subprocess.run(
         ["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
 
 
-def test_dry_run_passes_every_stage(default_model, tmp_path):
+def test_dry_run_passes_every_stage_with_only_the_images_packages(default_model, tmp_path):
+    site = gpu_image.write_site(tmp_path / "site")
+    out = tmp_path / "out"
     started = time.perf_counter()
-    done = run_session(tmp_path, sys.executable, "--dry-run")
+    done = run_session(out, sys.executable, "--dry-run", site=site)
     seconds = time.perf_counter() - started
     print(f"dry run: {seconds:.0f} s")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert {path.name for path in tmp_path.iterdir()} == RESULTS
-    summary = (tmp_path / "summary.txt").read_text().strip()
+    assert {path.name for path in out.iterdir()} == RESULTS
+    summary = (out / "summary.txt").read_text().strip()
     assert summary == (
         "stages: env ok, model ok, kernels ok, tests ok (collected, none run), e2e ok (profiling: needs CUDA), "
         "figures ok"
     )
     assert done.stdout.rstrip().endswith(summary)
-    e2e = json.loads((tmp_path / "e2e.json").read_text())
+    e2e = json.loads((out / "e2e.json").read_text())
     assert [row["backend"] for row in e2e["end_to_end"]] == ["triton", "triton-eager", "torch"]
     assert e2e["profiling"] == [{"skipped": "needs CUDA"}]
-    figures = json.loads((tmp_path / "figures.json").read_text())
+    figures = json.loads((out / "figures.json").read_text())
     assert {row["backend"] for row in figures["throughput"]} == {"triton", "triton-eager"}
     assert len(figures["decode_attention"]) == 5
-    markdown = (tmp_path / "gpu_report.md").read_text()
+    markdown = (out / "gpu_report.md").read_text()
     assert "Missing" not in markdown and "Greedy tokens by backend" in markdown
 
 
