@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger("kvserve.kernels")
@@ -41,6 +42,7 @@ HEADERS = tuple(
 # no fused multiply-add contraction: the fused operations then round exactly as torch's separate ones do
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
+BUILD_TIME = "about a minute on two cores"  # what a first start is told to expect
 
 
 def build_name(sources: tuple[Path, ...], cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:
@@ -78,7 +80,13 @@ def exclusive_build(directory: Path):
     """This process alone builds or loads in directory until the block ends (or the process dies)."""
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "kvserve-build.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a start that waits says why, or it looks hung
+            log.info(
+                "waiting for another process compiling the CPU kernels in %s (%s)", directory, BUILD_TIME
+            )
+            fcntl.flock(handle, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)  # torch's own: every builder holds ours first, so stale
         yield
 
@@ -93,7 +101,16 @@ def cpu_kernels():
 
         directory = kernels_build_directory()
         with exclusive_build(directory):
-            return load(
+            fresh = not (directory / f"{directory.name}.so").is_file()
+            if fresh:  # otherwise the first start is a minute of silence
+                log.info(
+                    "compiling the CPU kernels (kernels/csrc) for this CPU into %s: %s, once; later starts "
+                    "load that build",
+                    directory,
+                    BUILD_TIME,
+                )
+            started = time.perf_counter()
+            module = load(
                 name=directory.name,
                 sources=[str(s) for s in SOURCES],
                 extra_cflags=list(_CFLAGS),
@@ -101,6 +118,9 @@ def cpu_kernels():
                 build_directory=str(directory),
                 verbose=False,
             )
+            if fresh:
+                log.info("CPU kernels compiled in %.0f s", time.perf_counter() - started)
+            return module
     except Exception as error:  # a missing compiler or ninja: serve with the torch path, and say so
         log.warning("CPU kernels unavailable (%s); using torch ops", error)
         return None

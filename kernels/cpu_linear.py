@@ -77,5 +77,6 @@ def pack_linears(model: nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
-    log.info("packed %d linear layers for oneDNN", len(swaps))
+    layout = "oneDNN's blocked layout" if cpu_kernels() is None else "the CPU kernels' panels"
+    log.info("packed %d linear layers into %s", len(swaps), layout)
     return len(swaps)
