@@ -39,6 +39,8 @@ Tenancy (`<key_id>` is an API key's public id, `<tenant>` a tenant name):
                                       computed_prompt_tokens, completion_tokens, kv_block_seconds (a float),
                                       rejected (docs/tenancy.md, "Usage and billing")
 - `kvserve:limit:<key_id>:*`          the key's rate-limit state (gateway.limits).
+- `kvserve:limit:<key_id>:applied:<request id>:<write>`  string, APPLIED_TTL_S: that request's admission or
+                                      usage write was applied, so a retry after a lost reply applies it once.
 """
 
 from __future__ import annotations
@@ -106,3 +108,13 @@ def tenant_usage_key(tenant: str) -> str:
 def limit_key(key_id: str, kind: str) -> str:
     """kind: rpm, tpm or concurrency."""
     return f"kvserve:limit:{key_id}:{kind}"
+
+
+# a command is retried once, at most seconds after its first try (gateway.index_reader.connect): the marker
+# outlives that by far, and costs Redis a short string per request meanwhile
+APPLIED_TTL_S = 60
+
+
+def applied_key(key_id: str, request_id: str, write: str) -> str:
+    """The marker that one request's write (admit, release, ...) under this API key was applied."""
+    return f"kvserve:limit:{key_id}:applied:{request_id}:{write}"

@@ -6,6 +6,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from gateway.index_reader import connect
 from gateway.limits import Limiter
 from shared import redis_keys as keys
 from shared.api_keys import KeyRecord, KeyStore
@@ -168,8 +169,8 @@ def test_usage_is_counted_per_tenant(redis_url):
             kv_block_seconds=0.25,
         )
         await limiter.release(unlimited, "b", 0, 0, prompt_tokens=5, completion_tokens=1)
-        await limiter.count_kv_block_seconds(unlimited, 1.5)  # an aborted request's, told after its end
-        await limiter.count_rejected(limited)
+        await limiter.count_kv_block_seconds(unlimited, "b", 1.5)  # an aborted request's, told after its end
+        await limiter.count_rejected(limited, "refused")
         assert (await limiter.admit(unlimited, "c", 10**9)).admitted  # no limits: nothing to check
 
     _run(redis_url, body)
@@ -185,3 +186,55 @@ def test_usage_is_counted_per_tenant(redis_url):
     }
     assert usage == {tenant: expected}
     assert isinstance(usage[tenant]["kv_block_seconds"], float)
+
+
+class LosesAReply(aioredis.Connection):
+    """A connection whose reply to the next command, once armed, is lost after Redis ran it: the connection
+    error the gateway's client retries on."""
+
+    armed = False
+
+    async def read_response(self, *args, **kwargs):
+        response = await super().read_response(*args, **kwargs)
+        if LosesAReply.armed:
+            LosesAReply.armed = False
+            await self.disconnect()
+            raise redis.ConnectionError("the reply was lost")
+        return response
+
+
+def test_a_write_retried_after_its_reply_was_lost_applies_once(redis_url):
+    tenant = f"retried-{secrets.token_hex(4)}"
+    record = _record(tenant, rpm=10, tpm=1000)
+
+    async def body():
+        client = connect(redis_url)  # the gateway's client: retries once on a connection error
+        client.connection_pool.connection_class = LosesAReply
+        limiter = Limiter(client)
+        try:
+            warm = _record(f"warm-{tenant}", rpm=10)  # its scripts loaded: an armed reply is the write's
+            await limiter.admit(warm, "warm", 0)
+            await limiter.release(warm, "warm", 0, 0)
+            await limiter.count_rejected(warm, "warm")
+            LosesAReply.armed = True
+            assert (await limiter.admit(record, "request", 300)).admitted
+            assert not LosesAReply.armed  # its reply was lost, and it was retried
+            assert _level(redis_url, record, "rpm") == pytest.approx(9, abs=0.01)
+            assert _level(redis_url, record, "tpm") == pytest.approx(700, abs=1)
+            LosesAReply.armed = True
+            await limiter.release(record, "request", 300, 100, prompt_tokens=60, completion_tokens=40)
+            assert not LosesAReply.armed  # its reply was lost, and it was retried
+            assert _level(redis_url, record, "tpm") == pytest.approx(900, abs=1)
+            LosesAReply.armed = True
+            await limiter.count_rejected(record, "another")
+            assert not LosesAReply.armed  # its reply was lost, and it was retried
+            LosesAReply.armed = True
+            await limiter.count_kv_block_seconds(record, "request", 2.5)
+            assert not LosesAReply.armed  # its reply was lost, and it was retried
+        finally:
+            await client.aclose()
+
+    asyncio.run(body())
+    usage = KeyStore(redis.Redis.from_url(redis_url)).usage(tenant)[tenant]
+    assert usage["requests"] == 1 and usage["prompt_tokens"] == 60 and usage["completion_tokens"] == 40
+    assert usage["rejected"] == 1 and usage["kv_block_seconds"] == 2.5
