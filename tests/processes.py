@@ -149,6 +149,16 @@ class GatewayProcess(ServiceProcess):
         if not eventually(self.healthy, timeout=timeout):
             raise AssertionError(f"gateway not healthy in {timeout} s:\n{self.log_path.read_text()}")
 
+    def stop(self) -> None:
+        """Without the drain's linger (gateway.draining.DRAINED_LINGER_S): a second signal stops it at once."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(0.5)
+            except subprocess.TimeoutExpired:
+                self.process.terminate()
+        super().stop()
+
 
 @contextmanager
 def one_executor_stack(
