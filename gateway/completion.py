@@ -234,13 +234,12 @@ class Completions:
                 routed = await _while_connected(
                     request, self._route(parsed, ids, arrival, request_id, caller, span, reserved_tokens)
                 )
-            except ClientGone:
+            except Exception as caught:  # it never reached an executor: its admission is given back
                 await self._withdraw(caller, request_id, reserved_tokens)
-                raise APIError(
-                    499, "the client disconnected while its request waited for an executor"
-                ) from None
-            except Exception:
-                await self._withdraw(caller, request_id, reserved_tokens)
+                if isinstance(caught, ClientGone):
+                    raise APIError(
+                        499, "the client disconnected while its request waited for an executor"
+                    ) from None
                 raise
         except ClientDisconnect:  # the client left while sending its body: no one to answer, nothing broke
             log.info("client disconnected while sending its request body")
@@ -288,9 +287,8 @@ class Completions:
     async def _withdraw(self, caller: Caller, request_id: str, reserved_tokens: int) -> None:
         try:
             await self.tenancy.withdraw(caller, request_id, reserved_tokens)
-        except (
-            Exception
-        ) as error:  # as in _end: the slot's lease and the bucket's refill heal what this misses
+        # as in _end: the slot's lease and the bucket's refill heal what this misses
+        except Exception as error:
             log.error("giving back tenant %s's limits failed: %s", caller.tenant, error)
 
     async def _submit(self, routed: Routed) -> None:

@@ -73,3 +73,20 @@ def test_a_caller_past_its_limit_hears_429_on_arrival_not_after_the_backlog_wait
     assert response.status_code == 429, response.text
     assert response.json()["error"]["code"] == "rate_limit_exceeded"
     assert elapsed < 4  # every executor is full: after the backlog's wait it would have been a 503
+
+
+def test_an_admitted_request_that_reaches_no_executor_gives_its_admission_back(db, tokenizer):
+    url, client = db
+    key, record = KeyStore(client).create("given-back", tpm=1000, max_concurrency=1)
+    config = GatewayConfig(url, "tiny", tokenizer, queue_timeout=0.5)
+    with TestClient(build_app(config)) as gateway:
+        response = gateway.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 100},
+            headers={"authorization": f"Bearer {key}"},
+        )
+    assert response.status_code == 503 and response.json()["error"]["code"] == "overloaded"
+    assert client.zcard(redis_keys.limit_key(record.key_id, "concurrency")) == 0  # its slot is free
+    tokens = client.hget(redis_keys.limit_key(record.key_id, "tpm"), "level")
+    assert float(tokens) == pytest.approx(1000, abs=1)  # the reservation came back
+    assert not client.hexists(redis_keys.tenant_usage_key("given-back"), "requests")  # it never ran
