@@ -8,7 +8,7 @@ same as a missing one (a full bucket, an empty set): idle keys cost nothing.
 
 A command that meets a connection error is retried (gateway.index_reader.connect), and the error may have come
 after Redis ran it: each write here applies once per request id, marked in Redis by the same script
-(redis_keys.applied_key), so a retry neither takes a budget twice nor counts usage twice.
+(gateway.index_reader.APPLY_ONCE), so a retry neither takes a budget twice nor counts usage twice.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.index_reader import APPLY_ONCE
 from shared import redis_keys
 from shared.api_keys import KeyRecord
 
@@ -38,11 +39,6 @@ local function store(key, capacity, value)
   redis.call('HSET', key, 'level', value, 'at', now)
   redis.call('PEXPIRE', key, math.ceil((capacity - value) * 60000 / capacity) + 1000)
 end
-"""
-
-# The last key marks the request's write applied; a retry finds it and applies nothing.
-_ONCE = f"""
-if not redis.call('SET', KEYS[#KEYS], '1', 'NX', 'EX', {redis_keys.APPLIED_TTL_S}) then return 0 end
 """
 
 # KEYS: rpm bucket, tpm bucket, concurrency set, the admission's marker. ARGV: rpm, tpm, max_concurrency
@@ -97,7 +93,7 @@ return {{}}
 _RELEASE = (
     _CLOCK
     + _BUCKETS
-    + _ONCE
+    + APPLY_ONCE
     + """
 local tpm, refund = tonumber(ARGV[1]), tonumber(ARGV[2])
 if tpm > 0 and refund ~= 0 then store(KEYS[1], tpm, math.min(tpm, level(KEYS[1], tpm) + refund)) end
@@ -110,7 +106,7 @@ return 0
 
 # KEYS: the tenant's usage hash, the count's marker. ARGV: HINCRBY or HINCRBYFLOAT, the counter, the amount.
 _COUNT = (
-    _ONCE
+    APPLY_ONCE
     + """
 redis.call(ARGV[1], KEYS[1], ARGV[2], ARGV[3])
 return 0
@@ -143,6 +139,10 @@ class Admission:
 ADMITTED = Admission(True)
 
 
+def _marker(record: KeyRecord, request_id: str, write: str) -> str:
+    return redis_keys.applied_key(redis_keys.limit_key(record.key_id, f"request:{request_id}"), write)
+
+
 def _refusal_message(record: KeyRecord, limit: str, reserve_tokens: int) -> str:
     if limit == "rpm":
         return f"requests per minute limit {record.rpm} reached for this API key"
@@ -169,7 +169,7 @@ class Limiter:
         if record.rpm is None and record.tpm is None and record.max_concurrency is None:
             return ADMITTED
         keys = [redis_keys.limit_key(record.key_id, kind) for kind in ("rpm", "tpm", "concurrency")]
-        keys.append(redis_keys.applied_key(record.key_id, request_id, "admit"))
+        keys.append(_marker(record, request_id, "admit"))
         limits = [record.rpm or 0, record.tpm or 0, record.max_concurrency or 0]
         reply = await self._admit(keys=keys, args=[*limits, reserve_tokens, request_id, self.LEASE_S])
         if not reply:
@@ -211,7 +211,7 @@ class Limiter:
         keys = [redis_keys.limit_key(record.key_id, kind) for kind in ("tpm", "concurrency")]
         keys += [
             redis_keys.tenant_usage_key(record.tenant),
-            redis_keys.applied_key(record.key_id, request_id, "release"),
+            _marker(record, request_id, "release"),
         ]
         args = [record.tpm or 0, refund, request_id, kv_block_seconds]
         args += [part for pair in usage.items() for part in pair]
@@ -241,6 +241,6 @@ class Limiter:
     ) -> None:
         keys = [
             redis_keys.tenant_usage_key(record.tenant),
-            redis_keys.applied_key(record.key_id, request_id, counter),
+            _marker(record, request_id, counter),
         ]
         await self._count(keys=keys, args=[command, counter, amount])

@@ -39,8 +39,9 @@ Tenancy (`<key_id>` is an API key's public id, `<tenant>` a tenant name):
                                       computed_prompt_tokens, completion_tokens, kv_block_seconds (a float),
                                       rejected (docs/tenancy.md, "Usage and billing")
 - `kvserve:limit:<key_id>:*`          the key's rate-limit state (gateway.limits).
-- `kvserve:limit:<key_id>:applied:<request id>:<write>`  string, APPLIED_TTL_S: that request's admission or
-                                      usage write was applied, so a retry after a lost reply applies it once.
+- `<key>:applied:<write id>`         string, APPLIED_TTL_S: a write to key (a request's admission or usage under an
+                                      API key's limits, one change of an in-flight count) was applied, so a retry
+                                      after a lost reply applies it once (gateway.index_reader.APPLY_ONCE).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def tenant_usage_key(tenant: str) -> str:
 
 
 def limit_key(key_id: str, kind: str) -> str:
-    """kind: rpm, tpm or concurrency."""
+    """kind: rpm, tpm or concurrency; request:<request id> is the prefix of that request's writes' markers."""
     return f"kvserve:limit:{key_id}:{kind}"
 
 
@@ -115,6 +116,6 @@ def limit_key(key_id: str, kind: str) -> str:
 APPLIED_TTL_S = 60
 
 
-def applied_key(key_id: str, request_id: str, write: str) -> str:
-    """The marker that one request's write (admit, release, ...) under this API key was applied."""
-    return f"kvserve:limit:{key_id}:applied:{request_id}:{write}"
+def applied_key(key: str, write_id: str) -> str:
+    """The marker that one write to key (named by its request and what it did, or by a call's own id) was applied."""
+    return f"{key}:applied:{write_id}"
