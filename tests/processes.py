@@ -7,7 +7,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -150,13 +150,12 @@ class GatewayProcess(ServiceProcess):
             raise AssertionError(f"gateway not healthy in {timeout} s:\n{self.log_path.read_text()}")
 
     def stop(self) -> None:
-        """Without the drain's linger (gateway.draining.DRAINED_LINGER_S): a second signal stops it at once."""
+        """Without the drain's linger (gateway.draining.DRAINED_LINGER_S): the second signal, ServiceProcess.stop's,
+        stops it at once."""
         if self.process.poll() is None:
             self.process.terminate()
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 self.process.wait(0.5)
-            except subprocess.TimeoutExpired:
-                self.process.terminate()
         super().stop()
 
 
