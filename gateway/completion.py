@@ -225,15 +225,22 @@ class Completions:
             allowed = caller.models([self.model_name])
             if parsed.model not in allowed:
                 raise model_not_found(parsed.model, allowed)
+            # before routing: a prompt no executor takes costs Redis no routing read, and a caller past its limits
+            # hears so on arrival, not after a wait in the backlog
+            params = fit_to_context(parsed, len(ids), await self.router.max_model_len(), self.limits)
+            reserved_tokens = len(ids) + params.n * params.max_tokens  # n choices: n outputs, one prompt
+            await self.tenancy.admit(caller, request_id, reserved_tokens)
             try:  # it may wait in the backlog: a client that leaves meanwhile takes it out
                 routed = await _while_connected(
-                    request, self._route(parsed, ids, arrival, request_id, caller, span)
+                    request, self._route(parsed, ids, arrival, request_id, caller, span, reserved_tokens)
                 )
-            except ClientGone:
-                raise APIError(
-                    499, "the client disconnected while its request waited for an executor"
-                ) from None
-            await self.tenancy.admit(caller, request_id, routed.reserved_tokens)
+            except Exception as caught:  # it never reached an executor: its admission is given back
+                await self._withdraw(caller, request_id, reserved_tokens)
+                if isinstance(caught, ClientGone):
+                    raise APIError(
+                        499, "the client disconnected while its request waited for an executor"
+                    ) from None
+                raise
         except ClientDisconnect:  # the client left while sending its body: no one to answer, nothing broke
             log.info("client disconnected while sending its request body")
             self.metrics.requests.labels(_tenant(caller), endpoint, "499").inc()
@@ -276,6 +283,13 @@ class Completions:
             return await self._whole(request, routed)
         finally:
             await self._end(routed)
+
+    async def _withdraw(self, caller: Caller, request_id: str, reserved_tokens: int) -> None:
+        try:
+            await self.tenancy.withdraw(caller, request_id, reserved_tokens)
+        # as in _end: the slot's lease and the bucket's refill heal what this misses
+        except Exception as error:
+            log.error("giving back tenant %s's limits failed: %s", caller.tenant, error)
 
     async def _submit(self, routed: Routed) -> None:
         """Send to the chosen executor, then count the request in its in-flight count until its first update,
@@ -338,15 +352,15 @@ class Completions:
             log.error("settling tenant %s's limits failed: %s", tenant, error)
         owed = self.client.owed_kv_block_seconds(routed.request.request_id)
         if owed is not None:  # aborted before its last update: its executor says what its KV held later
-            self._in_background(self._bill_owed(routed.caller, owed))
+            self._in_background(self._bill_owed(routed.caller, routed.request.request_id, owed))
 
-    async def _bill_owed(self, caller: Caller, owed: Awaitable[float | None]) -> None:
+    async def _bill_owed(self, caller: Caller, request_id: str, owed: Awaitable[float | None]) -> None:
         kv_block_seconds = await owed
         if not kv_block_seconds:
             return
         self.metrics.kv_block_seconds.labels(caller.tenant).inc(kv_block_seconds)
         try:
-            await self.tenancy.count_kv_block_seconds(caller, kv_block_seconds)
+            await self.tenancy.count_kv_block_seconds(caller, request_id, kv_block_seconds)
         except Exception as error:  # as in _end: billing must not fail a request, and this one has ended
             log.error("counting tenant %s's KV block-seconds failed: %s", caller.tenant, error)
 
@@ -382,10 +396,12 @@ class Completions:
         request_id: str,
         caller: Caller,
         span: RequestSpan,
+        reserved_tokens: int,
     ) -> Routed:
         started = time.time_ns()
         choice = await self.backlog.choose(ids, caller.cache_salt, arrival, tenant=caller.key_tenant)
         self._record_route(span, started, choice)
+        # again for the one chosen: executors may differ in their context length
         params = fit_to_context(parsed, len(ids), choice.executor.max_model_len, self.limits)
         span.describe(caller.tenant, parsed.model, params.max_tokens, params.temperature, params.top_p)
         generate = protocol.GenerateRequest(
@@ -413,7 +429,7 @@ class Completions:
             arrival,
             caller,
             span,
-            reserved_tokens=len(ids) + params.n * params.max_tokens,  # n choices: n outputs, one prompt
+            reserved_tokens=reserved_tokens,
             prefill_estimate=choice.prefill_estimate,
             held_s=choice.held_s,
             constraint_field=parsed.constraint_field,

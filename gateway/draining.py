@@ -2,8 +2,9 @@
 
 uvicorn on its own closes its listener at the first signal, so requests that arrive while the running ones finish
 get "connection refused". Here the listener stays open: new requests get 503 + Retry-After in OpenAI's error shape
-(/health: 503 "draining"; /metrics and the liveness probe /health/live still answer), requests in flight run to their end, and the server stops once
-none is left or the grace period is over, whichever comes first. A second signal stops it at once.
+(/health: 503 "draining"; /metrics and the liveness probe /health/live still answer), requests in flight run to their end, and the server stops
+DRAINED_LINGER_S after none is left or when the grace period is over, whichever comes first. A second signal stops
+it at once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CUT_OFF_S = 1.0
 # a scrape during the drain sees it happen; a liveness probe that failed would kill the drain before its end
 STILL_SERVED = frozenset({"/metrics", "/health/live"})
+# once nothing is in flight, the listener stays open this long more (within the grace period) answering 503: a
+# client or load balancer that has not seen the drain yet is told to go elsewhere, not refused a connection, and an
+# idle gateway still stops in seconds
+DRAINED_LINGER_S = 3.0
 
 
 class Drain:
@@ -38,6 +43,7 @@ class Drain:
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self.deadline: float | None = None  # time.monotonic(); None: not draining
+        self.drained_at: float | None = None  # time.monotonic() when nothing was in flight any more
 
     @property
     def started(self) -> bool:
@@ -48,6 +54,10 @@ class Drain:
 
     def over(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def lingered(self) -> bool:
+        """Drained, and DRAINED_LINGER_S has passed since."""
+        return self.drained_at is not None and time.monotonic() >= self.drained_at + DRAINED_LINGER_S
 
     def retry_after_s(self) -> int:
         """When to try again: this server is gone by the end of the grace period at the latest."""
@@ -117,7 +127,9 @@ class GatewayServer(uvicorn.Server):
     def _on_signal(self, name: str) -> None:
         if self.drain.started:
             log.info("asked again to stop (%s): stopping now", name)
-            self.should_exit = self.force_exit = True
+            self.should_exit = True
+            # with nothing in flight the orderly stop is as quick, and closes what the gateway holds
+            self.force_exit = bool(self.server_state.tasks)
         else:
             self.begin_drain(name)
 
@@ -138,10 +150,13 @@ class GatewayServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain.started and not self.should_exit:
             in_flight = len(self.server_state.tasks)
-            if not in_flight:
+            if not in_flight and self.drain.drained_at is None:  # what arrives from now on gets a 503 at once
                 log.info("drained: no request in flight")
+                self.drain.drained_at = time.monotonic()
+            if self.drain.lingered():
                 self.should_exit = True
             elif self.drain.over():
-                log.warning("grace period over: cutting off %d requests still in flight", in_flight)
+                if in_flight:
+                    log.warning("grace period over: cutting off %d requests still in flight", in_flight)
                 self.should_exit = True
         return await super().on_tick(counter)

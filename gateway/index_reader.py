@@ -8,6 +8,7 @@ are still alive, their registration, which of the prompt's block hashes each hol
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,14 @@ def connect(redis_url: str) -> aioredis.Redis:
         retry=Retry(ExponentialWithJitterBackoff(cap=0.1, base=0.01), 1, (redis.ConnectionError,)),
     )
     return aioredis.Redis.from_pool(pool)
+
+
+# A retried command may have run already (the connection broke after Redis ran it, before its reply came): a script
+# that writes starts with this, so it applies once. Its last key is the write's marker, unique to the request or
+# the call; a retry sends the same key, finds it, and writes nothing.
+APPLY_ONCE = f"""
+if not redis.call('SET', KEYS[#KEYS], '1', 'NX', 'EX', {redis_keys.APPLIED_TTL_S}) then return 0 end
+"""
 
 
 @dataclass(slots=True)
@@ -91,6 +100,15 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return out
 """
+# KEYS: the in-flight count, the call's marker. ARGV: the change, the count's TTL.
+_ADD_INFLIGHT = (
+    APPLY_ONCE
+    + """
+redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 0
+"""
+)
 # KEYS[1]: the set of executor ids. ARGV[1]: key prefix, ARGV[2]: stats suffix. Per live executor: {id, stats}.
 _STATS = """
 local out = {}
@@ -118,6 +136,7 @@ class IndexReader:
         self.redis = connect(redis_url)
         self._routing_view = self.redis.register_script(_ROUTING_VIEW)
         self._stats = self.redis.register_script(_STATS)
+        self._add_inflight = self.redis.register_script(_ADD_INFLIGHT)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -177,11 +196,10 @@ class IndexReader:
             return True
 
     async def add_inflight(self, executor_id: str, delta: int) -> None:
+        """Change the executor's in-flight count by delta, once, even if the command is retried."""
         key = redis_keys.inflight_key(executor_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.incrby(key, delta)
-            pipe.expire(key, redis_keys.INFLIGHT_TTL_S)
-            await pipe.execute()
+        marker = redis_keys.applied_key(key, uuid.uuid4().hex)
+        await self._add_inflight(keys=[key, marker], args=[delta, redis_keys.INFLIGHT_TTL_S])
 
     async def next_round_robin(self) -> int:
         return int(await self.redis.incr(redis_keys.ROUND_ROBIN))

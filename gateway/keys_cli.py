@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import redis
 
 from shared.api_keys import FLOAT_USAGE_COUNTERS, USAGE_COUNTERS, KeyRecord, KeyStore, key_id_of, parse_models
-from shared.key_backup import export_lines, import_lines
+from shared.key_backup import export_lines, import_lines, write_private
 from shared.redis_url import describe_error
 
 
@@ -181,12 +181,9 @@ def export_keys(store: KeyStore, args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write(text)
     else:
-        # the salts are secrets: the file is the owner's only from its first byte
-        try:
-            fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(text)
-        except OSError as error:
+        try:  # the salts are secrets: the file is the owner's only, from its first byte
+            write_private(args.out, text)
+        except (OSError, ValueError) as error:
             raise ValueError(f"--out: {error}") from None
     print(f"exported {len(lines) - 1} tenant and key records", file=sys.stderr)
     return 0

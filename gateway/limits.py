@@ -5,6 +5,10 @@ Each check-and-consume is one Lua script, so it is atomic across replicas, and i
 buckets that refill continuously; concurrency is a sorted set of request ids scored by lease expiry, so the
 slots of a gateway that died free themselves after LEASE_S. Every state key expires once it would read the
 same as a missing one (a full bucket, an empty set): idle keys cost nothing.
+
+A command that meets a connection error is retried (gateway.index_reader.connect), and the error may have come
+after Redis ran it: each write here applies once per request id, marked in Redis by the same script
+(gateway.index_reader.APPLY_ONCE), so a retry neither takes a budget twice nor counts usage twice.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.index_reader import APPLY_ONCE
 from shared import redis_keys
 from shared.api_keys import KeyRecord
 
@@ -36,13 +41,15 @@ local function store(key, capacity, value)
 end
 """
 
-# KEYS: rpm bucket, tpm bucket, concurrency set. ARGV: rpm, tpm, max_concurrency (0: unlimited), tokens to
-# reserve, request id, lease seconds. Returns {} when admitted, else {limit, seconds to wait} for the limit
-# that needs the longest wait.
+# KEYS: rpm bucket, tpm bucket, concurrency set, the admission's marker. ARGV: rpm, tpm, max_concurrency
+# (0: unlimited), tokens to reserve, request id, lease seconds. Returns {} when admitted, else {limit, seconds to
+# wait} for the limit that needs the longest wait. Only an admission is marked: a refusal took nothing, so its
+# retry may as well be admitted.
 _ADMIT = (
     _CLOCK
     + _BUCKETS
     + """
+if redis.call('EXISTS', KEYS[4]) == 1 then return {} end
 local rpm, tpm, max_concurrency = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, request_id, lease = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local refused, wait = nil, 0
@@ -74,21 +81,34 @@ if max_concurrency > 0 then
   redis.call('ZADD', KEYS[3], now + lease, request_id)
   redis.call('PEXPIRE', KEYS[3], math.ceil(lease * 1000) + 1000)
 end
-return {}
+"""
+    + f"""
+redis.call('SET', KEYS[4], '1', 'EX', {redis_keys.APPLIED_TTL_S})
+return {{}}
 """
 )
 
-# KEYS: tpm bucket, concurrency set, the tenant's usage hash. ARGV: tpm (0: unlimited), tokens to refund
-# (negative: charge), request id, KV block-seconds, then integer usage counter names and amounts.
+# KEYS: tpm bucket, concurrency set, the tenant's usage hash, the release's marker. ARGV: tpm (0: unlimited),
+# tokens to refund (negative: charge), request id, KV block-seconds, then integer usage counter names and amounts.
 _RELEASE = (
     _CLOCK
     + _BUCKETS
+    + APPLY_ONCE
     + """
 local tpm, refund = tonumber(ARGV[1]), tonumber(ARGV[2])
 if tpm > 0 and refund ~= 0 then store(KEYS[1], tpm, math.min(tpm, level(KEYS[1], tpm) + refund)) end
 redis.call('ZREM', KEYS[2], ARGV[3])
-redis.call('HINCRBYFLOAT', KEYS[3], 'kv_block_seconds', ARGV[4])
+if tonumber(ARGV[4]) ~= 0 then redis.call('HINCRBYFLOAT', KEYS[3], 'kv_block_seconds', ARGV[4]) end
 for i = 5, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]) end
+return 0
+"""
+)
+
+# KEYS: the tenant's usage hash, the count's marker. ARGV: HINCRBY or HINCRBYFLOAT, the counter, the amount.
+_COUNT = (
+    APPLY_ONCE
+    + """
+redis.call(ARGV[1], KEYS[1], ARGV[2], ARGV[3])
 return 0
 """
 )
@@ -119,6 +139,10 @@ class Admission:
 ADMITTED = Admission(True)
 
 
+def _marker(record: KeyRecord, request_id: str, write: str) -> str:
+    return redis_keys.applied_key(redis_keys.limit_key(record.key_id, f"request:{request_id}"), write)
+
+
 def _refusal_message(record: KeyRecord, limit: str, reserve_tokens: int) -> str:
     if limit == "rpm":
         return f"requests per minute limit {record.rpm} reached for this API key"
@@ -138,12 +162,14 @@ class Limiter:
         self._admit = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
         self._refresh = client.register_script(_REFRESH)
+        self._count = client.register_script(_COUNT)
 
     async def admit(self, record: KeyRecord, request_id: str, reserve_tokens: int) -> Admission:
         """Check every limit of the key and, only if all pass, take one request, reserve_tokens and a slot."""
         if record.rpm is None and record.tpm is None and record.max_concurrency is None:
             return ADMITTED
         keys = [redis_keys.limit_key(record.key_id, kind) for kind in ("rpm", "tpm", "concurrency")]
+        keys.append(_marker(record, request_id, "admit"))
         limits = [record.rpm or 0, record.tpm or 0, record.max_concurrency or 0]
         reply = await self._admit(keys=keys, args=[*limits, reserve_tokens, request_id, self.LEASE_S])
         if not reply:
@@ -165,7 +191,6 @@ class Limiter:
         """Free the request's slot, refund the tokens it reserved but did not use (or charge the excess) and
         count it in its tenant's usage: one script, one round trip (a script in a pipeline would cost redis-py
         a SCRIPT EXISTS round trip more)."""
-        keys = [redis_keys.limit_key(record.key_id, kind) for kind in ("tpm", "concurrency")]
         usage = {
             "requests": 1,
             "prompt_tokens": prompt_tokens,
@@ -173,9 +198,24 @@ class Limiter:
             "computed_prompt_tokens": max(0, prompt_tokens - cached_tokens),
             "completion_tokens": completion_tokens,
         }
-        args = [record.tpm or 0, reserved_tokens - used_tokens, request_id, kv_block_seconds]
+        await self._give_back(record, request_id, reserved_tokens - used_tokens, kv_block_seconds, usage)
+
+    async def withdraw(self, record: KeyRecord, request_id: str, reserved_tokens: int) -> None:
+        """Free the slot and refund the whole reservation of an admitted request that never reached an executor
+        (refused after its admission, or its client left): nothing counts in its tenant's usage."""
+        await self._give_back(record, request_id, reserved_tokens, 0.0, {})
+
+    async def _give_back(
+        self, record: KeyRecord, request_id: str, refund: int, kv_block_seconds: float, usage: dict[str, int]
+    ) -> None:
+        keys = [redis_keys.limit_key(record.key_id, kind) for kind in ("tpm", "concurrency")]
+        keys += [
+            redis_keys.tenant_usage_key(record.tenant),
+            _marker(record, request_id, "release"),
+        ]
+        args = [record.tpm or 0, refund, request_id, kv_block_seconds]
         args += [part for pair in usage.items() for part in pair]
-        await self._release(keys=[*keys, redis_keys.tenant_usage_key(record.tenant)], args=args)
+        await self._release(keys=keys, args=args)
 
     async def refresh(self, leases: list[tuple[KeyRecord, str]]) -> None:
         """Extend the concurrency leases of requests still running; released ones stay released."""
@@ -187,11 +227,20 @@ class Limiter:
         keys = [redis_keys.limit_key(record.key_id, "concurrency") for record, _ in limited]
         await self._refresh(keys=keys, args=[self.LEASE_S, *(request_id for _, request_id in limited)])
 
-    async def count_kv_block_seconds(self, record: KeyRecord, kv_block_seconds: float) -> None:
-        await self.client.hincrbyfloat(
-            redis_keys.tenant_usage_key(record.tenant), "kv_block_seconds", kv_block_seconds
-        )
+    async def count_kv_block_seconds(
+        self, record: KeyRecord, request_id: str, kv_block_seconds: float
+    ) -> None:
+        await self._count_once(record, request_id, "HINCRBYFLOAT", "kv_block_seconds", kv_block_seconds)
 
-    async def count_rejected(self, record: KeyRecord) -> None:
+    async def count_rejected(self, record: KeyRecord, request_id: str) -> None:
         """Count a refused (429) request in its tenant's usage."""
-        await self.client.hincrby(redis_keys.tenant_usage_key(record.tenant), "rejected", 1)
+        await self._count_once(record, request_id, "HINCRBY", "rejected", 1)
+
+    async def _count_once(
+        self, record: KeyRecord, request_id: str, command: str, counter: str, amount: float
+    ) -> None:
+        keys = [
+            redis_keys.tenant_usage_key(record.tenant),
+            _marker(record, request_id, counter),
+        ]
+        await self._count(keys=keys, args=[command, counter, amount])

@@ -35,6 +35,14 @@ class Saturated(Exception):
     """Every live executor's waiting queue is at its bound: the request waits at the gateway (gateway.backlog)."""
 
 
+NO_EXECUTOR_MESSAGE = "no executor is available; try again shortly"
+
+
+def _index_unreachable(error: Exception) -> APIError:
+    log.error("redis unreachable: %s", error)
+    return APIError(503, "the executor index (Redis) is unreachable", "server_error")
+
+
 class Router:
     def __init__(self, index: IndexReader, policy: str) -> None:
         if policy not in ROUTING_POLICIES:
@@ -50,6 +58,18 @@ class Router:
         # whether the executors last seen keep waiting places per tenant (fair share on): the backlog then keeps
         # a line per tenant too, else one line for all, first come first served
         self.places_per_tenant = True
+
+    async def max_model_len(self) -> int:
+        """The longest context a live executor takes, read from their registrations alone: a prompt too long
+        for every one is refused before its routing read sends Redis one hash per block (megabytes for the
+        longest prompts a body may hold)."""
+        try:
+            executors = await self.index.live_executors()
+        except Exception as error:
+            raise _index_unreachable(error) from None
+        if not executors:
+            raise APIError(503, NO_EXECUTOR_MESSAGE, "server_error")
+        return max(info.max_model_len for info in executors)
 
     async def choose(
         self,
@@ -114,8 +134,7 @@ class Router:
         try:
             view = await self.index.routing_view(hashes)
         except Exception as error:
-            log.error("redis unreachable: %s", error)
-            raise APIError(503, "the executor index (Redis) is unreachable", "server_error") from None
+            raise _index_unreachable(error) from None
         view = [(info, load) for info, load in view if info.executor_id not in exclude]
         reachable = [(info, load) for info, load in view if self.refused(info.address) is None]
         if view and not reachable:  # the client has logged why, once
@@ -123,5 +142,5 @@ class Router:
                 503, "no executor accepts this gateway's connection (see the gateway's log)", "server_error"
             )
         if not reachable:
-            raise APIError(503, "no executor is available; try again shortly", "server_error")
+            raise APIError(503, NO_EXECUTOR_MESSAGE, "server_error")
         return reachable

@@ -185,7 +185,10 @@ class Tenancy:
         except redis.RedisError as error:
             raise _redis_unreachable(error) from None
         if not admission.admitted:
-            await self.limiter.count_rejected(caller.record)
+            try:  # best-effort: the caller is told of its limit whether or not Redis takes the count
+                await self.limiter.count_rejected(caller.record, request_id)
+            except redis.RedisError as error:
+                log.warning("tenant %s's refused request not counted: %s", caller.tenant, error)
             retry_after = max(1, math.ceil(admission.retry_after_s))
             raise APIError(
                 429,
@@ -222,10 +225,17 @@ class Tenancy:
             kv_block_seconds=kv_block_seconds,
         )
 
-    async def count_kv_block_seconds(self, caller: Caller, kv_block_seconds: float) -> None:
+    async def withdraw(self, caller: Caller, request_id: str, reserved_tokens: int) -> None:
+        """Give back all an admitted request took, when it was refused before reaching an executor."""
+        if caller.record is None:
+            return
+        self.leases.pop(request_id, None)
+        await self.limiter.withdraw(caller.record, request_id, reserved_tokens)
+
+    async def count_kv_block_seconds(self, caller: Caller, request_id: str, kv_block_seconds: float) -> None:
         """Add to the tenant's usage what an aborted request's KV held, told after the request ended."""
         if caller.record is not None:
-            await self.limiter.count_kv_block_seconds(caller.record, kv_block_seconds)
+            await self.limiter.count_kv_block_seconds(caller.record, request_id, kv_block_seconds)
 
     async def _refresh_leases(self) -> None:
         """Keep running requests' concurrency slots alive; a dead gateway's slots lapse on their own."""

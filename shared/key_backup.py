@@ -4,7 +4,8 @@ holds, to restore into the same or an empty Redis.
 The first line names the format; then one line per tenant (its cache salt) and one per key (tenant, limits,
 models, times and the SHA-256 of its secret: a backup lets nobody in, and restored keys authenticate as
 before). Usage counters and rate-limit state are not part of it. The salt is a secret too: whoever holds the
-file could compute the tenant's block hashes, so keep it like a password file.
+file could compute the tenant's block hashes, so keep it like a password file: an export to a file is written
+to a new file only its owner can read and renamed into place (write_private).
 
 Import checks every line before it writes anything, and writes in one transaction. It is idempotent: a record
 already in Redis as the file has it is left alone; one that differs is a conflict that stops the import,
@@ -13,8 +14,11 @@ unless `replace` is given, which overwrites the records the file names (and neve
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -81,6 +85,26 @@ def export_lines(client: redis.Redis) -> Iterator[str]:
                 "weight": record.weight,
             }
         )
+
+
+def write_private(path: str, text: str) -> None:
+    """text as the file at path, readable by its owner only, whatever file was there: written to a new 0600 file in
+    the same folder and renamed over it, so no reader sees it half written and an existing file's wider mode is not
+    kept. A symbolic link is refused, not followed: the export would land wherever it points."""
+    if os.path.islink(path):
+        raise ValueError(f"{path} is a symbolic link; name the file itself")
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, staging = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=directory)  # created 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(staging, path)  # renames over a link that appeared meanwhile, never through it
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
+        raise
 
 
 def parse_lines(lines: Iterable[str]) -> tuple[dict[str, str], list[tuple[KeyRecord, str]]]:

@@ -39,6 +39,9 @@ Tenancy (`<key_id>` is an API key's public id, `<tenant>` a tenant name):
                                       computed_prompt_tokens, completion_tokens, kv_block_seconds (a float),
                                       rejected (docs/tenancy.md, "Usage and billing")
 - `kvserve:limit:<key_id>:*`          the key's rate-limit state (gateway.limits).
+- `<key>:applied:<write id>`         string, APPLIED_TTL_S: a write to key (a request's admission or usage under an
+                                      API key's limits, one change of an in-flight count) was applied, so a retry
+                                      after a lost reply applies it once (gateway.index_reader.APPLY_ONCE).
 """
 
 from __future__ import annotations
@@ -104,5 +107,15 @@ def tenant_usage_key(tenant: str) -> str:
 
 
 def limit_key(key_id: str, kind: str) -> str:
-    """kind: rpm, tpm or concurrency."""
+    """kind: rpm, tpm or concurrency; request:<request id> is the prefix of that request's writes' markers."""
     return f"kvserve:limit:{key_id}:{kind}"
+
+
+# a command is retried once, at most seconds after its first try (gateway.index_reader.connect): the marker
+# outlives that by far, and costs Redis a short string per request meanwhile
+APPLIED_TTL_S = 60
+
+
+def applied_key(key: str, write_id: str) -> str:
+    """The marker that one write to key (named by its request and what it did, or by a call's own id) was applied."""
+    return f"{key}:applied:{write_id}"

@@ -1,5 +1,6 @@
 """`kvserve gateway` drains on SIGTERM: its port stays open, new requests get 503 + Retry-After in OpenAI's
-shape while the one in flight finishes, then it exits 0."""
+shape while the one in flight finishes, and for a moment after (a client that comes just then is told to go
+elsewhere, not refused a connection), then it exits 0."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def test_sigterm_keeps_answering_503_until_the_request_in_flight_ends(tiny_model
         assert answer.startswith("HTTP/1.1 "), answer  # answered in full (no executor here: a 503 of its own)
         assert '"code":"draining"' not in answer
         slow.close()
+        time.sleep(0.5)  # nothing in flight since: a client arriving now still gets the 503, not a refusal
+        late = httpx.post(f"{gateway.base}/v1/completions", json={"model": "tiny"}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
         assert gateway.process.wait(10) == 0
         log = gateway.log_path.read_text()
         assert "draining (SIGTERM)" in log and "drained: no request in flight" in log

@@ -10,6 +10,7 @@ import redis
 
 from gateway.index_reader import IndexReader
 from shared import redis_keys
+from tests.gateway.lost_reply import LosesAReply, losing_replies
 
 
 def test_a_prompt_of_more_blocks_than_lua_unpacks_at_once(redis_url):
@@ -36,3 +37,28 @@ def test_a_prompt_of_more_blocks_than_lua_unpacks_at_once(redis_url):
     finally:
         client.srem(redis_keys.EXECUTORS, executor_id)
         client.delete(redis_keys.executor_key(executor_id), redis_keys.blocks_key(executor_id))
+
+
+def test_an_in_flight_change_retried_after_its_reply_was_lost_applies_once(redis_url):
+    executor_id = f"inflight-{uuid.uuid4().hex[:8]}"
+    key = redis_keys.inflight_key(executor_id)
+
+    async def run():
+        reader = IndexReader(redis_url)
+        losing_replies(reader.redis)
+        try:
+            await reader.add_inflight(executor_id, 1)  # its script loaded: the armed reply is the change's
+            LosesAReply.armed = True
+            await reader.add_inflight(executor_id, 100)
+            assert not LosesAReply.armed  # the reply was lost, and the change retried
+            LosesAReply.armed = True
+            await reader.add_inflight(executor_id, -1)
+            assert not LosesAReply.armed
+        finally:
+            await reader.close()
+
+    try:
+        asyncio.run(run())
+        assert int(redis.Redis.from_url(redis_url).get(key)) == 100
+    finally:
+        redis.Redis.from_url(redis_url).delete(key)

@@ -290,3 +290,27 @@ def test_import_over_records_held_otherwise_needs_replace(db_url, empty_url, cap
     salt = client.hget(redis_keys.tenant_key("acme"), "cache_salt")
     salts = {client.hget(k, "cache_salt") for k in client.scan_iter(match=redis_keys.api_key_key("*"))}
     assert salts == {salt}  # the key the file did not name follows its tenant's restored salt
+
+
+def test_export_over_a_readable_file_leaves_it_the_owners_only(db_url, capsys, tmp_path):
+    _create(capsys, db_url, "--tenant", "acme")
+    backup = tmp_path / "keys.jsonl"
+    backup.write_text("an older export\n")
+    backup.chmod(0o644)  # world-readable, as a file made by hand or by a copy may be
+    status, _, _ = _kvserve(capsys, "keys", "export", "--out", str(backup), "--redis-url", db_url)
+    assert status == 0
+    assert stat.S_IMODE(backup.stat().st_mode) == 0o600
+    assert json.loads(backup.read_text().splitlines()[0])["format"] == "kvserve-keys"
+    assert [p.name for p in tmp_path.iterdir()] == ["keys.jsonl"]  # no staging file left behind
+
+
+def test_export_refuses_a_symbolic_link(db_url, capsys, tmp_path):
+    _create(capsys, db_url, "--tenant", "acme")
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not ours to overwrite\n")
+    target.chmod(0o644)
+    link = tmp_path / "keys.jsonl"
+    link.symlink_to(target)
+    status, _, err = _kvserve(capsys, "keys", "export", "--out", str(link), "--redis-url", db_url)
+    assert status == 2 and "symbolic link" in err and "--out" in err
+    assert link.is_symlink() and target.read_text() == "not ours to overwrite\n"

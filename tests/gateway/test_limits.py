@@ -6,9 +6,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from gateway.index_reader import connect
 from gateway.limits import Limiter
 from shared import redis_keys as keys
 from shared.api_keys import KeyRecord, KeyStore
+from tests.gateway.lost_reply import LosesAReply, losing_replies
 
 
 def _record(tenant: str = "limits", **limits) -> KeyRecord:
@@ -168,8 +170,8 @@ def test_usage_is_counted_per_tenant(redis_url):
             kv_block_seconds=0.25,
         )
         await limiter.release(unlimited, "b", 0, 0, prompt_tokens=5, completion_tokens=1)
-        await limiter.count_kv_block_seconds(unlimited, 1.5)  # an aborted request's, told after its end
-        await limiter.count_rejected(limited)
+        await limiter.count_kv_block_seconds(unlimited, "b", 1.5)  # an aborted request's, told after its end
+        await limiter.count_rejected(limited, "refused")
         assert (await limiter.admit(unlimited, "c", 10**9)).admitted  # no limits: nothing to check
 
     _run(redis_url, body)
@@ -185,3 +187,39 @@ def test_usage_is_counted_per_tenant(redis_url):
     }
     assert usage == {tenant: expected}
     assert isinstance(usage[tenant]["kv_block_seconds"], float)
+
+
+def test_a_write_retried_after_its_reply_was_lost_applies_once(redis_url):
+    tenant = f"retried-{secrets.token_hex(4)}"
+    record = _record(tenant, rpm=10, tpm=1000)
+
+    async def body():
+        client = losing_replies(connect(redis_url))
+        limiter = Limiter(client)
+        try:
+            warm = _record(f"warm-{tenant}", rpm=10)  # its scripts loaded: an armed reply is the write's
+            await limiter.admit(warm, "warm", 0)
+            await limiter.release(warm, "warm", 0, 0)
+            await limiter.count_rejected(warm, "warm")
+            LosesAReply.armed = True
+            assert (await limiter.admit(record, "request", 500)).admitted
+            assert not LosesAReply.armed  # its reply was lost, and it was retried
+            # taken once (twice: 8 and 0), give or take what refilled since (a sixtieth a second)
+            assert _level(redis_url, record, "rpm") == pytest.approx(9, abs=0.5)
+            assert _level(redis_url, record, "tpm") == pytest.approx(500, abs=100)
+            LosesAReply.armed = True
+            await limiter.release(record, "request", 500, 100, prompt_tokens=60, completion_tokens=40)
+            assert not LosesAReply.armed  # its reply was lost, and it was retried
+            LosesAReply.armed = True
+            await limiter.count_rejected(record, "another")
+            assert not LosesAReply.armed  # its reply was lost, and it was retried
+            LosesAReply.armed = True
+            await limiter.count_kv_block_seconds(record, "request", 2.5)
+            assert not LosesAReply.armed  # its reply was lost, and it was retried
+        finally:
+            await client.aclose()
+
+    asyncio.run(body())
+    usage = KeyStore(redis.Redis.from_url(redis_url)).usage(tenant)[tenant]
+    assert usage["requests"] == 1 and usage["prompt_tokens"] == 60 and usage["completion_tokens"] == 40
+    assert usage["rejected"] == 1 and usage["kv_block_seconds"] == 2.5

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 
 from gateway.api_error import APIError
 from gateway.app import GatewayConfig, build_app
-from gateway.tenancy import ANONYMOUS, NoKeysConfigured, Tenancy
+from gateway.tenancy import ANONYMOUS, Caller, NoKeysConfigured, Tenancy
 from shared.api_keys import KeyStore
 
 DB = 11  # a database of its own: whether any key exists is the question here
@@ -135,3 +135,29 @@ def test_a_gateway_that_may_not_run_open_refuses_keyless_requests_without_asking
             await client.aclose()
 
     asyncio.run(run())
+
+
+def test_a_429_stays_a_429_while_redis_refuses_writes(db_url, caplog):
+    """The refusal's count is best-effort: a Redis that takes no writes (no replica to confirm them) must not
+    turn the caller's 429 into a 500."""
+    _, record = KeyStore(redis.Redis.from_url(db_url)).create("t-readonly", rpm=1)
+    admin = redis.Redis.from_url(db_url)
+
+    async def run() -> None:
+        client = aioredis.from_url(db_url)
+        try:
+            tenancy = Tenancy(client, False)
+            caller = Caller(record)
+            await tenancy.admit(caller, "first", 0)  # the minute's one request
+            admin.config_set("min-replicas-to-write", 1)  # no replica: every write is refused
+            try:
+                with pytest.raises(APIError) as refused:
+                    await tenancy.admit(caller, "second", 0)
+            finally:
+                admin.config_set("min-replicas-to-write", 0)
+            assert refused.value.status == 429 and refused.value.headers["retry-after"]
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+    assert "refused request not counted" in caplog.text
