@@ -313,8 +313,8 @@ class ExecutorService:
             log.warning(
                 "gateway %s silent for %.0f s: taking it for gone", identity.hex(), self.gateways.silence_s
             )
+            # the aborts still go out: a gateway that was only stalled learns its requests were cut short
             self._abort_all(f"its gateway {identity.hex()} is gone", identity)
-            self.outbox.pop(identity, None)  # nobody there to read the aborts
         return bool(gone)
 
     def _fail(self, identity: bytes, request_id: str, message: str) -> None:

@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from executor.gateway_liveness import GatewayLiveness
 from shared import redis_keys as keys
@@ -57,6 +58,7 @@ class Stream:
             self.error = repr(error)
 
 
+@pytest.mark.slow
 def test_a_killed_gateways_requests_are_aborted_and_another_gateways_run_on(tiny_models, tmp_path):
     model = tiny_models["llama"]
     server = start_redis_server()
