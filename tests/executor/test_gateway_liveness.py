@@ -19,7 +19,8 @@ from shared.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 BLOCK_SIZE = 16  # the default
-ORPHAN_TOKENS = 700  # after a prompt of about 300: the tiny model's 1024 positions
+ORPHAN_PROMPT_TOKENS = 300  # about: "orphan {i} story " x 75
+ORPHAN_TOKENS = 700  # after their prompt: the tiny model's 1024 positions
 KEPT_TOKENS = 1000
 
 
@@ -94,9 +95,9 @@ def test_a_killed_gateways_requests_are_aborted_and_another_gateways_run_on(tiny
         cut = [int(n) for n in re.findall(r"ended \(abort\): .*? (\d+) output tokens", log)]
         assert len(cut) == 2 and max(cut) < ORPHAN_TOKENS, log  # aborted, not run to their end
         print(f"a dead gateway's requests aborted {aborted_after:.1f} s after its SIGKILL, at {cut} tokens")
-        # their blocks are free: what is left is the survivor's alone (its one prompt token and its output), and
-        # it goes on streaming
-        assert eventually(lambda: blocks_used() <= KEPT_TOKENS // BLOCK_SIZE + 1, timeout=2)
+        # their blocks are free: fewer are used than their prompts alone held (the survivor, which generates at
+        # their pace, holds a few), and it goes on streaming
+        assert eventually(lambda: blocks_used() < 2 * ORPHAN_PROMPT_TOKENS // BLOCK_SIZE, timeout=2)
         seen = len(kept.events)
         assert eventually(lambda: len(kept.events) > seen + 5, timeout=10)
         kept.leave.set()
