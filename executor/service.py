@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from executor.engine_busy import EngineBusy
+from executor.gateway_liveness import GatewayLiveness
 from executor.index_writer import IndexWriter
 from executor.request_spans import record_request_spans
 from shared import protocol, tracing
@@ -59,6 +60,7 @@ class ExecutorService:
         self.owners: dict[str, Owned] = {}  # by request id
         self.outbox: dict[bytes, list[protocol.RequestUpdate]] = defaultdict(list)
         self.drain_deadline: float | None = None
+        self.gateways = GatewayLiveness()
         self.stats = ExecutorStats()  # its queue-time histogram lives here; counters are the engine's
         self.stats_pending = True  # changed since last published
         self.next_stats_at = 0.0
@@ -87,14 +89,16 @@ class ExecutorService:
             received = bool(self.socket.poll(0 if busy else IDLE_POLL_MS))
             if received:
                 self._receive_all()
+            orphaned = self._abort_orphans()
             stepped = self._step()
             self._flush()
             now = time.monotonic()
-            if stepped or received or now >= next_heartbeat:  # an abort changes the load without a step
+            changed = stepped or received or orphaned  # an abort changes the load without a step
+            if changed or now >= next_heartbeat:
                 heartbeat = now >= next_heartbeat
                 if heartbeat:
                     next_heartbeat = now + HEARTBEAT_INTERVAL_S
-                self._publish(heartbeat, changed=stepped or received)
+                self._publish(heartbeat, changed)
 
     # -- messages in --------------------------------------------------------------------------------
 
@@ -108,6 +112,7 @@ class ExecutorService:
                 log.warning("dropped a message of %d frames (expected identity + payload)", len(frames))
                 continue
             identity, payload = frames
+            self.gateways.heard(identity, time.monotonic(), heartbeat=False)
             msg = None
             try:
                 msg = protocol.decode(payload)
@@ -130,6 +135,8 @@ class ExecutorService:
     def _handle(self, identity: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.GenerateRequest):
             self._generate(identity, msg)
+        elif isinstance(msg, protocol.GatewayHeartbeat):
+            self.gateways.heard(identity, time.monotonic(), heartbeat=True)
         elif isinstance(msg, protocol.AbortRequest):
             # only the gateway that sent a request may abort it; an unknown id has most likely just finished
             owned = self.owners.get(msg.request_id)
@@ -292,10 +299,23 @@ class ExecutorService:
                 )
         return owned
 
-    def _abort_all(self, why: str) -> None:
+    def _abort_all(self, why: str, identity: bytes | None = None) -> None:
+        """Abort every request, or only those of the gateway with this identity."""
         for request_id, owned in list(self.owners.items()):
-            log.info("aborting request %s: %s", request_id, why, extra=_ids(request_id, owned.trace_id))
-            self._finished(request_id, self.engine.abort(request_id))
+            if identity is None or owned.identity == identity:
+                log.info("aborting request %s: %s", request_id, why, extra=_ids(request_id, owned.trace_id))
+                self._finished(request_id, self.engine.abort(request_id))
+
+    def _abort_orphans(self) -> bool:
+        """Requests of a gateway that stopped heartbeating: nobody reads them, so their blocks go now."""
+        gone = self.gateways.gone(time.monotonic())
+        for identity in gone:
+            log.warning(
+                "gateway %s silent for %.0f s: taking it for gone", identity.hex(), self.gateways.silence_s
+            )
+            # the aborts still go out: a gateway that was only stalled learns its requests were cut short
+            self._abort_all(f"its gateway {identity.hex()} is gone", identity)
+        return bool(gone)
 
     def _fail(self, identity: bytes, request_id: str, message: str) -> None:
         """An internal fault: the request ends with a 500, whatever state the engine has for it is dropped."""

@@ -130,6 +130,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
     from gateway.app import GatewayConfig, build_app
     from gateway.chat_template import read_chat_template
     from gateway.draining import GatewayServer
+    from gateway.exit_deadline import EXIT_MARGIN_S, exit_within
     from gateway.tokenizer import load_tokenizer
     from shared import logs, tracing
     from shared.model_paths import ModelLoadError
@@ -187,6 +188,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")
     server = GatewayServer(build_app(config), args.host, args.port, args.shutdown_grace_period)
+    server.on_drain.append(lambda: exit_within(args.shutdown_grace_period + EXIT_MARGIN_S))
     if on_start is not None:
         on_start(server)
     try:

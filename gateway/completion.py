@@ -134,6 +134,11 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+class CutShort(Exception):
+    """The executor ended a choice this gateway did not stop (finish reason "abort"): it drained past its grace
+    period. Its output is truncated, not finished, and is never passed off as a whole answer."""
+
+
 async def _while_connected(request: Request, work: Awaitable[T]) -> T:
     """work's result; if the client disconnects first, work is cancelled (which aborts whatever it started on
     an executor, or takes it out of the backlog) and ClientGone is raised."""
@@ -327,6 +332,8 @@ class Completions:
         self.backlog.freed()
         generation = routed.generations[0]
         completion_tokens = sum(g.output.num_tokens for g in routed.generations)
+        if routed.error is not None and not routed.stream:  # it failed: the client was given none of them
+            completion_tokens = 0
         usage = (generation.num_prompt_tokens, completion_tokens, generation.cached_tokens)
         tenant = routed.caller.tenant
         self.metrics.requests.labels(tenant, generation.endpoint, str(routed.status)).inc()
@@ -450,7 +457,8 @@ class Completions:
     async def _updates(self, routed: Routed):
         """The submitted request's updates. An executor that refuses it as busy (or draining) is replaced at
         once; one that dies is replaced if the client has received nothing yet: a non-streaming request starts
-        again from scratch elsewhere, with the same seed; a stream that has had tokens ends with an error."""
+        again from scratch elsewhere, with the same seed; a stream that has had tokens ends with an error. One
+        that cuts it short (it drained past its grace period: finish reason "abort") is as good as dead."""
         while True:
             executor = routed.executor
 
@@ -466,6 +474,8 @@ class Completions:
                         self.backlog.freed()  # room there, perhaps
                     if protocol.is_acceptance(update):
                         continue  # taken, waiting for its grammar: nothing for the client yet
+                    if update.finish_reason == "abort" and not routed.generations[update.index].stop_matched:
+                        raise CutShort  # only a choice a stop string ended is aborted by this gateway
                     answered = True
                     routed.kv_block_seconds += update.kv_block_seconds or 0.0
                     self._observe_tokens(routed, update)
@@ -477,20 +487,19 @@ class Completions:
                 routed.busy_refusals += 1
                 routed.busy_at.add(executor.executor_id)
                 await self._reroute(routed, avoid=routed.busy_at)
-            except ExecutorGone:
+            except (ExecutorGone, CutShort) as lost:
+                what = "cut the request short" if isinstance(lost, CutShort) else "stopped answering"
                 log.warning(
-                    "executor %s stopped answering (request %s)",
-                    executor.executor_id,
-                    routed.request.request_id,
+                    "executor %s %s (request %s)", executor.executor_id, what, routed.request.request_id
                 )
                 routed.tried.add(executor.executor_id)
                 if answered and routed.stream:
                     raise APIError(
-                        502, f"executor {executor.executor_id} stopped answering mid-stream", "server_error"
+                        502, f"executor {executor.executor_id} {what} mid-stream", "server_error"
                     ) from None
                 if len(routed.tried) >= MAX_EXECUTOR_LOSSES:
                     raise APIError(
-                        502, f"{len(routed.tried)} executors stopped answering this request", "server_error"
+                        502, f"{len(routed.tried)} executors were lost serving this request", "server_error"
                     ) from None
                 if answered:  # nothing reached the client: what the lost executor made is discarded
                     old = routed.generations[0]

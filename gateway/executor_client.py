@@ -69,6 +69,7 @@ class ExecutorClient:
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.readers: dict[str, asyncio.Task] = {}
         self.monitors: dict[str, tuple[asyncio.Task, zmq.asyncio.Socket]] = {}
+        self.heartbeats: dict[str, asyncio.Task] = {}  # tell each executor this gateway still reads
         # executor address -> why its last handshake failed; gone once one succeeds
         self.refused: dict[str, str] = {}
         self.handshaken: dict[str, asyncio.Event] = {}  # set once a handshake has succeeded or failed
@@ -102,6 +103,7 @@ class ExecutorClient:
             loop = asyncio.get_running_loop()
             self.readers[address] = loop.create_task(self._read(address, socket))
             self.monitors[address] = (loop.create_task(self._watch(address, monitor)), monitor)
+            self.heartbeats[address] = loop.create_task(self._heartbeat(address))
         return socket
 
     async def handshake(self, address: str, wait_s: float) -> str | None:
@@ -137,6 +139,13 @@ class ExecutorClient:
         for request_id, sent_to in list(self.sent_to.items()):
             if sent_to == address and request_id in self.awaiting and request_id in self.streams:
                 self.streams[request_id].put_nowait(ExecutorGone(address))
+
+    async def _heartbeat(self, address: str) -> None:
+        """Without these the executor would run this gateway's requests to their end after it died."""
+        while True:
+            with contextlib.suppress(zmq.ZMQError):  # not connected: nothing of this gateway runs there
+                await self._send(address, protocol.GatewayHeartbeat())
+            await asyncio.sleep(protocol.GATEWAY_HEARTBEAT_S)
 
     async def _read(self, address: str, socket: zmq.asyncio.Socket) -> None:
         while True:
@@ -311,7 +320,11 @@ class ExecutorClient:
         await self._socket(address).send(protocol.encode(msg), zmq.NOBLOCK)
 
     async def close(self) -> None:
-        for task in [*self.readers.values(), *(task for task, _ in self.monitors.values())]:
+        for task in [
+            *self.readers.values(),
+            *self.heartbeats.values(),
+            *(t for t, _ in self.monitors.values()),
+        ]:
             task.cancel()
         for _, monitor in self.monitors.values():
             monitor.close(linger=0)  # an open monitor socket would hold context.term() forever

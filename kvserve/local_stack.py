@@ -2,7 +2,8 @@
 processes kept alive by a Supervisor.
 
 Each child has a process group of its own, so Ctrl-C at a terminal reaches only `kvserve up`, which stops them
-in order once its gateway has drained: the executors first, then the Redis they deregister from. A restarted
+in order once its gateway has drained: the executors first, then the Redis they deregister from. Each also dies
+(SIGKILL) with `kvserve up` however it ends, kill -9 included (shared/parent_death.py). A restarted
 executor keeps its id and its address (a new free port only if another process took it); the embedded Redis
 comes back on its port with its data (an append-only file), so every URL and API key stays valid.
 
@@ -28,6 +29,7 @@ import redis
 
 from kvserve.supervisor import Supervisor, describe_exit, stop_processes
 from shared import redis_keys
+from shared.parent_death import dying_with_this_process
 from shared.redis_server import EmbeddedRedis, free_port, start_redis_server
 from shared.redis_url import masked
 
@@ -35,7 +37,9 @@ log = logging.getLogger("kvserve.up")
 
 REDIS = "redis"  # the embedded server's name in log lines and messages
 EXECUTOR_START_TIMEOUT_S = 600  # the first start may pull and convert the default model
-STOP_TIMEOUT_S = 10.0  # an executor told to stop after the gateway drained has nothing left to run
+# an executor told to stop after the gateway drained has nothing left to run: one still there after this is
+# stuck, and is killed
+STOP_TIMEOUT_S = 3.0
 HOST = "127.0.0.1"
 
 
@@ -66,7 +70,7 @@ class LocalStack:
         if self.redis_url is None:
             password = secrets.token_urlsafe(24)
             self.embedded = start_redis_server(
-                HOST, persistent=True, own_process_group=True, password=password
+                HOST, persistent=True, own_process_group=True, dies_with_parent=True, password=password
             )
             self.redis_url = self.embedded.url
             self.supervisor.adopt(REDIS, self.embedded.process, self.embedded.restart)
@@ -154,7 +158,7 @@ def start_executor(
     on_cpu = device != "cuda"
     if on_cpu:
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // num_executors)))
-    process = subprocess.Popen(argv, env=env, process_group=0)
+    process = subprocess.Popen(dying_with_this_process(argv), env=env, process_group=0)
     if on_cpu and niceness:
         # set from here, not in the child before exec: the supervisor's thread starts executors, and a
         # preexec_fn is unsafe in a process with threads. Threads the child starts later inherit it.

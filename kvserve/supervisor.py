@@ -3,7 +3,8 @@ backoff; one that keeps dying is given up on, and `kvserve up` with it.
 
 The rule: the first restart waits FIRST_BACKOFF_S, each further death within RESTART_WINDOW_S doubles the wait,
 and the RESTART_LIMIT-th death within RESTART_WINDOW_S is final (0.5, 1, 2, 4 s, then the fifth death within a
-minute ends it). A thread of its own polls the children, beside uvicorn in the main thread.
+minute ends it). A thread of its own polls the children, beside uvicorn in the main thread. It lives as long as
+the process: the children it restarts die with the thread that started them (shared/parent_death.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Supervisor:
         self._on_failure: Callable[[str], None] | None = None
         self._restarting = True
         self._halt = threading.Event()
+        self._halted = threading.Event()  # its thread checks no more
         self._thread: threading.Thread | None = None
 
     def start(self, name: str, start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
@@ -83,11 +85,15 @@ class Supervisor:
         self.hold()
         self._halt.set()
         if self._thread is not None:
-            self._thread.join()
+            self._halted.wait()
 
     def _run(self) -> None:
         while not self._halt.wait(POLL_S):
             self.check(time.monotonic())
+        self._halted.set()
+        # not ended: the children this thread restarted would get their parent-death signal (SIGKILL) now,
+        # before they are stopped in order. A daemon thread, it ends with the process, and they with it.
+        threading.Event().wait()
 
     def check(self, now: float) -> None:
         """One round: reap the dead, restart those whose backoff is over."""

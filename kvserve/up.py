@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from gateway.cli import add_http_args, run_gateway
+from gateway.exit_deadline import EXIT_MARGIN_S
 from kvserve.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S
 from shared.curve_keys import CurveKeyError, executor_keys, gateway_keys, write_keys
 from shared.defaults import DEFAULT_MODEL
@@ -29,7 +30,9 @@ UP_DESCRIPTION = (
     f"restarted after {FIRST_BACKOFF_S} s, the wait doubling with each death within {RESTART_WINDOW_S:.0f} s; "
     f"{RESTART_LIMIT} deaths of one child within {RESTART_WINDOW_S:.0f} s end kvserve up with exit code 1, "
     "naming it. SIGTERM or Ctrl-C drains: new requests get 503 while those in flight finish (at most "
-    "--shutdown-grace-period), then everything stops; a second signal stops at once."
+    "--shutdown-grace-period), then everything stops; a second signal stops at once. Whatever is stuck, it "
+    f"ends at the latest {EXIT_MARGIN_S:g} s after the grace period, and its children die with it however it "
+    "ends, kill -9 included."
 )
 
 

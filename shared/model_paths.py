@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from shared.defaults import DEFAULT_MODEL
+from shared.parent_death import dying_with_this_process
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -72,7 +73,8 @@ def pulled_model_dir(model: str | None) -> Path:
     path = model_dir(model)
     if path.is_dir():
         return path
-    done = subprocess.run(pull_command(model), capture_output=True, text=True)
+    # it dies with this process: a pull is long, and nobody would be left to read what it prints
+    done = subprocess.run(dying_with_this_process(pull_command(model)), capture_output=True, text=True)
     printed = done.stdout.strip().splitlines()
     if done.returncode != 0 or not printed or not Path(printed[-1]).is_dir():
         error = (done.stderr.strip() or done.stdout.strip()).splitlines()[-10:]  # its error, not its log

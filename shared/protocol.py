@@ -1,9 +1,9 @@
 """The wire protocol between gateway and executor: msgpack maps over ZeroMQ, each with a version and a type.
 
-Gateway -> executor: `GenerateRequest`, `AbortRequest`. Executor -> gateway: one `StepBatch` per gateway per
-engine step, and `RequestError` for a request that was refused. Every map carries `"v"` (PROTOCOL_VERSION) and
-`"type"`; a peer speaking another version, or sending something that is not one of these messages, is refused
-with a `ProtocolError` that says why. Keys a message does not know are ignored, so a field can be added within
+Gateway -> executor: `GenerateRequest`, `AbortRequest`, and a `GatewayHeartbeat` every GATEWAY_HEARTBEAT_S.
+Executor -> gateway: one `StepBatch` per gateway per engine step, and `RequestError` for a request that was
+refused. Every map carries `"v"` (PROTOCOL_VERSION) and `"type"`; a peer speaking another version, or sending
+something that is not one of these messages, is refused with a `ProtocolError` that says why. Keys a message does not know are ignored, so a field can be added within
 a version without breaking older peers.
 """
 
@@ -61,6 +61,19 @@ class AbortRequest:
 
 
 @dataclass(slots=True)
+class GatewayHeartbeat:
+    """The gateway still reads what it asked for: an executor that has had one from a gateway and then hears
+    nothing from it for GATEWAY_SILENCE_S aborts its requests (executor/gateway_liveness.py)."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+
+
+GATEWAY_HEARTBEAT_S = 1.0
+# four missed heartbeats: a gateway whose event loop is only slow keeps its requests
+GATEWAY_SILENCE_S = 4.0
+
+
+@dataclass(slots=True)
 class RequestUpdate:
     """What one engine step produced for one request."""
 
@@ -110,7 +123,7 @@ BUSY = 429  # the executor's waiting queue is at its bound (back-pressure)
 DRAINING = 503  # the executor is shutting down
 REROUTABLE = frozenset({BUSY, DRAINING})
 
-Message = GenerateRequest | AbortRequest | StepBatch | RequestError
+Message = GenerateRequest | AbortRequest | GatewayHeartbeat | StepBatch | RequestError
 
 
 def encode(msg: Message) -> bytes:
@@ -289,6 +302,7 @@ def _read_error(f: _Fields) -> RequestError:
 _READERS: dict[str, Callable[[_Fields], Message]] = {
     GenerateRequest.TYPE: _read_generate,
     AbortRequest.TYPE: _read_abort,
+    GatewayHeartbeat.TYPE: lambda _f: GatewayHeartbeat(),
     StepBatch.TYPE: _read_step,
     RequestError.TYPE: _read_error,
 }

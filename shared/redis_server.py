@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from shared.parent_death import dying_with_this_process
+
 
 class RedisServerError(RuntimeError):
     pass
@@ -95,6 +97,7 @@ def start_redis_server(
     *,
     persistent: bool = False,
     own_process_group: bool = False,
+    dies_with_parent: bool = False,
     password: str | None = None,
 ) -> EmbeddedRedis:
     """Start a server on a free port of host; returns once it answers PING (restart() starts it again there).
@@ -103,6 +106,7 @@ def start_redis_server(
     written (API keys above all: with none left, a gateway would serve anyone); otherwise nothing is persisted.
     own_process_group: Ctrl-C at a terminal does not reach it, so its owner can stop it after everything
     that uses it.
+    dies_with_parent: it gets SIGKILL when this process ends, however it ends (shared/parent_death.py).
     password: clients must AUTH with it (the returned url carries it). It goes into a config file in the
     data folder (mode 0700), not onto the command line, where any local user could read it with `ps`.
     """
@@ -117,6 +121,8 @@ def start_redis_server(
         port = free_port(host)
         command = [binary, *config, "--bind", host, "--port", str(port), "--save", "", *persistence]
         command += ["--dir", data_dir.name, "--logfile", str(Path(data_dir.name) / "server.log")]
+        if dies_with_parent:
+            command = dying_with_this_process(command)
         process = _launch(command, own_process_group)
         if _wait_for_ping(host, port, process, timeout):
             credentials = "" if password is None else f":{quote(password, safe='')}@"

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import redis
 
+from gateway.exit_deadline import EXIT_MARGIN_S
 from kvserve.supervisor import RESTART_LIMIT
 from shared import redis_keys
 from tests.processes import REPO, eventually, free_port, raw_generate
@@ -292,6 +293,57 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones_with_503(stack):
     assert stack.process.wait(30) == 0, stack.text()
     assert eventually(stack.none_left, timeout=10)
     assert "draining (SIGTERM)" in stack.text()
+
+
+# -- nothing left running, and no waiting past the grace period -------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    for child in list(found):
+        found += descendants(child)
+    return found
+
+
+@pytest.mark.slow
+def test_kill_9_of_up_takes_every_process_it_started_with_it(tiny_models, tmp_path):
+    up = Up(tiny_models["llama"], tmp_path / "up.log", executors=1)
+    try:
+        up.wait_serving(1)
+        started = descendants(up.process.pid)
+        assert up.child("valkey-server") in started and up.child("--executor-id executor-0") in started
+        up.process.kill()
+        up.process.wait()
+        killed = time.monotonic()
+        assert eventually(lambda: not any(alive(p) for p in started), timeout=5), [
+            command_line(p) for p in started if alive(p)
+        ]
+        print(f"every child of kvserve up gone {time.monotonic() - killed:.2f} s after its SIGKILL")
+    finally:
+        for pid in descendants(up.process.pid) if up.process.poll() is None else []:
+            os.kill(pid, signal.SIGKILL)
+        up.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_ends_up_within_the_grace_period_and_seconds_even_with_a_stuck_executor(
+    tiny_models, tmp_path
+):
+    grace = 1
+    up = Up(tiny_models["llama"], tmp_path / "up.log", "--shutdown-grace-period", str(grace), executors=1)
+    try:
+        up.wait_serving(1)
+        started = descendants(up.process.pid)
+        os.kill(up.child("--executor-id executor-0"), signal.SIGSTOP)  # deaf to SIGTERM
+        up.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        up.process.wait(60)
+        took = time.monotonic() - signalled
+        print(f"kvserve up with a stopped executor ended {took:.1f} s after SIGTERM (grace {grace} s)")
+        assert took < grace + EXIT_MARGIN_S + 1, up.text()  # was 10 s and more: SIGKILL 10 s after SIGTERM
+        assert eventually(lambda: not any(alive(p) for p in started), timeout=5)
+    finally:
+        up.stop()
 
 
 # -- children that do not stay up ----------------------------------------------------------------------------
