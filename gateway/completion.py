@@ -461,16 +461,14 @@ class Completions:
                 routed.busy_refusals += 1
                 routed.busy_at.add(executor.executor_id)
                 await self._reroute(routed, avoid=routed.busy_at)
-            except ExecutorGone:
+            except ExecutorGone as gone:  # or UpdatesLost: what it sent cannot be completed either
                 log.warning(
-                    "executor %s stopped answering (request %s)",
-                    executor.executor_id,
-                    routed.request.request_id,
+                    "executor %s %s (request %s)", executor.executor_id, gone.why, routed.request.request_id
                 )
                 routed.tried.add(executor.executor_id)
                 if answered and routed.stream:
                     raise APIError(
-                        502, f"executor {executor.executor_id} stopped answering mid-stream", "server_error"
+                        502, f"executor {executor.executor_id} {gone.why} mid-stream", "server_error"
                     ) from None
                 if len(routed.tried) >= MAX_EXECUTOR_LOSSES:
                     raise APIError(
