@@ -11,11 +11,14 @@ ends with an UNDELIVERABLE error, which reaches the gateway after everything sen
 from __future__ import annotations
 
 import errno
+import logging
 from collections import defaultdict, deque
 
 import zmq
 
 from shared import protocol
+
+log = logging.getLogger("kvserve.executor")
 
 DEFAULT_SNDHWM = 1000  # ZeroMQ's own default
 
@@ -44,6 +47,8 @@ class GatewayOutbox:
             return
         if identity in self.gone:
             return
+        if waiting is None:
+            log.info("gateway %s is not reading fast enough: holding its updates here", identity.hex())
         self.unsent.setdefault(identity, deque()).append(msg)
         self.unsent_steps[identity] += isinstance(msg, protocol.StepBatch)
 
@@ -68,6 +73,8 @@ class GatewayOutbox:
             while waiting and self._send_now(identity, waiting[0]):
                 sent = waiting.popleft()
                 self.unsent_steps[identity] -= isinstance(sent, protocol.StepBatch)
+            if not waiting:
+                log.info("gateway %s caught up: every update held for it has been sent", identity.hex())
             if not waiting or identity in self.gone:
                 self._forget(identity)
 
