@@ -221,6 +221,23 @@ def test_abort_stops_a_request(executor, gateway):
     assert executor.redis.hget(load_key, "kv_usage") == "0.0"  # its blocks are free again
 
 
+def test_an_oversized_message_is_refused_and_the_executor_serves_on(executor, gateway):
+    """ZeroMQ drops the connection that sends more than MAX_MESSAGE_BYTES before the executor holds it."""
+    flooder = Gateway(executor.address)
+    bad_before = executor.log_path.read_text().count("bad message")
+    try:
+        flooder.socket.send(b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1))
+        time.sleep(0.5)
+        gateway.generate("after", PROMPT_B, max_tokens=2, temperature=0.0)
+        _, reasons, errors, _ = gateway.collect({"after"})
+        assert reasons == {"after": "length"} and not errors
+        assert executor.process.poll() is None
+        # never read whole into memory, so never decoded: the executor had nothing to say of it
+        assert executor.log_path.read_text().count("bad message") == bad_before
+    finally:
+        flooder.close()
+
+
 def test_bad_input_is_answered_and_the_loop_keeps_serving(executor, gateway):
     gateway.socket.send(b"\xc1 not msgpack")  # no request id to answer: logged and dropped
     gateway.socket.send_multipart([b"two", b"frames"])
