@@ -35,34 +35,37 @@ class GatewayOutbox:
     def __init__(self, socket: zmq.Socket, max_unsent: int) -> None:
         self.socket = socket
         self.max_unsent = max_unsent  # step messages held per gateway beyond ZeroMQ's queue
-        self.unsent: dict[bytes, deque[protocol.Message]] = {}
+        self.unsent: dict[bytes, deque[tuple[protocol.Message, bytes]]] = {}  # (message, its encoding)
         self.unsent_steps: defaultdict[bytes, int] = defaultdict(int)
         self.gone: set[bytes] = set()  # gateways ZeroMQ no longer knows (disconnected): nothing reaches them
         self.oversized: defaultdict[bytes, set[str]] = defaultdict(set)  # requests whose update was too large
 
-    def send(self, identity: bytes, msg: protocol.Message) -> None:
-        """Now if ZeroMQ takes it, else after what already waits for that gateway."""
+    def send(self, identity: bytes, msg: protocol.Message, payload: bytes | None = None) -> None:
+        """Now if ZeroMQ takes it, else after what already waits for that gateway. payload: msg encoded."""
+        payload = protocol.encode(msg) if payload is None else payload
         waiting = self.unsent.get(identity)
-        if waiting is None and self._send_now(identity, msg):
+        if waiting is None and self._send_now(identity, payload):
             return
         if identity in self.gone:
             return
         if waiting is None:
             log.info("gateway %s is not reading fast enough: holding its updates here", identity.hex())
-        self.unsent.setdefault(identity, deque()).append(msg)
+        self.unsent.setdefault(identity, deque()).append((msg, payload))
         self.unsent_steps[identity] += isinstance(msg, protocol.StepBatch)
 
     def send_updates(self, identity: bytes, updates: list[protocol.RequestUpdate]) -> None:
         """One StepBatch, or several if one would pass MAX_MESSAGE_BYTES; an update too large alone is not sent
         and its request is noted in `oversized`."""
         batch = protocol.StepBatch(updates)
-        if len(protocol.encode(batch)) <= protocol.MAX_MESSAGE_BYTES:
-            self.send(identity, batch)
+        payload = protocol.encode(batch)
+        if len(payload) <= protocol.MAX_MESSAGE_BYTES:
+            self.send(identity, batch, payload)
             return
         for update in updates:
             single = protocol.StepBatch([update])
-            if len(protocol.encode(single)) <= protocol.MAX_MESSAGE_BYTES:
-                self.send(identity, single)
+            payload = protocol.encode(single)
+            if len(payload) <= protocol.MAX_MESSAGE_BYTES:
+                self.send(identity, single, payload)
             else:
                 self.oversized[identity].add(update.request_id)
 
@@ -70,8 +73,8 @@ class GatewayOutbox:
         """Send what waits, oldest first, until a gateway's pipe is full again."""
         for identity in list(self.unsent):
             waiting = self.unsent[identity]
-            while waiting and self._send_now(identity, waiting[0]):
-                sent = waiting.popleft()
+            while waiting and self._send_now(identity, waiting[0][1]):
+                sent, _ = waiting.popleft()
                 self.unsent_steps[identity] -= isinstance(sent, protocol.StepBatch)
             if not waiting:
                 log.info("gateway %s caught up: every update held for it has been sent", identity.hex())
@@ -85,18 +88,18 @@ class GatewayOutbox:
     def drop(self, identity: bytes) -> set[str]:
         """Give up that gateway's waiting step messages (errors stay queued); the requests they were for."""
         waiting = self.unsent.get(identity, deque())
-        kept = deque(msg for msg in waiting if not isinstance(msg, protocol.StepBatch))
+        kept = deque(entry for entry in waiting if not isinstance(entry[0], protocol.StepBatch))
         dropped = {
-            u.request_id for msg in waiting if isinstance(msg, protocol.StepBatch) for u in msg.outputs
+            u.request_id for msg, _ in waiting if isinstance(msg, protocol.StepBatch) for u in msg.outputs
         }
         self._forget(identity)
         if kept:
             self.unsent[identity] = kept
         return dropped
 
-    def _send_now(self, identity: bytes, msg: protocol.Message) -> bool:
+    def _send_now(self, identity: bytes, payload: bytes) -> bool:
         try:
-            self.socket.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
+            self.socket.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.Again:
             return False
         except zmq.ZMQError as error:

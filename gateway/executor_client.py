@@ -143,7 +143,9 @@ class ExecutorClient:
         queued on it is lost, and the executor drops what it sends meanwhile, so the streams still open there
         end now, once what did arrive has been read."""
         socket = self.sockets[address]
-        while await socket.poll(0, zmq.POLLIN):
+        for _ in range(100):  # a second at most: a connection made again may keep it busy
+            if not await socket.poll(0, zmq.POLLIN):
+                break
             await asyncio.sleep(0.01)  # the reader's turn
         await asyncio.sleep(0)
         for request_id, sent_to in list(self.sent_to.items()):

@@ -65,9 +65,10 @@ def test_past_its_bound_a_gateway_is_behind_and_what_waits_is_given_up_with_the_
         assert outbox.behind() == [identity]
         outbox.send(identity, protocol.RequestError("a", "lost", protocol.UNDELIVERABLE))
         assert outbox.drop(identity) == {"a"}
-        assert not outbox.behind() and list(outbox.unsent[identity]) == [
-            protocol.RequestError("a", "lost", protocol.UNDELIVERABLE)
+        kept = [
+            msg for msg, _ in outbox.unsent[identity]
         ]  # the error still goes out, after what ZeroMQ holds
+        assert not outbox.behind() and kept == [protocol.RequestError("a", "lost", protocol.UNDELIVERABLE)]
         messages = []
         while not messages or not isinstance(messages[-1], protocol.RequestError):
             outbox.retry()
