@@ -111,6 +111,18 @@ def generate_once(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_zmq_sndhwm_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--zmq-sndhwm",
+        type=_positive_int,
+        default=DEFAULT_SNDHWM,
+        metavar="N",
+        help="step messages queued to one gateway in ZeroMQ (its ZMQ_SNDHWM), and as many more held by the "
+        "executor, before a gateway that falls behind reading them has its requests ended with an error "
+        f"rather than lose tokens (default: {DEFAULT_SNDHWM}, ZeroMQ's own)",
+    )
+
+
 def add_executor_args(executor: argparse.ArgumentParser) -> None:
     executor.add_argument("--executor-id", required=True, help="unique name; its Redis keys carry it")
     executor.add_argument(
@@ -130,15 +142,7 @@ def add_executor_args(executor: argparse.ArgumentParser) -> None:
         default=SHUTDOWN_GRACE_PERIOD_S,
         help="seconds SIGTERM waits for running requests before aborting them",
     )
-    executor.add_argument(
-        "--zmq-sndhwm",
-        type=_positive_int,
-        default=DEFAULT_SNDHWM,
-        metavar="N",
-        help="step messages queued to one gateway in ZeroMQ (its ZMQ_SNDHWM), and as many more held by the "
-        "executor, before a gateway that falls behind reading them has its requests ended with an error "
-        f"rather than lose tokens (default: {DEFAULT_SNDHWM}, ZeroMQ's own)",
-    )
+    add_zmq_sndhwm_arg(executor)
     executor.add_argument(
         "--log-format",
         choices=logs.FORMATS,
