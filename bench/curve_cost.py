@@ -42,6 +42,7 @@ def pair(context: zmq.Context, keys_dir: Path | None) -> tuple[zmq.Socket, zmq.S
     dealer = context.socket(zmq.DEALER)
     # a ROUTER drops what passes its high-water mark: let the streamed burst queue whole
     router.sndhwm = dealer.rcvhwm = 0
+    router.maxmsgsize = dealer.maxmsgsize = protocol.MAX_MESSAGE_BYTES
     if keys_dir is not None:
         secure_server(router, executor_keys(keys_dir))  # no ZAP handler: it only acts at the handshake
         secure_client(dealer, gateway_keys(keys_dir))

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 
+from executor.gateway_outbox import DEFAULT_SNDHWM
 from shared import logs
 from shared.curve_keys import EXECUTOR, CurveKeyError, add_curve_keys_arg, executor_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
@@ -110,6 +111,18 @@ def generate_once(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_zmq_sndhwm_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--zmq-sndhwm",
+        type=_positive_int,
+        default=DEFAULT_SNDHWM,
+        metavar="N",
+        help="step messages queued to one gateway in ZeroMQ (its ZMQ_SNDHWM), and as many more held by the "
+        "executor, before a gateway that falls behind reading them has its requests ended with an error "
+        f"rather than lose tokens (default: {DEFAULT_SNDHWM}, ZeroMQ's own)",
+    )
+
+
 def add_executor_args(executor: argparse.ArgumentParser) -> None:
     executor.add_argument("--executor-id", required=True, help="unique name; its Redis keys carry it")
     executor.add_argument(
@@ -129,6 +142,7 @@ def add_executor_args(executor: argparse.ArgumentParser) -> None:
         default=SHUTDOWN_GRACE_PERIOD_S,
         help="seconds SIGTERM waits for running requests before aborting them",
     )
+    add_zmq_sndhwm_arg(executor)
     executor.add_argument(
         "--log-format",
         choices=logs.FORMATS,
@@ -138,6 +152,12 @@ def add_executor_args(executor: argparse.ArgumentParser) -> None:
     add_curve_keys_arg(executor, EXECUTOR)
     add_engine_args(executor)
     executor.set_defaults(handler=serve)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -175,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from executor.engine import Engine
     from executor.gateway_auth import GatewayAuth
+    from executor.gateway_outbox import configure_router
     from executor.service import ExecutorService
 
     # SIGTERM during the model load has nothing to drain: it just ends the process
@@ -182,6 +203,7 @@ def serve(args: argparse.Namespace) -> int:
     engine.pool.start_recording_events()
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
+    configure_router(socket, args.zmq_sndhwm)
     auth = GatewayAuth(context, socket, curve) if curve is not None else None
     try:
         socket.bind(args.bind)
@@ -197,7 +219,7 @@ def serve(args: argparse.Namespace) -> int:
             args.bind,
         )
     index = IndexWriter(client, executor_id, cached_hashes=engine.pool.cached_hashes)
-    service = ExecutorService(engine, socket, index, args.shutdown_grace_period)
+    service = ExecutorService(engine, socket, index, args.shutdown_grace_period, args.zmq_sndhwm)
     signal.signal(signal.SIGTERM, service.drain)
     signal.signal(signal.SIGINT, service.drain)
     index.register(

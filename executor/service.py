@@ -19,6 +19,7 @@ import zmq
 
 from executor.engine_busy import EngineBusy
 from executor.gateway_liveness import GatewayLiveness
+from executor.gateway_outbox import DEFAULT_SNDHWM, GatewayOutbox
 from executor.index_writer import IndexWriter
 from executor.request_spans import record_request_spans
 from shared import protocol, tracing
@@ -49,12 +50,21 @@ class Owned:
     tenant: str | None
     trace_id: str | None  # from the gateway's traceparent, for log lines, with tracing on or off
     parent: Context | None  # the gateway's span, only while tracing is on: its spans go out when it ends
+    next_seq: int = 0  # the seq of its next update (protocol.RequestUpdate.seq)
 
 
 class ExecutorService:
-    def __init__(self, engine: Engine, socket: zmq.Socket, index: IndexWriter, grace_s: float) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        socket: zmq.Socket,
+        index: IndexWriter,
+        grace_s: float,
+        max_unsent: int = DEFAULT_SNDHWM,
+    ) -> None:
         self.engine = engine
         self.socket = socket
+        self.wire = GatewayOutbox(socket, max_unsent)
         self.index = index
         self.grace_s = grace_s
         self.owners: dict[str, Owned] = {}  # by request id
@@ -192,7 +202,7 @@ class ExecutorService:
         choices = list(self.engine.groups[msg.request_id])
         self.owners[msg.request_id] = Owned(identity, choices, msg.tenant, trace_id, parent)
         if self.engine.is_compiling(msg.request_id):  # it holds none of the queue's places the gateway counts
-            self.outbox[identity].append(protocol.accepted(msg.request_id))
+            self._emit(self.owners[msg.request_id], protocol.accepted(msg.request_id))
         log.debug(
             "request %s received from %s (tenant %s)",
             msg.request_id,
@@ -241,7 +251,8 @@ class ExecutorService:
         prompt_logprobs = None
         if out.prompt_logprobs is not None:
             prompt_logprobs = [_wire_logprobs(lp) for lp in out.prompt_logprobs]
-        self.outbox[owned.identity].append(
+        self._emit(
+            owned,
             protocol.RequestUpdate(
                 out.request_id,
                 out.new_token_ids,
@@ -251,7 +262,7 @@ class ExecutorService:
                 prompt_logprobs=prompt_logprobs,
                 index=out.index,
                 kv_block_seconds=_kv_block_seconds(owned) if out.group_finished else None,
-            )
+            ),
         )
         if out.group_finished:
             self._release(out.request_id, out.finish_reason)
@@ -263,10 +274,11 @@ class ExecutorService:
         ended = request_id not in self.engine.groups
         for i, index in enumerate(indexes or [0]):  # none left to stop: the gateway still hears that it ended
             kv_block_seconds = _kv_block_seconds(owned) if ended and i == 0 else None
-            self.outbox[owned.identity].append(
+            self._emit(
+                owned,
                 protocol.RequestUpdate(
                     request_id, [], None, "abort", 0, index=index, kv_block_seconds=kv_block_seconds
-                )
+                ),
             )
         if ended:
             self._release(request_id, "abort")
@@ -334,11 +346,44 @@ class ExecutorService:
         for request_id, owned in list(self.owners.items()):
             self._fail(owned.identity, request_id, message)
 
+    def _emit(self, owned: Owned, update: protocol.RequestUpdate) -> None:
+        update.seq, owned.next_seq = owned.next_seq, owned.next_seq + 1
+        self.outbox[owned.identity].append(update)
+
     def _flush(self) -> None:
-        """One StepBatch per gateway holding all of its requests' updates."""
+        """One StepBatch per gateway holding all of its requests' updates, after what still waits for it."""
+        self.wire.retry()
         for identity, updates in self.outbox.items():
-            self.socket.send_multipart([identity, protocol.encode(protocol.StepBatch(updates))])
+            self.wire.send_updates(identity, updates)
         self.outbox.clear()
+        self._end_undeliverable()
+
+    def _end_undeliverable(self) -> None:
+        """Requests whose updates cannot reach their gateway end here, their blocks freed: with an error when
+        the gateway is still there to read it, so its client never gets a stream with tokens missing."""
+        for identity in self.wire.behind():
+            lost = self.wire.drop(identity) | {r for r, o in self.owners.items() if o.identity == identity}
+            why = f"this gateway fell behind reading its updates (over {self.wire.max_unsent} step messages)"
+            self._undeliverable(identity, lost, why)
+        for identity, request_ids in self.wire.oversized.items():
+            why = f"an update larger than the protocol's {protocol.MAX_MESSAGE_BYTES} bytes"
+            self._undeliverable(identity, request_ids, why)
+        self.wire.oversized.clear()
+        for identity in self.wire.gone:
+            for request_id in [r for r, o in self.owners.items() if o.identity == identity]:
+                self.engine.abort(request_id)
+                self._release(request_id, "gateway disconnected")
+        self.wire.gone.clear()
+
+    def _undeliverable(self, identity: bytes, request_ids: set[str], why: str) -> None:
+        for request_id in sorted(request_ids):
+            owned = self.owners.get(request_id)
+            trace_id = owned.trace_id if owned is not None else None
+            if owned is not None and owned.identity == identity:
+                self.engine.abort(request_id)
+                self._release(request_id, "undeliverable")
+            message = f"updates of this request could not be delivered: {why}"
+            self._send_error(identity, request_id, message, protocol.UNDELIVERABLE, trace_id)
 
     def _send_error(
         self, identity: bytes, request_id: str, message: str, code: int, trace_id: str | None = None
@@ -349,8 +394,7 @@ class ExecutorService:
         log.log(
             level, "request %s %s (%d): %s", request_id, what, code, message, extra=_ids(request_id, trace_id)
         )
-        error = protocol.RequestError(request_id, message, code)
-        self.socket.send_multipart([identity, protocol.encode(error)])
+        self.wire.send(identity, protocol.RequestError(request_id, message, code))
 
     def _publish(self, heartbeat: bool, changed: bool) -> None:
         added, removed = self.engine.pool.drain_events()

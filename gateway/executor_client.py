@@ -4,7 +4,12 @@ request id to the stream that waits for them.
 Each connection's handshakes are watched (a monitor socket): an executor that refuses this gateway (CURVE keys
 missing on one side, or of another pair) is logged once with the likely cause, is not routed to, and shows as
 refused in /health; requests sent to it meanwhile go elsewhere. It comes back at its next handshake that
-succeeds."""
+succeeds.
+
+A stream is exact or ends loudly: each request's updates are numbered, and an update that does not follow the
+last, the executor saying it could not deliver them (this gateway fell too far behind), or the connection
+breaking (what was queued on it is gone; a message over MAX_MESSAGE_BYTES breaks it too) ends the request with
+UpdatesLost, which is handled as a lost executor is."""
 
 from __future__ import annotations
 
@@ -46,6 +51,14 @@ class ExecutorRequestError(Exception):
 class ExecutorGone(Exception):
     """The executor stopped answering: its heartbeat expired in Redis."""
 
+    why = "stopped answering"
+
+
+class UpdatesLost(ExecutorGone):
+    """Some of the request's updates never arrived: what it streamed cannot be completed as generated."""
+
+    why = "lost updates of this request on the way (this gateway fell behind reading them)"
+
 
 @dataclass(slots=True)
 class ExecutorTiming:
@@ -85,6 +98,7 @@ class ExecutorClient:
         self.unanswered_of_tenant: Counter[tuple[str, str | None]] = Counter()
         self.tenant_of: dict[str, str | None] = {}  # request id -> its tenant, while awaiting
         self.started: set[str] = set()  # request ids whose stream has had an update
+        self.next_seq: dict[str, int] = {}  # request id -> the seq its next update must have
         # requests this gateway aborted -> (their executor, what it will say their KV held): its last update for
         # one comes after nobody reads the stream, and still says what the tenant used
         self.owed: dict[str, tuple[str, asyncio.Future[float | None]]] = {}
@@ -94,9 +108,10 @@ class ExecutorClient:
         if socket is None:
             socket = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
             if self.curve is not None:
                 secure_client(socket, self.curve)
-            monitor = socket.get_monitor_socket(HANDSHAKE_EVENTS)
+            monitor = socket.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
             self.handshaken[address] = asyncio.Event()
             socket.connect(address)
             self.sockets[address] = socket
@@ -118,9 +133,27 @@ class ExecutorClient:
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
-                self._handshake_event(address, event["event"], event["value"])
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    await self._disconnected(address)
+                else:
+                    self._handshake_event(address, event["event"], event["value"])
         except (zmq.ZMQError, asyncio.CancelledError):
             return
+
+    async def _disconnected(self, address: str) -> None:
+        """The connection to the executor broke (it died, or sent a message over MAX_MESSAGE_BYTES): what it had
+        queued on it is lost, and the executor drops what it sends meanwhile, so the streams still open there
+        end now, once what did arrive has been read."""
+        socket = self.sockets[address]
+        for _ in range(100):  # a second at most: a connection made again may keep it busy
+            if not await socket.poll(0, zmq.POLLIN):
+                break
+            await asyncio.sleep(0.01)  # the reader's turn
+        await asyncio.sleep(0)
+        for request_id, sent_to in list(self.sent_to.items()):
+            if sent_to == address and request_id in self.streams and request_id in self.next_seq:
+                del self.next_seq[request_id]  # one error, which ends the stream; nothing after it is read
+                self.streams[request_id].put_nowait(UpdatesLost(address))
 
     def _handshake_event(self, address: str, event: int, value: int) -> None:
         cause = handshake_failure(event, value, GATEWAY, keyed=self.curve is not None)
@@ -165,17 +198,43 @@ class ExecutorClient:
                 for update in sorted(msg.outputs, key=lambda u: u.request_id in self.started):
                     queue = self._stream(address, update.request_id)
                     if queue is not None:
-                        queue.put_nowait((received, update))
-                        if not protocol.is_acceptance(update):
-                            self.started.add(update.request_id)
-                        self._answered(update.request_id)
+                        if self._in_sequence(address, update, queue):
+                            queue.put_nowait((received, update))
+                            if not protocol.is_acceptance(update):
+                                self.started.add(update.request_id)
+                            self._answered(update.request_id)
                     elif update.kv_block_seconds is not None:
                         self._told(address, update.request_id, update.kv_block_seconds)
             elif isinstance(msg, protocol.RequestError):
                 queue = self._stream(address, msg.request_id)
                 if queue is not None:
-                    queue.put_nowait(ExecutorRequestError(msg.message, msg.code))
+                    if msg.code == protocol.UNDELIVERABLE:
+                        log.error("request %s: executor %s says: %s", msg.request_id, address, msg.message)
+                        queue.put_nowait(UpdatesLost(address))
+                    else:
+                        queue.put_nowait(ExecutorRequestError(msg.message, msg.code))
                     self._answered(msg.request_id)
+
+    def _in_sequence(self, address: str, update: protocol.RequestUpdate, queue: asyncio.Queue) -> bool:
+        """Whether the update is the one its stream expects next; the first that is not ends the stream."""
+        request_id = update.request_id
+        expected = self.next_seq.get(request_id)
+        if expected is None:  # its stream has already been ended by a gap
+            return False
+        if update.seq != expected:
+            log.error(
+                "request %s: update %d from executor %s where %d was next: updates were lost on the way",
+                request_id,
+                update.seq,
+                address,
+                expected,
+            )
+            del self.next_seq[request_id]
+            queue.put_nowait(UpdatesLost(address))
+            self._answered(request_id)
+            return False
+        self.next_seq[request_id] = expected + 1
+        return True
 
     def _stream(self, address: str, request_id: str) -> asyncio.Queue | None:
         """The queue waiting for a request's messages from this executor, if any."""
@@ -191,6 +250,7 @@ class ExecutorClient:
         the request left (and, through `updates`, when its first token came back)."""
         self.streams[request.request_id] = asyncio.Queue()
         self.sent_to[request.request_id] = address
+        self.next_seq[request.request_id] = 0  # a request sent again elsewhere starts again from 0
         self.awaiting.add(request.request_id)
         self.unanswered[address] += 1
         self.unanswered_of_tenant[address, request.tenant] += 1
@@ -292,6 +352,7 @@ class ExecutorClient:
         """Whether the request was still open."""
         self._answered(request_id)
         self.started.discard(request_id)
+        self.next_seq.pop(request_id, None)
         self.sent_to.pop(request_id, None)
         return self.streams.pop(request_id, None) is not None
 

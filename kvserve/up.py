@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from executor.cli import add_zmq_sndhwm_arg
 from gateway.cli import add_http_args, run_gateway
 from gateway.exit_deadline import EXIT_MARGIN_S
 from kvserve.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S
@@ -46,6 +47,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         default=EXECUTOR_NICENESS,
         help="CPU executors run this much below the gateway's priority (default: %(default)s; 0: same)",
     )
+    add_zmq_sndhwm_arg(up)
     add_engine_args(up)
     up.set_defaults(handler=run_up)
 
@@ -84,7 +86,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"kvserve up: error: --curve-keys: {error}", file=sys.stderr)
         return 2
     flags = ["--log-format", args.log_format, "--shutdown-grace-period", str(args.shutdown_grace_period)]
-    flags += ["--curve-keys", args.curve_keys]
+    flags += ["--curve-keys", args.curve_keys, "--zmq-sndhwm", str(args.zmq_sndhwm)]
     plan = ExecutorPlan(args.executors, [*flags, *engine_argv(config)], config.device, args.executor_niceness)
     stack = LocalStack(plan, args.redis_url)
 

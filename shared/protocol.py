@@ -5,6 +5,10 @@ Executor -> gateway: one `StepBatch` per gateway per engine step, and `RequestEr
 refused. Every map carries `"v"` (PROTOCOL_VERSION) and `"type"`; a peer speaking another version, or sending
 something that is not one of these messages, is refused with a `ProtocolError` that says why. Keys a message does not know are ignored, so a field can be added within
 a version without breaking older peers.
+
+Streams are exact or fail loudly: each request's updates are numbered (`RequestUpdate.seq`), so a receiver that
+misses one knows it; and no message is larger than MAX_MESSAGE_BYTES, which every ZeroMQ socket of either side
+enforces (ZMQ_MAXMSGSIZE: a peer sending more is disconnected, never buffered).
 """
 
 from __future__ import annotations
@@ -17,7 +21,16 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RequestUpdate.seq, which the gateway needs to see a lost update
+# The largest message either side sends or accepts (ZMQ_MAXMSGSIZE on every socket). The largest legitimate ones:
+# - a generate request whose prompt came from the gateway's largest body (4 MiB, gateway.openai_protocol's
+#   MAX_BODY_BYTES): at most ~4M token ids (a byte-level BPE token covers at least one byte of text; a token-id
+#   prompt's JSON is larger than its msgpack) of <= 5 bytes each, plus an 18-byte hash per 16-token block: ~25 MiB;
+#   its other bounded fields (300 logit_bias entries, 64 stop strings of 256 characters, a 64 KiB grammar) add
+#   < 1 MiB (gateway.request_limits);
+# - an update carrying the prompt logprobs of a 128k-token prompt with 20 top entries each (~340 bytes a token):
+#   ~44 MiB. The executor splits a step's batch that would be larger, and fails a request whose one update is.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_TENANT_WEIGHT = 1000.0  # a tenant's fair-share weight is in (0, this]
 MAX_PRIORITY = 2**31  # a request's priority is within +- this
 
@@ -90,6 +103,9 @@ class RequestUpdate:
     # update (the first of them when an abort ends several choices at once), None on the others and from older
     # peers. A block holds --block-size tokens' KV, so x block size is token-seconds.
     kv_block_seconds: float | None = None
+    # the request's updates numbered from 0 in the order its executor sent them, all choices together: a gap
+    # means updates were lost on the way, and the stream cannot be completed as it was generated
+    seq: int = 0
 
 
 def accepted(request_id: str) -> RequestUpdate:
@@ -122,6 +138,9 @@ class RequestError:
 BUSY = 429  # the executor's waiting queue is at its bound (back-pressure)
 DRAINING = 503  # the executor is shutting down
 REROUTABLE = frozenset({BUSY, DRAINING})
+# the executor ended the request because its updates could not be delivered (its gateway fell too far behind
+# reading them, or one was larger than MAX_MESSAGE_BYTES): the gateway handles it as a lost executor
+UNDELIVERABLE = 502
 
 Message = GenerateRequest | AbortRequest | GatewayHeartbeat | StepBatch | RequestError
 
@@ -286,6 +305,7 @@ def _read_step(f: _Fields) -> StepBatch:
                     "nil or a finite number >= 0",
                     None,
                 ),
+                seq=u.get("seq", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
             )
         )
     return StepBatch(outputs=updates)

@@ -227,6 +227,7 @@ def raw_generate(
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.linger = 0
+    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
     if client_keys is not None:
         socket.curve_publickey, socket.curve_secretkey, socket.curve_serverkey = client_keys
     try:

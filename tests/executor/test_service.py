@@ -28,8 +28,11 @@ class Gateway:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.connect(address)
+        self.seqs: dict[str, int] = {}  # request id -> the seq its next update must have
 
     def send(self, msg) -> None:
+        if isinstance(msg, protocol.GenerateRequest):
+            self.seqs.pop(msg.request_id, None)
         self.socket.send(protocol.encode(msg))
 
     def generate(self, request_id: str, prompt: list[int], tenant: str | None = None, **sampling) -> None:
@@ -56,6 +59,8 @@ class Gateway:
             batches.append(msg)
             for update in msg.outputs:
                 assert update.request_id not in reasons, "an update after the request finished"
+                assert update.seq == self.seqs.get(update.request_id, 0), "updates numbered in the order sent"
+                self.seqs[update.request_id] = update.seq + 1
                 tokens[update.request_id].extend(update.token_ids)
                 if update.finish_reason is not None:
                     reasons[update.request_id] = update.finish_reason
@@ -216,6 +221,23 @@ def test_abort_stops_a_request(executor, gateway):
     assert executor.redis.hget(load_key, "kv_usage") == "0.0"  # its blocks are free again
 
 
+def test_an_oversized_message_is_refused_and_the_executor_serves_on(executor, gateway):
+    """ZeroMQ drops the connection that sends more than MAX_MESSAGE_BYTES before the executor holds it."""
+    flooder = Gateway(executor.address)
+    bad_before = executor.log_path.read_text().count("bad message")
+    try:
+        flooder.socket.send(b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1))
+        time.sleep(0.5)
+        gateway.generate("after", PROMPT_B, max_tokens=2, temperature=0.0)
+        _, reasons, errors, _ = gateway.collect({"after"})
+        assert reasons == {"after": "length"} and not errors
+        assert executor.process.poll() is None
+        # never read whole into memory, so never decoded: the executor had nothing to say of it
+        assert executor.log_path.read_text().count("bad message") == bad_before
+    finally:
+        flooder.close()
+
+
 def test_bad_input_is_answered_and_the_loop_keeps_serving(executor, gateway):
     gateway.socket.send(b"\xc1 not msgpack")  # no request id to answer: logged and dropped
     gateway.socket.send_multipart([b"two", b"frames"])
@@ -228,7 +250,8 @@ def test_bad_input_is_answered_and_the_loop_keeps_serving(executor, gateway):
     _, reasons, errors, _ = gateway.collect({"old", "odd", "neg", "x", "ok"})
     assert reasons == {"ok": "length"}
     assert {r: e.code for r, e in errors.items()} == {"old": 400, "odd": 400, "neg": 400, "x": 400}
-    assert "protocol version 2 from peer, this side speaks 1" in errors["old"].message
+    v = protocol.PROTOCOL_VERSION
+    assert f"protocol version {v + 1} from peer, this side speaks {v}" in errors["old"].message
     assert "beam_width" in errors["odd"].message and "max_tokens" in errors["neg"].message
     assert executor.process.poll() is None
 

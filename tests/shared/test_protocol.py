@@ -68,15 +68,15 @@ def _raw(**body):
 
 def _step(**output):
     """A step message with one update for request "a"."""
-    update = {"request_id": "a", "num_cached_tokens": 0, **output}
+    update = {"request_id": "a", "num_cached_tokens": 0, "seq": 0, **output}
     return _raw(v=PROTOCOL_VERSION, type="step", outputs=[update])
 
 
 def test_version_mismatch_is_refused_with_a_clear_error():
     with pytest.raises(
-        ProtocolError, match=rf"protocol version 2 from peer, this side speaks {PROTOCOL_VERSION}"
+        ProtocolError, match=rf"protocol version 1 from peer, this side speaks {PROTOCOL_VERSION}"
     ):
-        decode(_raw(v=2, type="abort", request_id="r"))
+        decode(_raw(v=1, type="abort", request_id="r"))  # 1 had no RequestUpdate.seq
     with pytest.raises(ProtocolError, match="protocol version None from peer") as info:
         decode(_raw(type="abort", request_id="r"))
     assert info.value.request_id == "r"  # so the executor can still answer that request
@@ -152,6 +152,7 @@ def test_choice_indexes_default_for_peers_that_send_none_and_are_checked():
         "logprobs": None,
         "finish_reason": None,
         "num_cached_tokens": 0,
+        "seq": 0,
     }
     step = decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update]))
     assert step.outputs[0].index == 0  # an older executor streams one choice, the first
@@ -173,6 +174,7 @@ def test_kv_block_seconds_rides_only_on_a_requests_last_update_and_older_peers_s
         "logprobs": None,
         "finish_reason": "stop",
         "num_cached_tokens": 0,
+        "seq": 0,
     }
     step = decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update]))
     assert step.outputs[0].kv_block_seconds is None  # an older executor: nothing to bill for its KV
@@ -186,3 +188,40 @@ def test_shared_protocol_imports_neither_side():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"gateway", "executor"}
+
+
+def test_updates_carry_their_sequence_number_which_is_required_and_checked():
+    update = {
+        "request_id": "a",
+        "token_ids": [1],
+        "logprobs": None,
+        "finish_reason": None,
+        "num_cached_tokens": 0,
+    }
+    assert decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update | {"seq": 7}])).outputs[0].seq == 7
+    with pytest.raises(ProtocolError, match="missing field 'seq'"):  # without it a lost update goes unseen
+        decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update]))
+    with pytest.raises(ProtocolError, match="'seq' must be an integer >= 0"):
+        decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update | {"seq": -1}]))
+
+
+def test_the_message_bound_holds_the_largest_legitimate_messages():
+    """A prompt from the gateway's largest body, one token per byte, with every bounded field at its limit; and
+    the prompt logprobs of a 128k-token prompt: both fit under MAX_MESSAGE_BYTES."""
+    from gateway.openai_protocol import MAX_BODY_BYTES
+    from gateway.request_limits import DEFAULT_LIMITS as limits
+
+    prompt = [2**31 - 1] * MAX_BODY_BYTES  # the widest token id msgpack writes in 5 bytes
+    sampling = {
+        "logit_bias": {2**31 - 1 - i: -100.0 for i in range(limits.max_logit_bias)},
+        "stop": ["\U0001f600" * limits.max_stop_string_chars] * limits.max_stop_strings,
+        "structured_outputs": {"grammar": "x" * limits.max_grammar_bytes},
+    }
+    hashes = [bytes(16)] * (len(prompt) // 16)
+    request = GenerateRequest("r" * 64, prompt, hashes, sampling, "t" * 256, "s" * 256, "0" * 55)
+    top = [[2**31 - 1, -1.0e-300]] * 20
+    update = RequestUpdate(
+        "r" * 64, [1], None, None, 0, [[2**31 - 1, -1.0e-300, 2**31 - 1, top]] * 128 * 1024
+    )
+    sizes = {"generate": len(encode(request)), "prompt logprobs": len(encode(StepBatch([update])))}
+    assert max(sizes.values()) < protocol.MAX_MESSAGE_BYTES, sizes
