@@ -487,7 +487,10 @@ class Completions:
                 routed.busy_refusals += 1
                 routed.busy_at.add(executor.executor_id)
                 await self._reroute(routed, avoid=routed.busy_at)
-            except (ExecutorGone, CutShort) as lost:  # UpdatesLost too: what it sent cannot be completed either
+            except (
+                ExecutorGone,
+                CutShort,
+            ) as lost:  # UpdatesLost too: what it sent cannot be completed either
                 what = "cut the request short" if isinstance(lost, CutShort) else lost.why
                 log.warning(
                     "executor %s %s (request %s)", executor.executor_id, what, routed.request.request_id

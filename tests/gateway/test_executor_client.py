@@ -27,9 +27,13 @@ class Executor:
         self.gateway = b""
 
     def receive(self) -> protocol.Message:
-        assert self.socket.poll(5000), "nothing from the gateway"
-        self.gateway, payload = self.socket.recv_multipart()
-        return protocol.decode(payload)
+        """The gateway's next message but its heartbeats."""
+        while True:
+            assert self.socket.poll(5000), "nothing from the gateway"
+            self.gateway, payload = self.socket.recv_multipart()
+            message = protocol.decode(payload)
+            if not isinstance(message, protocol.GatewayHeartbeat):
+                return message
 
     def send(self, *updates: protocol.RequestUpdate) -> None:
         self.send_raw(protocol.encode(protocol.StepBatch(list(updates))))
