@@ -15,9 +15,8 @@ from shared.protocol import GATEWAY_SILENCE_S
 class GatewayLiveness:
     def __init__(self, silence_s: float = GATEWAY_SILENCE_S) -> None:
         self.silence_s = silence_s
-        self.last_heard: dict[
-            bytes, float
-        ] = {}  # ZeroMQ identity -> time.monotonic(), heartbeating gateways only
+        # ZeroMQ identity -> time.monotonic(), heartbeating gateways only
+        self.last_heard: dict[bytes, float] = {}
 
     def heard(self, identity: bytes, now: float, heartbeat: bool) -> None:
         """Any message is a sign of life; a heartbeat also starts the clock for a gateway not yet timed."""

@@ -369,10 +369,8 @@ class ExecutorService:
             why = f"an update larger than the protocol's {protocol.MAX_MESSAGE_BYTES} bytes"
             self._undeliverable(identity, request_ids, why)
         self.wire.oversized.clear()
-        for identity in self.wire.gone:
-            for request_id in [r for r, o in self.owners.items() if o.identity == identity]:
-                self.engine.abort(request_id)
-                self._release(request_id, "gateway disconnected")
+        for identity in self.wire.gone:  # the abort updates go nowhere: the outbox drops what is for it
+            self._abort_all(f"its gateway {identity.hex()} disconnected", identity)
         self.wire.gone.clear()
 
     def _undeliverable(self, identity: bytes, request_ids: set[str], why: str) -> None:
