@@ -11,9 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 CHAT = "/v1/chat/completions"
-GATEWAY_BODY_LIMIT = (
-    4 * 1024 * 1024
-)  # the gateway answers 413 above this (README): the flood stays just under
+# the gateway answers 413 above this (docs/api.md): the flood stays just under
+GATEWAY_BODY_LIMIT = 4 * 1024 * 1024
 FLOOD_WORDS = ("cache", "block", "token", "prefix", "robot", "page", "kernel", "tenant", "queue", "stream")
 
 

@@ -24,7 +24,7 @@ fi
 .venv/bin/kvserve up --port "$PORT" --max-model-len 2048 --kv-cache-memory 2GiB --log-format text > "$OUT.log" 2>&1 &
 up=$!
 # each run's stack log is kept under its start time too: the next run overwrites $OUT.log, and a run that went
-# wrong (one TRACE=1 run stalled, see README) is only explained by its own log
+# wrong (one TRACE=1 run stalled, see bench/RESULTS.md) is only explained by its own log
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 trap 'kill -INT $up 2>/dev/null; wait $up || true; cp "$OUT.log" "$OUT.$STAMP.log"; if [[ -n "$sink" ]]; then kill $sink; wait $sink || true; cat "$OUT.sink.log"; fi' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" | grep -q executor-0; do sleep 1; done

@@ -287,7 +287,7 @@ def test_the_model_is_pulled_into_one_shared_volume_that_every_pod_waits_for(ove
 
 def test_executors_and_gateways_hold_their_sides_curve_keys_from_secrets(overlay, tmp_path):
     """Each side mounts a Secret at its KVSERVE_CURVE_KEYS; files named as `kvserve curve-keys` writes them
-    and, split as the README's secrets split them, load on each side."""
+    and, split as docs/deployment.md's secrets split them, load on each side."""
     from shared.curve_keys import executor_keys, gateway_keys, write_keys
 
     _, docs = overlay
