@@ -24,7 +24,7 @@ ENTRYPOINT []
 CMD ["kvserve", "--help"]
 
 FROM python:3.11-slim AS executor
-# a C++ compiler builds the CPU decode-attention kernel on first use; curl-free health checks use python
+# a C++ compiler builds the CPU kernels (kernels/csrc) when the engine starts; curl-free health checks use python
 RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential \
     && rm -rf /var/lib/apt/lists/*

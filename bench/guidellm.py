@@ -110,7 +110,7 @@ def guidellm_command(
     guidellm: Path, url: str, model_dir: str, workload: Workload, concurrency: int, seconds: float, out: Path
 ) -> list[str]:
     # a data seed per level, the same for every system: a level's prompts are new to the server (GuideLLM's
-    # fixed default seed sent the same prompts at every level, which the prefix cache then served)
+    # fixed default seed sends the same prompts at every level, which the prefix cache would then serve)
     seed = sum(map(ord, workload.name)) * 1000 + concurrency
     return [
         "nice", "-n", "19",  # it is busy Python on the server's two cores: it should not take them
