@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.sse import sse_data
+from gateway.openai.sse import sse_data
 
 # messages may quote the client's input (a field's value), which can be megabytes: the reply quotes a bounded part
 MAX_MESSAGE_CHARS = 1000

@@ -19,17 +19,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api_error import APIError
-from gateway.backlog import Backlog
 from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, Completions, error_response
-from gateway.executor_client import ExecutorClient
-from gateway.index_reader import IndexReader
-from gateway.last_resort import LastResort
-from gateway.metrics import GatewayMetrics
-from gateway.metrics_listener import MetricsListener
+from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
 from gateway.request_body import BODY_TIMEOUT_S
-from gateway.request_limits import DEFAULT_LIMITS, RequestLimits
-from gateway.router import Router
-from gateway.tenancy import Tenancy
+from gateway.routing.backlog import Backlog
+from gateway.routing.executor_client import ExecutorClient
+from gateway.routing.index_reader import IndexReader
+from gateway.routing.router import Router
+from gateway.server.last_resort import LastResort
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.metrics_listener import MetricsListener
+from gateway.tenants.tenancy import Tenancy
 from shared.curve_keys import CurveKeys
 
 __all__ = ["GatewayConfig", "build_app"]
@@ -58,7 +58,7 @@ class GatewayConfig:
     metrics_port: int | None = None
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" is refused without one
     curve: CurveKeys | None = None  # --curve-keys: this gateway's CURVE pair and the executors' public key
-    limits: RequestLimits = DEFAULT_LIMITS  # what one request may ask for (gateway/request_limits.py)
+    limits: RequestLimits = DEFAULT_LIMITS  # what one request may ask for (gateway/openai/request_limits.py)
 
 
 class Gateway:
@@ -231,7 +231,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},
-        middleware=[_last_resort(gateway.metrics)],
+        middleware=[_last_resort(gateway.telemetry.metrics)],
     )
     app.state.gateway = gateway
     return app

@@ -4,7 +4,7 @@ Stateless between requests: each one checks the caller's key from its headers be
 live executors, their cached prefixes and loads from Redis, is admitted against the caller's limits, routed,
 streamed back from the chosen executor over ZeroMQ (sent elsewhere if that executor is busy, or dies before the
 client has received anything), settled, recorded and forgotten. While every executor's queue is full it waits at
-the gateway (gateway.backlog).
+the gateway (gateway.routing.backlog).
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api_error import APIError, internal_error, invalid_request
-from gateway.backlog import Backlog
-from gateway.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError, ExecutorTiming
-from gateway.index_reader import ExecutorInfo, IndexReader
-from gateway.metrics import GatewayMetrics
+from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
+from gateway.openai.responses import EventStream, Generation, response_body
 from gateway.openai_protocol import (
     OpenAIRequest,
     check_content_type,
@@ -37,14 +35,16 @@ from gateway.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from gateway.prompt import prompt_token_ids
-from gateway.prompt_workers import PromptWorkers
+from gateway.prompt.token_ids import prompt_token_ids
+from gateway.prompt.workers import PromptWorkers
 from gateway.request_body import read_body
-from gateway.request_limits import DEFAULT_LIMITS, RequestLimits
-from gateway.request_span import RequestSpan
-from gateway.responses import EventStream, Generation, response_body
-from gateway.router import Choice, Router
-from gateway.tenancy import Caller, Tenancy
+from gateway.routing.backlog import Backlog
+from gateway.routing.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError, ExecutorTiming
+from gateway.routing.index_reader import ExecutorInfo, IndexReader
+from gateway.routing.router import Choice, Router
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.request_span import RequestSpan
+from gateway.tenants.tenancy import Caller, Tenancy
 from shared import logs, protocol
 
 log = logging.getLogger("kvserve.gateway")
@@ -82,7 +82,7 @@ class Routed:
     prefill_estimate: int = 0  # prompt tokens the chosen executor has to prefill, by its cached blocks
     counted_on: str | None = None  # the executor whose in-flight count in Redis includes this request
     last_token_at: float | None = None  # time.monotonic() of the last update with tokens
-    held_s: float = 0.0  # time it waited at the gateway for an executor with room (gateway.backlog)
+    held_s: float = 0.0  # time it waited at the gateway for an executor with room (gateway.routing.backlog)
     status: int = 200  # what the request's metrics and span report at its end
     error: str | None = None
     constraint_field: str | None = None  # OpenAIRequest.constraint_field

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.api_error import APIError, invalid_request
-from gateway.chat_template import ChatMessage, parse_messages
-from gateway.request_limits import (
+from gateway.openai.request_limits import (
     DEFAULT_LIMITS,
     RequestLimits,
     check_constraint,
@@ -21,7 +20,8 @@ from gateway.request_limits import (
     check_tools,
     max_tokens_allowed,
 )
-from gateway.tools import ToolCalling, parse_tool_calling
+from gateway.openai.tools import ToolCalling, parse_tool_calling
+from gateway.prompt.chat_template import ChatMessage, parse_messages
 from shared.protocol import MAX_PRIORITY
 from shared.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
 from shared.structured_outputs import StructuredOutputsParams
@@ -61,7 +61,7 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage
     max_tokens: int | None  # as asked; None lets fit_to_context choose
     sampling: SamplingParams  # validated; its max_tokens is final only after fit_to_context
-    tools: ToolCalling | None = None  # chat: the tools the model may call (gateway/tools.py)
+    tools: ToolCalling | None = None  # chat: the tools the model may call (gateway/openai/tools.py)
     echo: bool = False  # completions: the prompt's text (and logprobs) before the output's
     prompt_logprobs: int | None = None  # vLLM's extension as asked: top entries per prompt position
     constraint_field: str | None = None  # the field the output's constraint came from, for errors naming it
@@ -418,7 +418,7 @@ def parse_chat_request(
 
 
 def _constrain_to_call(sampling: SamplingParams, tools: ToolCalling | None) -> SamplingParams:
-    """tool_choice "required" or a named function: the output is constrained to one call (gateway/tools.py)."""
+    """tool_choice "required" or a named function: the output is constrained to one call (gateway/openai/tools.py)."""
     constraint = tools.constraint() if tools is not None else None
     if constraint is None:
         return sampling

@@ -7,10 +7,10 @@ import time
 import pytest
 
 from gateway.api_error import APIError
-from gateway.backlog import FIRST_BACKOFF_S, Backlog
-from gateway.index_reader import ExecutorInfo
-from gateway.router import Choice, Router, Saturated
-from gateway.routing_cost import Candidate
+from gateway.routing.backlog import FIRST_BACKOFF_S, Backlog
+from gateway.routing.index_reader import ExecutorInfo
+from gateway.routing.router import Choice, Router, Saturated
+from gateway.routing.cost import Candidate
 
 EXECUTOR = ExecutorInfo("e1", "tcp://127.0.0.1:1", "tiny", 16, 1024)
 

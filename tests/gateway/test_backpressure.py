@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from shared import redis_keys as keys
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 # one running and one waiting request fill an executor: saturation with a handful of requests

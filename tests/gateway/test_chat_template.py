@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.api_error import APIError
-from gateway.chat_template import ChatMessage, chat_prompt_token_ids, parse_messages
+from gateway.prompt.chat_template import ChatMessage, chat_prompt_token_ids, parse_messages
 
 
 def test_prompt_ends_with_the_assistant_turn_opened(tokenizer):

@@ -10,7 +10,7 @@ import threading
 import httpx
 
 from shared import redis_keys as keys
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from executor import LLM, SamplingParams
 from gateway.openai_protocol import fit_to_context, parse_chat_request
-from gateway.prompt import prompt_token_ids
-from gateway.responses import EventStream, Generation, response_body
+from gateway.prompt.token_ids import prompt_token_ids
+from gateway.openai.responses import EventStream, Generation, response_body
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from executor import LLM, SamplingParams
 from shared import redis_keys as keys
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 # the default 5 s is too short for a first request on a busy 2-core machine

@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from kvserve.cli import build_parser
-from shared.api_keys import KeyStore
-from shared.redis_server import start_redis_server
+from gateway.tenants.api_keys import KeyStore
+from kvserve.redis_server import start_redis_server
 from tests.processes import GatewayProcess, eventually, free_port
 
 

@@ -9,7 +9,12 @@ import pytest
 
 from gateway.api_error import APIError
 from gateway.openai_protocol import fit_to_context, parse_chat_request, parse_completion_request
-from gateway.request_limits import DEFAULT_LIMITS, RequestLimits, add_request_limit_args, request_limits
+from gateway.openai.request_limits import (
+    DEFAULT_LIMITS,
+    RequestLimits,
+    add_request_limit_args,
+    request_limits,
+)
 
 MODELS = ["m"]
 USER = [{"role": "user", "content": "hi"}]

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from gateway.api_error import APIError
-from gateway.chat_template import (
+from gateway.prompt.chat_template import (
     HERMES_TOOL_TEMPLATE,
     chat_prompt_token_ids,
     parse_messages,

@@ -5,7 +5,7 @@ import redis
 import redis.asyncio as aioredis
 
 from shared import redis_keys as keys
-from shared.api_keys import KeyStore, authenticate, deployment_keyed, keys_configured, parse_models
+from gateway.tenants.api_keys import KeyStore, authenticate, deployment_keyed, keys_configured, parse_models
 
 
 @pytest.fixture

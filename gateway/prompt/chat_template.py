@@ -13,7 +13,7 @@ import jinja2.meta
 from jinja2 import TemplateError
 
 from gateway.api_error import APIError, invalid_request
-from gateway.tokenizer import jinja_environment
+from gateway.prompt.tokenizer import jinja_environment
 
 ROLES = ("system", "user", "assistant", "tool")
 # the template for requests with tools when the model's own ChatML template has none (vLLM ships one alike)

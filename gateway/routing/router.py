@@ -1,6 +1,6 @@
 """The routing decision for one prompt: read the live executors from Redis, apply the policy, say why.
 
-gateway.routing_cost holds the cost model as pure functions; this module feeds it what Redis says and reports the
+gateway.routing.cost holds the cost model as pure functions; this module feeds it what Redis says and reports the
 choice with what the trace and the metrics want to know (cached blocks, cost, reason).
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.api_error import APIError
-from gateway.index_reader import ExecutorInfo, IndexReader
-from gateway.routing_cost import ROUTING_POLICIES, Candidate, prefill_tokens, route_cost, route_request
+from gateway.routing.cost import ROUTING_POLICIES, Candidate, prefill_tokens, route_cost, route_request
+from gateway.routing.index_reader import ExecutorInfo, IndexReader
 from shared.block_hash import hash_blocks
 from shared.defaults import DEFAULT_BLOCK_SIZE
 
@@ -28,11 +28,13 @@ class Choice:
     cached_blocks: int
     cost: float  # the cache_aware cost of this executor, whatever the policy
     reason: str  # prefix_hit | least_loaded | round_robin | random | retry
-    held_s: float = 0.0  # how long the request waited at the gateway (gateway.backlog) for this choice
+    held_s: float = (
+        0.0  # how long the request waited at the gateway (gateway.routing.backlog) for this choice
+    )
 
 
 class Saturated(Exception):
-    """Every live executor's waiting queue is at its bound: the request waits at the gateway (gateway.backlog)."""
+    """Every live executor's waiting queue is at its bound: the request waits at the gateway (gateway.routing.backlog)."""
 
 
 NO_EXECUTOR_MESSAGE = "no executor is available; try again shortly"

@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api_error import internal_error
 from gateway.completion import error_response
-from gateway.metrics import GatewayMetrics
+from gateway.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger("kvserve.gateway")
 

@@ -81,7 +81,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A long text through encode_batch, the same ids: `tokenizers` releases the GIL there and not in
         encode, which would hold every other thread, the event loop's too, for the whole call (seconds for a
-        megabyte prompt; gateway.prompt_workers)."""
+        megabyte prompt; gateway.prompt.workers)."""
         if len(text) < RELEASE_GIL_CHARS:
             return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
