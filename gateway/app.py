@@ -20,8 +20,8 @@ from starlette.routing import Route
 
 from gateway.api_error import APIError
 from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, Completions, error_response
+from gateway.openai.body import BODY_TIMEOUT_S
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
-from gateway.request_body import BODY_TIMEOUT_S
 from gateway.routing.backlog import Backlog
 from gateway.routing.executor_client import ExecutorClient
 from gateway.routing.index_reader import IndexReader

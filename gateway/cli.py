@@ -57,7 +57,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--body-timeout",
         type=_seconds,
-        default=30.0,  # gateway.request_body.BODY_TIMEOUT_S, which --help does not import
+        default=30.0,  # gateway.openai.body.BODY_TIMEOUT_S, which --help does not import
         help="seconds a client may take to send its request body, counted once its key is checked, then 408 "
         "(default: %(default)s)",
     )

@@ -25,19 +25,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api_error import APIError, internal_error, invalid_request
-from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
-from gateway.openai.responses import EventStream, Generation, response_body
-from gateway.openai_protocol import (
+from gateway.openai.body import check_content_type, read_body
+from gateway.openai.request import (
     OpenAIRequest,
-    check_content_type,
     fit_to_context,
     model_not_found,
     parse_chat_request,
     parse_completion_request,
 )
+from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
+from gateway.openai.responses import EventStream, Generation, response_body
 from gateway.prompt.token_ids import prompt_token_ids
 from gateway.prompt.workers import PromptWorkers
-from gateway.request_body import read_body
 from gateway.routing.backlog import Backlog
 from gateway.routing.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError, ExecutorTiming
 from gateway.routing.index_reader import ExecutorInfo, IndexReader

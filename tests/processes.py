@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import redis
 
-from shared import redis_keys as keys
 from kvserve.redis_server import start_redis_server
+from shared import redis_keys as keys
 
 REPO = Path(__file__).resolve().parents[1]
 

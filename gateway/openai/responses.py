@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from gateway.openai.logprobs import LogprobFormatter, TokenLogprob, logprob_formatter, token_logprob
 from gateway.openai.output_text import OutputText
+from gateway.openai.request import Endpoint, OpenAIRequest
 from gateway.openai.sse import sse_data
 from gateway.openai.tool_parser import ToolCallDelta, ToolCallParser
-from gateway.openai_protocol import Endpoint, OpenAIRequest
 
 DONE_EVENT = "data: [DONE]\n\n"
 

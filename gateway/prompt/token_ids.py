@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.api_error import invalid_request
-from gateway.openai_protocol import OpenAIRequest
+from gateway.openai.request import OpenAIRequest
 from gateway.prompt.chat_template import chat_prompt_token_ids
 
 

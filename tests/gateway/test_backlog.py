@@ -8,9 +8,9 @@ import pytest
 
 from gateway.api_error import APIError
 from gateway.routing.backlog import FIRST_BACKOFF_S, Backlog
+from gateway.routing.cost import Candidate
 from gateway.routing.index_reader import ExecutorInfo
 from gateway.routing.router import Choice, Router, Saturated
-from gateway.routing.cost import Candidate
 
 EXECUTOR = ExecutorInfo("e1", "tcp://127.0.0.1:1", "tiny", 16, 1024)
 

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from shared import redis_keys as keys
 from kvserve.redis_server import start_redis_server
+from shared import redis_keys as keys
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 # one running and one waiting request fill an executor: saturation with a handful of requests

@@ -9,8 +9,8 @@ import threading
 
 import httpx
 
-from shared import redis_keys as keys
 from kvserve.redis_server import start_redis_server
+from shared import redis_keys as keys
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 

@@ -8,10 +8,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from kvserve.cli import main
-from shared import redis_keys
 from gateway.tenants.api_keys import authenticate
 from gateway.tenants.key_backup import _key
+from kvserve.cli import main
+from shared import redis_keys
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.routing.index_reader import connect
+from gateway.tenants.api_keys import KeyRecord, KeyStore
 from gateway.tenants.rate_limits import Limiter
 from shared import redis_keys as keys
-from gateway.tenants.api_keys import KeyRecord, KeyStore
 from tests.gateway.lost_reply import LosesAReply, losing_replies
 
 

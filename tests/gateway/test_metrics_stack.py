@@ -7,8 +7,8 @@ import httpx
 import pytest
 import redis
 
-from kvserve.cli import build_parser
 from gateway.tenants.api_keys import KeyStore
+from kvserve.cli import build_parser
 from kvserve.redis_server import start_redis_server
 from tests.processes import GatewayProcess, eventually, free_port
 

@@ -14,10 +14,10 @@ import httpx
 import pytest
 import redis
 
-from shared import redis_keys as keys
 from gateway.tenants.api_keys import KeyStore
-from shared.block_hash import hash_blocks
 from kvserve.redis_server import EmbeddedRedis, start_redis_server
+from shared import redis_keys as keys
+from shared.block_hash import hash_blocks
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 FAMILIES = {name: list(range(start, start + 96)) for name, start in (("a", 3000), ("b", 7000))}  # 6 blocks

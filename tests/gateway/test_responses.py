@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.openai_protocol import fit_to_context, parse_chat_request, parse_completion_request
+from gateway.openai.request import fit_to_context, parse_chat_request, parse_completion_request
 from gateway.openai.responses import DONE_EVENT, EventStream, Generation, response_body
 
 MODELS = ("m",)

@@ -4,8 +4,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from shared import redis_keys as keys
 from gateway.tenants.api_keys import KeyStore, authenticate, deployment_keyed, keys_configured, parse_models
+from shared import redis_keys as keys
 
 
 @pytest.fixture
