@@ -18,11 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.api_error import APIError
-from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, Completions, error_response
+from gateway.api_error import EXECUTOR_HEADER, NO_EXECUTOR, APIError, error_response
+from gateway.completion import Completions
 from gateway.openai.body import BODY_TIMEOUT_S
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
 from gateway.routing.backlog import Backlog
+from gateway.routing.dispatch import Dispatch
 from gateway.routing.executor_client import ExecutorClient
 from gateway.routing.index_reader import IndexReader
 from gateway.routing.router import Router
@@ -65,7 +66,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.index = IndexReader(config.redis_url)
-        self.router = Router(self.index, config.routing_policy)
+        self.router: Router | None = None
         self.tenancy = Tenancy(self.index.redis, config.require_api_key, config.anonymous_allowed)
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics()
@@ -75,18 +76,18 @@ class Gateway:
     async def startup(self) -> None:
         await self.tenancy.startup()
         self.client = ExecutorClient(self.config.curve)  # needs the running event loop
-        self.router.unanswered = self.client.unanswered.__getitem__
-        self.router.unanswered_of_tenant = self.client.unanswered_of_tenant.__getitem__
-        self.router.refused = self.client.refused.get
+        # the router counts what this gateway sent beside what executors publish: the client knows it
+        self.router = Router(self.index, self.config.routing_policy, self.client)
+        backlog = Backlog(self.router, self.config.queue_timeout)
+        dispatch = Dispatch(self.client, self.index, backlog, self.metrics, self.router.policy)
         self.completions = Completions(
             self.config.model_name,
             self.config.tokenizer,
-            self.index,
             self.router,
             self.tenancy,
             self.client,
             self.metrics,
-            Backlog(self.router, self.config.queue_timeout),
+            dispatch,
             self.config.tool_call_parser,
             self.config.body_timeout_s,
             self.config.limits,
@@ -231,7 +232,7 @@ def build_app(config: GatewayConfig) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},
-        middleware=[_last_resort(gateway.telemetry.metrics)],
+        middleware=[_last_resort(gateway.metrics)],
     )
     app.state.gateway = gateway
     return app

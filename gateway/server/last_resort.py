@@ -9,8 +9,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.api_error import internal_error
-from gateway.completion import error_response
+from gateway.api_error import error_response, internal_error
 from gateway.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger("kvserve.gateway")
