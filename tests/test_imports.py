@@ -233,7 +233,7 @@ def users_of_shared(imports: list[Import]) -> dict[str, set[str]]:
 
 
 def test_every_shared_module_serves_both_sides():
-    """shared/ holds what the gateway and the executor both use; a module one side alone needs lives there."""
+    """shared/ holds what the gateway and the executor both use; a module one side alone needs lives in its package."""
     lonely = [
         f"shared/{module.split('.', 1)[1]}.py is used by {', '.join(sorted(used)) or 'nobody'}"
         for module, used in users_of_shared(all_imports()).items()
