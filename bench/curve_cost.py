@@ -20,9 +20,10 @@ from pathlib import Path
 
 import zmq
 
+from kvserve.curve_keys_cli import write_keys
 from shared import protocol
 from shared.block_hash import hash_blocks
-from shared.curve_keys import executor_keys, gateway_keys, secure_client, secure_server, write_keys
+from shared.curve_keys import load_executor_keys, load_gateway_keys, secure_client, secure_server
 
 
 def messages() -> dict[str, bytes]:
@@ -44,8 +45,8 @@ def pair(context: zmq.Context, keys_dir: Path | None) -> tuple[zmq.Socket, zmq.S
     router.sndhwm = dealer.rcvhwm = 0
     router.maxmsgsize = dealer.maxmsgsize = protocol.MAX_MESSAGE_BYTES
     if keys_dir is not None:
-        secure_server(router, executor_keys(keys_dir))  # no ZAP handler: it only acts at the handshake
-        secure_client(dealer, gateway_keys(keys_dir))
+        secure_server(router, load_executor_keys(keys_dir))  # no ZAP handler: it only acts at the handshake
+        secure_client(dealer, load_gateway_keys(keys_dir))
     port = router.bind_to_random_port("tcp://127.0.0.1")
     dealer.connect(f"tcp://127.0.0.1:{port}")
     dealer.send(b"hello")

@@ -1,6 +1,6 @@
 """Redis restarted under load: how soon routing locality and every request come back.
 
-Starts a Redis of its own (shared.redis_server) and `kvserve up --redis-url` on it with two executors whose KV
+Starts a Redis of its own (kvserve.redis_server) and `kvserve up --redis-url` on it with two executors whose KV
 pools hold about half of the prefix groups each (as bench/routing.sh), runs a closed loop of prefix-group requests,
 restarts Redis empty on the same port (no persistence: every key is lost) and reports the cached share of prompt
 tokens before the restart and in windows after Redis is back, when each executor's cached-block set in Redis is
@@ -28,7 +28,7 @@ import redis
 
 from bench.prompts import PrefixWorkload, tokenizer_counter
 from shared import redis_keys
-from shared.redis_server import free_port, start_redis_server
+from kvserve.redis_server import free_port, start_redis_server
 
 WINDOWS_S = ((0, 2), (2, 5), (5, 10), (10, 20), (20, 60))
 

@@ -1,6 +1,6 @@
 """A `kvserve up` with one API key per tenant, for benchmarks of what tenants do to each other.
 
-It starts a Redis of its own (shared.redis_server), creates the keys there with `kvserve keys create`, and runs
+It starts a Redis of its own (kvserve.redis_server), creates the keys there with `kvserve keys create`, and runs
 `kvserve up --redis-url` on it, in a session of its own so a Ctrl-C at the terminal reaches only the benchmark,
 which then stops everything in order. Stopping is by PID: `kvserve up` gets SIGINT (it drains, then stops its
 executors), a second SIGINT, then SIGKILL; whatever it had started and left running (found by parent PID before
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.redis_server import EmbeddedRedis, free_port, start_redis_server
+from kvserve.redis_server import EmbeddedRedis, free_port, start_redis_server
 
 READY_TIMEOUT_S = 600.0
 DRAIN_WAIT_S = 30.0  # kvserve up runs with --shutdown-grace-period 2: this is for a gateway stuck at 100% CPU

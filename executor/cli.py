@@ -14,7 +14,7 @@ import time
 
 from executor.gateway_outbox import DEFAULT_SNDHWM
 from shared import logs
-from shared.curve_keys import EXECUTOR, CurveKeyError, add_curve_keys_arg, executor_keys
+from shared.curve_keys import EXECUTOR, CurveKeyError, add_curve_keys_arg, load_executor_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 from shared.engine_config import add_engine_args, config_from_args
 from shared.model_paths import ModelLoadError
@@ -183,7 +183,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         executor_id = check_executor_id(args.executor_id)
         config = config_from_args(args)
-        curve = executor_keys(args.curve_keys) if args.curve_keys else None
+        curve = load_executor_keys(args.curve_keys) if args.curve_keys else None
         client = connect(args.redis_url)
         client.ping()
     except CurveKeyError as error:

@@ -1,4 +1,4 @@
-"""The writing half of the executor index in Redis (gateway/index_reader.py reads it): the executor's published
+"""The writing half of the executor index in Redis (gateway/routing/index_reader.py reads it): the executor's published
 copy of itself: registration, heartbeat, cached block hashes, load, stats.
 
 Key names live in shared.redis_keys, which the gateway reads too. The block pool stays the truth; Redis is a

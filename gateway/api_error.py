@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from gateway.sse import sse_data
+from starlette.responses import JSONResponse
 
+from gateway.openai.sse import sse_data
+
+EXECUTOR_HEADER = "x-kvserve-executor"
+REQUEST_ID_HEADER = "x-request-id"  # the id the gateway's and executor's log lines carry
+NO_EXECUTOR = "none"  # the executor header's value when a request was answered before reaching one
 # messages may quote the client's input (a field's value), which can be megabytes: the reply quotes a bounded part
 MAX_MESSAGE_CHARS = 1000
 
@@ -49,3 +54,10 @@ def internal_error(request_id: str) -> APIError:
     """A fault of ours, not the client's: a 500 that points at the log line holding the traceback."""
     where = f" (request id {request_id})" if request_id else ""
     return APIError(500, f"internal error: the gateway's log has the details{where}", "server_error")
+
+
+def error_response(error: APIError, request_id: str, executor_id: str = NO_EXECUTOR) -> JSONResponse:
+    headers = {**error.headers, EXECUTOR_HEADER: executor_id}
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)

@@ -18,18 +18,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.api_error import APIError
-from gateway.backlog import Backlog
-from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, Completions, error_response
-from gateway.executor_client import ExecutorClient
-from gateway.index_reader import IndexReader
-from gateway.last_resort import LastResort
-from gateway.metrics import GatewayMetrics
-from gateway.metrics_listener import MetricsListener
-from gateway.request_body import BODY_TIMEOUT_S
-from gateway.request_limits import DEFAULT_LIMITS, RequestLimits
-from gateway.router import Router
-from gateway.tenancy import Tenancy
+from gateway.api_error import EXECUTOR_HEADER, NO_EXECUTOR, APIError, error_response
+from gateway.completion import Completions
+from gateway.openai.body import BODY_TIMEOUT_S
+from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
+from gateway.routing.backlog import Backlog
+from gateway.routing.dispatch import Dispatch
+from gateway.routing.executor_client import ExecutorClient
+from gateway.routing.index_reader import IndexReader
+from gateway.routing.router import Router
+from gateway.server.last_resort import LastResort
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.metrics_listener import MetricsListener
+from gateway.tenants.tenancy import Tenancy
 from shared.curve_keys import CurveKeys
 
 __all__ = ["GatewayConfig", "build_app"]
@@ -58,14 +59,14 @@ class GatewayConfig:
     metrics_port: int | None = None
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" is refused without one
     curve: CurveKeys | None = None  # --curve-keys: this gateway's CURVE pair and the executors' public key
-    limits: RequestLimits = DEFAULT_LIMITS  # what one request may ask for (gateway/request_limits.py)
+    limits: RequestLimits = DEFAULT_LIMITS  # what one request may ask for (gateway/openai/request_limits.py)
 
 
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.index = IndexReader(config.redis_url)
-        self.router = Router(self.index, config.routing_policy)
+        self.router: Router | None = None
         self.tenancy = Tenancy(self.index.redis, config.require_api_key, config.anonymous_allowed)
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics()
@@ -75,18 +76,18 @@ class Gateway:
     async def startup(self) -> None:
         await self.tenancy.startup()
         self.client = ExecutorClient(self.config.curve)  # needs the running event loop
-        self.router.unanswered = self.client.unanswered.__getitem__
-        self.router.unanswered_of_tenant = self.client.unanswered_of_tenant.__getitem__
-        self.router.refused = self.client.refused.get
+        # the router counts what this gateway sent beside what executors publish: the client knows it
+        self.router = Router(self.index, self.config.routing_policy, self.client)
+        backlog = Backlog(self.router, self.config.queue_timeout)
+        dispatch = Dispatch(self.client, self.index, backlog, self.metrics, self.router.policy)
         self.completions = Completions(
             self.config.model_name,
             self.config.tokenizer,
-            self.index,
             self.router,
             self.tenancy,
             self.client,
             self.metrics,
-            Backlog(self.router, self.config.queue_timeout),
+            dispatch,
             self.config.tool_call_parser,
             self.config.body_timeout_s,
             self.config.limits,

@@ -1,5 +1,5 @@
 """`kvserve gateway`: one HTTP gateway, its arguments and start-up (`kvserve up`, kvserve/up.py, takes the same
-HTTP arguments and runs it beside its executors). The gateway's draining server is gateway/draining.py."""
+HTTP arguments and runs it beside its executors). The gateway's draining server is gateway/server/draining.py."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gateway.request_limits import add_request_limit_args, request_limits
-from gateway.routing_cost import ROUTING_POLICIES
-from gateway.tools import TOOL_CALL_PARSERS
-from shared.curve_keys import GATEWAY, CurveKeyError, add_curve_keys_arg, gateway_keys
+from gateway.openai.request_limits import add_request_limit_args, request_limits
+from gateway.openai.tools import TOOL_CALL_PARSERS
+from gateway.routing.cost import ROUTING_POLICIES
+from shared.curve_keys import GATEWAY, CurveKeyError, add_curve_keys_arg, load_gateway_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 
 if TYPE_CHECKING:
-    from gateway.draining import GatewayServer
+    from gateway.server.draining import GatewayServer
 
 
 def add_http_args(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "--routing-policy",
         default="cache_aware",
         choices=ROUTING_POLICIES,
-        help="cache_aware: least prefill still to compute plus load (gateway/routing_cost.py); others for comparison",
+        help="cache_aware: least prefill still to compute plus load (gateway/routing/cost.py); others for comparison",
     )
     parser.add_argument(
         "--queue-timeout",
@@ -57,7 +57,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--body-timeout",
         type=_seconds,
-        default=30.0,  # gateway.request_body.BODY_TIMEOUT_S, which --help does not import
+        default=30.0,  # gateway.openai.body.BODY_TIMEOUT_S, which --help does not import
         help="seconds a client may take to send its request body, counted once its key is checked, then 408 "
         "(default: %(default)s)",
     )
@@ -76,7 +76,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="a Jinja chat template that replaces the model's (default: the model's own; requests with tools "
-        "to a ChatML model whose template has none use gateway/tool_chat_template_hermes.jinja)",
+        "to a ChatML model whose template has none use gateway/prompt/tool_chat_template_hermes.jinja)",
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -128,10 +128,10 @@ def _served_name(args: argparse.Namespace) -> str:
 def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], None] | None = None) -> int:
     """Serve until drained; `on_start` (from `kvserve up`) ties the server to what it supervises meanwhile."""
     from gateway.app import GatewayConfig, build_app
-    from gateway.chat_template import read_chat_template
-    from gateway.draining import GatewayServer
-    from gateway.exit_deadline import EXIT_MARGIN_S, exit_within
-    from gateway.tokenizer import load_tokenizer
+    from gateway.prompt.chat_template import read_chat_template
+    from gateway.prompt.tokenizer import load_tokenizer
+    from gateway.server.draining import GatewayServer
+    from gateway.server.exit_deadline import EXIT_MARGIN_S, exit_within
     from shared import logs, tracing
     from shared.model_paths import ModelLoadError
 
@@ -142,7 +142,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         )
         return 2
     try:  # local files first: a bad one is said without waiting on Redis
-        curve = gateway_keys(args.curve_keys) if args.curve_keys else None
+        curve = load_gateway_keys(args.curve_keys) if args.curve_keys else None
     except CurveKeyError as error:
         print(f"kvserve gateway: error: --curve-keys: {error}", file=sys.stderr)
         return 2
@@ -218,8 +218,8 @@ def _check_redis(
     import redis
     import redis.asyncio as aioredis
 
-    from gateway.tenancy import REQUIRE_API_KEY_REFUSAL
-    from shared.api_keys import deployment_keyed
+    from gateway.tenants.api_keys import deployment_keyed
+    from gateway.tenants.tenancy import REQUIRE_API_KEY_REFUSAL
     from shared.redis_url import describe_error
 
     async def keyed() -> bool:

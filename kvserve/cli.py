@@ -49,13 +49,13 @@ COMMANDS = (
     ),
     Command(
         "keys",
-        "gateway.keys_cli",
+        "gateway.tenants.keys_cli",
         "add_keys_args",
         "tenants' API keys: create, list, revoke, usage, export, import",
     ),
     Command(
         "curve-keys",
-        "shared.curve_keys",
+        "kvserve.curve_keys_cli",
         "add_curve_keys_args",
         "write ZeroMQ CURVE key pairs with which executors let in only gateways",
     ),

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import redis
 
+from kvserve.redis_server import EmbeddedRedis, free_port, start_redis_server
 from kvserve.supervisor import Supervisor, describe_exit, stop_processes
 from shared import redis_keys
 from shared.parent_death import dying_with_this_process
-from shared.redis_server import EmbeddedRedis, free_port, start_redis_server
 from shared.redis_url import masked
 
 log = logging.getLogger("kvserve.up")

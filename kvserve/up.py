@@ -14,9 +14,10 @@ from pathlib import Path
 
 from executor.cli import add_zmq_sndhwm_arg
 from gateway.cli import add_http_args, run_gateway
-from gateway.exit_deadline import EXIT_MARGIN_S
+from gateway.server.exit_deadline import EXIT_MARGIN_S
+from kvserve.curve_keys_cli import write_keys
 from kvserve.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S
-from shared.curve_keys import CurveKeyError, executor_keys, gateway_keys, write_keys
+from shared.curve_keys import CurveKeyError, load_executor_keys, load_gateway_keys
 from shared.defaults import DEFAULT_MODEL
 from shared.engine_config import add_engine_args, config_from_args, engine_argv
 from shared.model_paths import check_model_dir, pulled_model_dir
@@ -56,8 +57,8 @@ def run_up(args: argparse.Namespace) -> int:
     """Start what is missing (Redis unless --redis-url), N executors as supervised child processes, then the
     gateway here; on exit stop exactly the processes it started."""
     from kvserve.local_stack import ExecutorPlan, LocalStack, StackError
+    from kvserve.redis_server import RedisServerError
     from shared import logs
-    from shared.redis_server import RedisServerError
 
     logs.configure("kvserve-up", args.log_format)
 
@@ -124,8 +125,8 @@ def _curve_keys(given: str | None) -> str:
     """The directory of the CURVE keys the stack runs with: the given one, checked for both sides before
     anything starts, or a fresh pair for this run only (the caller removes it)."""
     if given is not None:
-        executor_keys(given)
-        gateway_keys(given)
+        load_executor_keys(given)
+        load_gateway_keys(given)
         return given
     directory = tempfile.mkdtemp(prefix="kvserve-curve-")
     write_keys(Path(directory))

@@ -1,4 +1,5 @@
-"""ZeroMQ CURVE keys between gateways and executors: `kvserve curve-keys` writes them, both sides load them.
+"""ZeroMQ CURVE keys between gateways and executors: `kvserve curve-keys` writes them (kvserve/curve_keys_cli.py),
+both sides load them here.
 
 One directory holds zmq certificate files (zmq.auth.create_certificates' format): `executor.key` and
 `executor.key_secret`, `gateway.key` and `gateway.key_secret`. An executor needs its own secret file and
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,6 @@ from zmq.utils import z85
 EXECUTOR = "executor"
 GATEWAY = "gateway"
 CURVE_KEYS_ENV = "KVSERVE_CURVE_KEYS"
-SECRET_MODE = 0o600
 
 
 class CurveKeyError(ValueError):
@@ -48,33 +47,6 @@ def add_curve_keys_arg(parser: argparse.ArgumentParser, role: str) -> None:
         help=f"ZeroMQ CURVE keys from `kvserve curve-keys` ({needs}); default: ${CURVE_KEYS_ENV}; "
         "without keys executors take requests from anyone who reaches their port",
     )
-
-
-def key_files(directory: Path) -> list[Path]:
-    return [
-        directory / f"{name}{suffix}" for name in (EXECUTOR, GATEWAY) for suffix in (".key", ".key_secret")
-    ]
-
-
-def write_keys(directory: Path, force: bool = False) -> list[Path]:
-    """A fresh executor and gateway key pair in directory (made if missing); secret files mode 0600.
-    Refuses to overwrite existing files unless force."""
-    files = key_files(directory)
-    existing = [str(f) for f in files if f.exists()]
-    if existing and not force:
-        raise CurveKeyError(f"{', '.join(existing)} already exist; pass --force to replace them")
-    directory.mkdir(parents=True, exist_ok=True)
-    old_umask = os.umask(0o077)  # the secret files never exist with wider permissions, even for a moment
-    try:
-        for name in (EXECUTOR, GATEWAY):
-            for path in (directory / f"{name}.key", directory / f"{name}.key_secret"):
-                path.unlink(missing_ok=True)
-            zmq.auth.create_certificates(directory, name)
-            (directory / f"{name}.key").chmod(0o644)  # public: gateways' copies may be shared freely
-            (directory / f"{name}.key_secret").chmod(SECRET_MODE)
-    finally:
-        os.umask(old_umask)
-    return files
 
 
 def _read(path: Path, want_secret: bool) -> tuple[bytes, bytes | None]:
@@ -110,7 +82,7 @@ def _own(directory: Path, name: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def executor_keys(directory: str | Path) -> CurveKeys:
+def load_executor_keys(directory: str | Path) -> CurveKeys:
     """The executor's own pair and the public keys it authorizes: every *.key in directory but its own."""
     directory = Path(directory)
     public, secret = _own(directory, EXECUTOR)
@@ -125,7 +97,7 @@ def executor_keys(directory: str | Path) -> CurveKeys:
     return CurveKeys(public, secret, tuple(p for p in peers if p != public))
 
 
-def gateway_keys(directory: str | Path) -> CurveKeys:
+def load_gateway_keys(directory: str | Path) -> CurveKeys:
     """The gateway's own pair and the executor's public key it expects to find at the other end."""
     directory = Path(directory)
     public, secret = _own(directory, GATEWAY)
@@ -189,34 +161,3 @@ def handshake_failure(event: int, value: int, side: str, keyed: bool = True) -> 
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "a peer's CURVE hello did not decrypt: it holds another executor public key (executor.key)"
     return f"a peer broke off the handshake (ZeroMQ event {event}, value {value}): most likely it has no CURVE keys"
-
-
-def add_curve_keys_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, metavar="DIR", help="directory for the four key files")
-    kept = parser.add_mutually_exclusive_group()
-    kept.add_argument("--force", action="store_true", help="replace key files already there")
-    kept.add_argument(
-        "--if-missing",
-        action="store_true",
-        help="keep the four files when they are all there and sound (an init step that runs at every start)",
-    )
-    parser.set_defaults(handler=generate)
-
-
-def generate(args: argparse.Namespace) -> int:
-    try:
-        if args.if_missing and all(f.exists() for f in key_files(Path(args.out))):
-            executor_keys(args.out), gateway_keys(args.out)  # sound, or the error names the file
-            print(f"kvserve curve-keys: {args.out} holds both key pairs already; kept", file=sys.stderr)
-            return 0
-        files = write_keys(Path(args.out), args.force)
-    except (CurveKeyError, OSError) as error:
-        print(f"kvserve curve-keys: error: {error}", file=sys.stderr)
-        return 2
-    print("\n".join(str(f) for f in files))
-    print(
-        "executors get executor.key_secret and gateway.key; gateways get gateway.key_secret and "
-        "executor.key (--curve-keys DIR or $KVSERVE_CURVE_KEYS)",
-        file=sys.stderr,
-    )
-    return 0

@@ -23,11 +23,11 @@ import msgpack
 
 PROTOCOL_VERSION = 2  # 2: RequestUpdate.seq, which the gateway needs to see a lost update
 # The largest message either side sends or accepts (ZMQ_MAXMSGSIZE on every socket). The largest legitimate ones:
-# - a generate request whose prompt came from the gateway's largest body (4 MiB, gateway.openai_protocol's
+# - a generate request whose prompt came from the gateway's largest body (4 MiB, gateway.openai.body's
 #   MAX_BODY_BYTES): at most ~4M token ids (a byte-level BPE token covers at least one byte of text; a token-id
 #   prompt's JSON is larger than its msgpack) of <= 5 bytes each, plus an 18-byte hash per 16-token block: ~25 MiB;
 #   its other bounded fields (300 logit_bias entries, 64 stop strings of 256 characters, a 64 KiB grammar) add
-#   < 1 MiB (gateway.request_limits);
+#   < 1 MiB (gateway.openai.request_limits);
 # - an update carrying the prompt logprobs of a 128k-token prompt with 20 top entries each (~340 bytes a token):
 #   ~44 MiB. The executor splits a step's batch that would be larger, and fails a request whose one update is.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

@@ -1,5 +1,5 @@
 """Every Redis key kvserve uses, in one place: the executor index (executor/index_writer.py writes it,
-gateway/index_reader.py reads it), tenants' API keys and usage.
+gateway/routing/index_reader.py reads it), tenants' API keys and usage.
 
 Layout (`<id>` is an executor id):
 - `kvserve:executors`                 set of executor ids that registered. A set member cannot expire on its own,
@@ -32,16 +32,16 @@ Tenancy (`<key_id>` is an API key's public id, `<tenant>` a tenant name):
 - `kvserve:apikeys`                   set of the key ids that are active (created, not revoked).
 - `kvserve:apikeys:keyed`             string (when it was set): this deployment has had keys. Creating or importing a
                                       key sets it and nothing clears it, so revoking the last key never opens the
-                                      gateways (gateway.tenancy); deleting it by hand is how an operator reopens.
-- `kvserve:apikey:<key_id>`           hash: the key's record (shared.api_keys); the secret only as a hash.
+                                      gateways (gateway.tenants.tenancy); deleting it by hand is how an operator reopens.
+- `kvserve:apikey:<key_id>`           hash: the key's record (gateway.tenants.api_keys); the secret only as a hash.
 - `kvserve:tenant:<tenant>`           hash: cache_salt, the tenant's secret that salts its block hashes.
 - `kvserve:tenant:<tenant>:usage`     hash of counters: requests, prompt_tokens, cached_tokens,
                                       computed_prompt_tokens, completion_tokens, kv_block_seconds (a float),
                                       rejected (docs/tenancy.md, "Usage and billing")
-- `kvserve:limit:<key_id>:*`          the key's rate-limit state (gateway.limits).
+- `kvserve:limit:<key_id>:*`          the key's rate-limit state (gateway.tenants.rate_limits).
 - `<key>:applied:<write id>`         string, APPLIED_TTL_S: a write to key (a request's admission or usage under an
                                       API key's limits, one change of an in-flight count) was applied, so a retry
-                                      after a lost reply applies it once (gateway.index_reader.APPLY_ONCE).
+                                      after a lost reply applies it once (gateway.routing.index_reader.APPLY_ONCE).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def limit_key(key_id: str, kind: str) -> str:
     return f"kvserve:limit:{key_id}:{kind}"
 
 
-# a command is retried once, at most seconds after its first try (gateway.index_reader.connect): the marker
+# a command is retried once, at most seconds after its first try (gateway.routing.index_reader.connect): the marker
 # outlives that by far, and costs Redis a short string per request meanwhile
 APPLIED_TTL_S = 60
 

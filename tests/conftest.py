@@ -76,8 +76,8 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
 
 @pytest.fixture(scope="session")
 def redis_url():
-    """A real Redis-protocol server (shared.redis_server) for the whole session, stopped by its own PID."""
-    from shared.redis_server import start_redis_server
+    """A real Redis-protocol server (kvserve.redis_server) for the whole session, stopped by its own PID."""
+    from kvserve.redis_server import start_redis_server
 
     server = start_redis_server()
     yield server.url

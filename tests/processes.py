@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
-from shared.redis_server import start_redis_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ class GatewayProcess(ServiceProcess):
             raise AssertionError(f"gateway not healthy in {timeout} s:\n{self.log_path.read_text()}")
 
     def stop(self) -> None:
-        """Without the drain's linger (gateway.draining.DRAINED_LINGER_S): the second signal, ServiceProcess.stop's,
+        """Without the drain's linger (gateway.server.draining.DRAINED_LINGER_S): the second signal, ServiceProcess.stop's,
         stops it at once."""
         if self.process.poll() is None:
             self.process.terminate()
@@ -180,7 +180,7 @@ def one_executor_stack(
 def start_valkey_as_shipped(args: list[str], data_dir: Path, password: str) -> tuple[subprocess.Popen, str]:
     """valkey-server run with a deployment's own arguments (compose's command, the manifest's args): its
     password reference filled in, its data folder, port and address moved here. Returns it and its URL."""
-    from shared.redis_server import _wait_for_ping, find_server_binary
+    from kvserve.redis_server import _wait_for_ping, find_server_binary
 
     words = list(args[1:] if args[0] == "valkey-server" else args)
     words[words.index("--requirepass") + 1] = password

@@ -4,6 +4,7 @@ module-level and function-level imports alike, so a violation is named by file a
 from __future__ import annotations
 
 import ast
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,9 @@ FORBIDDEN = {
     "gateway": {"executor", "kernels", "bench", "kvserve"},
     "executor": {"gateway", "bench", "kvserve"},
     "kernels": {"executor", "gateway", "bench", "kvserve"},
-    "bench": {"gateway", "kvserve"},
+    # bench is a driver, as the tests are: it starts Redis (kvserve.redis_server) and writes CURVE keys
+    # (kvserve.curve_keys_cli) as `kvserve up` does, so it may use kvserve/, never the gateway's insides
+    "bench": {"gateway"},
 }
 
 
@@ -204,3 +207,65 @@ def test_the_walk_sees_function_level_and_relative_imports(tmp_path):
     ]
     edges = [Import("gateway.x", "gateway.z", "x:1", False), Import("gateway.z", "gateway.x", "z:7", False)]
     assert cycles(edges) == ["gateway.x (x:1) -> gateway.z (z:7) -> gateway.x"]
+
+
+# shared/ modules one side alone uses, each with why it stays
+SHARED_ONE_SIDE = {
+    "shared.engine_config": "the executor's; it moves to executor/ with the engine's seams (issue 31)",
+}
+
+
+def users_of_shared(imports: list[Import]) -> dict[str, set[str]]:
+    """shared module -> the top-level packages that use it, directly or through other shared modules."""
+    users = {module: set() for module in module_files() if module.startswith("shared.")}
+    for found in imports:
+        if found.target in users and not found.source.startswith("shared."):
+            users[found.target].add(found.source.split(".")[0])
+    through_shared = [f for f in imports if f.source in users and f.target in users]
+    changed = True
+    while changed:
+        changed = False
+        for found in through_shared:
+            before = len(users[found.target])
+            users[found.target] |= users[found.source]
+            changed |= len(users[found.target]) != before
+    return users
+
+
+def test_every_shared_module_serves_both_sides():
+    """shared/ holds what the gateway and the executor both use; a module one side alone needs lives in its package."""
+    lonely = [
+        f"shared/{module.split('.', 1)[1]}.py is used by {', '.join(sorted(used)) or 'nobody'}"
+        for module, used in users_of_shared(all_imports()).items()
+        if not {"gateway", "executor"} <= used and module not in SHARED_ONE_SIDE
+    ]
+    assert not lonely, "not shared by gateway/ and executor/:\n" + "\n".join(lonely)
+
+
+def libraries_of(package: str) -> dict[str, str]:
+    """Third-party top-level modules a package imports -> one place that does."""
+    ours = {*PACKAGES, "tests"}
+    found = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        for node, _ in _nodes(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or not node.module):
+                continue
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top not in ours and top not in sys.stdlib_module_names and top != "__future__":
+                    found.setdefault(top, f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
+def test_shared_imports_no_library_only_one_side_uses():
+    """A library only the gateway (starlette, jinja2) or only the executor (torch, xgrammar) imports would be
+    loaded by the other side through shared/."""
+    gateway, executor = set(libraries_of("gateway")), set(libraries_of("executor"))
+    one_side = gateway ^ executor
+    wrong = [
+        f"{where}: shared imports {name}"
+        for name, where in libraries_of("shared").items()
+        if name in one_side
+    ]
+    assert not wrong, "shared/ imports what one side alone uses:\n" + "\n".join(wrong)

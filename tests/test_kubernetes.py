@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kvserve.cli import build_parser, main
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 from tests.processes import REPO, GatewayProcess, eventually, free_port, keeps_data_across_a_kill
 
 KUBERNETES = REPO / "deploy" / "kubernetes"
@@ -288,7 +288,8 @@ def test_the_model_is_pulled_into_one_shared_volume_that_every_pod_waits_for(ove
 def test_executors_and_gateways_hold_their_sides_curve_keys_from_secrets(overlay, tmp_path):
     """Each side mounts a Secret at its KVSERVE_CURVE_KEYS; files named as `kvserve curve-keys` writes them
     and, split as docs/deployment.md's secrets split them, load on each side."""
-    from shared.curve_keys import executor_keys, gateway_keys, write_keys
+    from kvserve.curve_keys_cli import write_keys
+    from shared.curve_keys import load_executor_keys, load_gateway_keys
 
     _, docs = overlay
     wanted = {
@@ -308,7 +309,7 @@ def test_executors_and_gateways_hold_their_sides_curve_keys_from_secrets(overlay
         only_these.mkdir()
         for name in files:
             (only_these / name).write_bytes((tmp_path / "all" / name).read_bytes())
-        (executor_keys if side == "executor" else gateway_keys)(only_these)
+        (load_executor_keys if side == "executor" else load_gateway_keys)(only_these)
 
 
 def test_gpu_overlay_gives_each_executor_one_gpu_and_cuda(overlay):

@@ -3,7 +3,7 @@
 import socket
 
 import tests.processes as processes
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 
 
 def test_an_executor_whose_port_was_taken_starts_again_on_another(tiny_models, tmp_path, monkeypatch):

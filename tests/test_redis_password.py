@@ -12,7 +12,7 @@ import httpx
 import pytest
 import redis
 
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 from shared.redis_url import masked
 from tests.processes import GatewayProcess, eventually, free_port, run_kvserve
 

@@ -7,7 +7,7 @@ from bench.server_metrics import (
     histogram_buckets,
     histogram_quantile,
 )
-from gateway.metrics import GatewayMetrics
+from gateway.telemetry.metrics import GatewayMetrics
 
 
 def _exposition(observations: list[float], buckets=(0.001, 0.002, 0.005, 0.01)) -> str:

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from executor.gateway_liveness import GatewayLiveness
+from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
 from shared.protocol import GATEWAY_SILENCE_S
-from shared.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 BLOCK_SIZE = 16  # the default

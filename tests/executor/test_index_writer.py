@@ -164,7 +164,7 @@ def test_writes_go_through_at_once_after_redis_dropped_every_connection(redis_ur
 
 
 def test_a_peer_has_room_only_when_another_live_executor_could_start_a_request_now():
-    from shared.redis_server import start_redis_server
+    from kvserve.redis_server import start_redis_server
 
     server = start_redis_server()  # of its own: no other test's executor may count as a peer
     client = redis.Redis.from_url(server.url, decode_responses=True)

@@ -7,6 +7,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model):
-    from gateway.tokenizer import Tokenizer
+    from gateway.prompt.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(default_model)

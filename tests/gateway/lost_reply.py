@@ -1,5 +1,5 @@
 """A Redis connection that loses one reply on demand: the command ran, its answer never came, and the gateway's
-client (gateway.index_reader.connect) retries it on a fresh connection."""
+client (gateway.routing.index_reader.connect) retries it on a fresh connection."""
 
 from __future__ import annotations
 

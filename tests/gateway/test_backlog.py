@@ -3,14 +3,15 @@ refused as busy; and the router's room, counted per tenant."""
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from gateway.api_error import APIError
-from gateway.backlog import FIRST_BACKOFF_S, Backlog
-from gateway.index_reader import ExecutorInfo
-from gateway.router import Choice, Router, Saturated
-from gateway.routing_cost import Candidate
+from gateway.routing.backlog import FIRST_BACKOFF_S, Backlog
+from gateway.routing.cost import Candidate
+from gateway.routing.index_reader import ExecutorInfo
+from gateway.routing.router import Choice, Router, Saturated
 
 EXECUTOR = ExecutorInfo("e1", "tcp://127.0.0.1:1", "tiny", 16, 1024)
 
@@ -136,10 +137,10 @@ def _router(load: Candidate, share: int, sent: dict) -> Router:
     info = ExecutorInfo(
         "e1", "tcp://127.0.0.1:1", "tiny", 16, 1024, max_waiting_seqs=4, waiting_tenants_share=share
     )
-    router = Router(View([(info, load)]), "cache_aware")
-    router.unanswered = lambda address: sum(n for (_, tenant), n in sent.items())
-    router.unanswered_of_tenant = lambda key: sent.get(key, 0)
-    return router
+    client = SimpleNamespace(
+        unanswered={info.address: sum(sent.values())}, unanswered_of_tenant=sent, refused={}
+    )
+    return Router(View([(info, load)]), "cache_aware", client)
 
 
 def test_an_executors_places_are_counted_per_tenant_and_for_all():

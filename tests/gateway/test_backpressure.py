@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
+from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
-from shared.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 # one running and one waiting request fill an executor: saturation with a handful of requests

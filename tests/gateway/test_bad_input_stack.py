@@ -18,7 +18,7 @@ import pytest
 
 from bench import fuzz
 from bench.bad_requests import BODY_MUTATIONS, ENDPOINTS, bad_requests
-from gateway.openai_protocol import MAX_BODY_BYTES
+from gateway.openai.body import MAX_BODY_BYTES
 from tests.gateway.http_wire import pipelined, request
 from tests.gateway.test_http_stack import _samples
 from tests.processes import GatewayProcess, eventually, one_executor_stack

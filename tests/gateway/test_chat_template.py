@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.api_error import APIError
-from gateway.chat_template import ChatMessage, chat_prompt_token_ids, parse_messages
+from gateway.openai.messages import ChatMessage, parse_messages
+from gateway.prompt.chat_template import chat_prompt_token_ids
 
 
 def test_prompt_ends_with_the_assistant_turn_opened(tokenizer):

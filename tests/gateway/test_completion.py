@@ -10,8 +10,8 @@ import redis
 from starlette.testclient import TestClient
 
 from gateway.app import GatewayConfig, build_app
+from gateway.tenants.api_keys import KeyStore
 from shared import redis_keys
-from shared.api_keys import KeyStore
 
 DB = 13  # a database of its own: the gateway sees every executor registered in it, and keys close it
 EXECUTOR = "registered-only"

@@ -11,8 +11,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from shared.curve_keys import write_keys
-from shared.redis_server import start_redis_server
+from kvserve.curve_keys_cli import write_keys
+from kvserve.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually, free_port, raw_generate
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

@@ -9,8 +9,8 @@ import threading
 
 import httpx
 
+from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
-from shared.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
-from shared.redis_server import start_redis_server
 from tests.gateway.http_wire import request
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 

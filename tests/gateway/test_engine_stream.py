@@ -7,9 +7,9 @@ import json
 import pytest
 
 from executor import LLM, SamplingParams
-from gateway.openai_protocol import fit_to_context, parse_chat_request
-from gateway.prompt import prompt_token_ids
-from gateway.responses import EventStream, Generation, response_body
+from gateway.openai.request import fit_to_context, parse_chat_request
+from gateway.openai.responses import EventStream, Generation, response_body
+from gateway.prompt.token_ids import prompt_token_ids
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import zmq
 
-from gateway.executor_client import ExecutorClient, UpdatesLost
+from gateway.routing.executor_client import ExecutorClient, UpdatesLost
 from shared import protocol
 
 

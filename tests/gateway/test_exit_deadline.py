@@ -8,7 +8,7 @@ from tests.processes import REPO
 
 STUCK = """
 import threading, time
-from gateway.exit_deadline import exit_within
+from gateway.server.exit_deadline import exit_within
 threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon: interpreter exit would wait for it
 exit_within(0.5)
 """

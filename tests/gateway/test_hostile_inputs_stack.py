@@ -14,8 +14,8 @@ import httpx
 import pytest
 import redis
 
-from shared.api_keys import KeyStore
-from shared.redis_server import start_redis_server
+from gateway.tenants.api_keys import KeyStore
+from kvserve.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess
 
 VOCAB = 49152  # the default model's tokenizer, which the tiny models share

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from executor import LLM, SamplingParams
+from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
-from shared.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 # the default 5 s is too short for a first request on a busy 2-core machine

@@ -8,7 +8,7 @@ import uuid
 
 import redis
 
-from gateway.index_reader import IndexReader
+from gateway.routing.index_reader import IndexReader
 from shared import redis_keys
 from tests.gateway.lost_reply import LosesAReply, losing_replies
 

@@ -17,10 +17,10 @@ import pytest
 import redis
 
 from gateway.cli import is_loopback
-from gateway.openai_protocol import MAX_BODY_BYTES
+from gateway.openai.body import MAX_BODY_BYTES
+from gateway.tenants.api_keys import KeyStore
 from kvserve.cli import build_parser
-from shared.api_keys import KeyStore
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 from tests.gateway.http_wire import pipelined, request
 from tests.processes import ExecutorProcess, GatewayProcess, eventually, run_kvserve
 

@@ -8,10 +8,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from gateway.tenants.api_keys import authenticate
+from gateway.tenants.key_backup import _key
 from kvserve.cli import main
 from shared import redis_keys
-from shared.api_keys import authenticate
-from shared.key_backup import _key
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_the_key_is_stdouts_first_line_alone(db_url):
 @pytest.fixture
 def empty_url(monkeypatch):
     """A Redis server of its own, empty: where a backup is restored."""
-    from shared.redis_server import start_redis_server
+    from kvserve.redis_server import start_redis_server
 
     monkeypatch.delenv("KVSERVE_REDIS_URL", raising=False)
     server = start_redis_server()

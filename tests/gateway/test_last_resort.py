@@ -14,8 +14,8 @@ from starlette.middleware import Middleware
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from gateway.last_resort import LastResort
-from gateway.metrics import GatewayMetrics
+from gateway.server.last_resort import LastResort
+from gateway.telemetry.metrics import GatewayMetrics
 from tests.gateway.http_wire import pipelined, request
 from tests.processes import eventually, free_port
 

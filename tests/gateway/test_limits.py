@@ -6,10 +6,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway.index_reader import connect
-from gateway.limits import Limiter
+from gateway.routing.index_reader import connect
+from gateway.tenants.api_keys import KeyRecord, KeyStore
+from gateway.tenants.rate_limits import Limiter
 from shared import redis_keys as keys
-from shared.api_keys import KeyRecord, KeyStore
 from tests.gateway.lost_reply import LosesAReply, losing_replies
 
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gateway.logprobs import LogprobFormatter
+from gateway.openai.logprobs import LogprobFormatter
 
 
 def test_byte_level_tokens_report_their_exact_bytes(tokenizer):
@@ -31,7 +31,7 @@ def test_byte_fallback_tokens_report_their_bytes():
 
 def test_text_offsets_count_whole_characters_only(tokenizer):
     """A character split over two tokens moves the offset once, after its last byte; same as decoding the whole."""
-    from gateway.logprobs import LogprobFormatter, TokenLogprob
+    from gateway.openai.logprobs import LogprobFormatter, TokenLogprob
 
     formatter = LogprobFormatter(tokenizer)
     ids = tokenizer.encode("Ünïcödé 日本語 text, then more: 🎉 done")

@@ -1,4 +1,4 @@
-from gateway.metrics import GatewayMetrics
+from gateway.telemetry.metrics import GatewayMetrics
 from shared.executor_stats import COUNTERS, ExecutorStats
 
 

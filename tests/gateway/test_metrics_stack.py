@@ -7,9 +7,9 @@ import httpx
 import pytest
 import redis
 
+from gateway.tenants.api_keys import KeyStore
 from kvserve.cli import build_parser
-from shared.api_keys import KeyStore
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 from tests.processes import GatewayProcess, eventually, free_port
 
 

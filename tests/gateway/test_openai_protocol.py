@@ -5,14 +5,8 @@ import json
 import pytest
 
 from gateway.api_error import MAX_MESSAGE_CHARS, APIError
-from gateway.openai_protocol import (
-    MAX_BODY_BYTES,
-    MAX_JSON_DEPTH,
-    check_content_type,
-    fit_to_context,
-    parse_chat_request,
-    parse_completion_request,
-)
+from gateway.openai.body import MAX_BODY_BYTES, MAX_JSON_DEPTH, check_content_type
+from gateway.openai.request import fit_to_context, parse_chat_request, parse_completion_request
 
 MODELS = ("SmolLM2-135M-Instruct",)
 MESSAGES = [{"role": "user", "content": "hi"}]

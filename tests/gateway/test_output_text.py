@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.output_text import OutputText
+from gateway.openai.output_text import OutputText
 from tests.work_counting import Work, assert_linear, count_work
 
 MULTIBYTE = "Emoji 😀🎉🇯🇵 and CJK 日本語の文章, 中文 — héllo wörld ✓"
@@ -121,7 +121,7 @@ def test_the_stop_string_completed_first_wins_however_the_tokens_arrive(tokenize
 def test_a_tokens_work_does_not_grow_with_the_text_before_it(tokenizer, stop):
     """Streaming twice the tokens costs twice the work: no copy of the text so far, no scan of it, per token."""
     sentence = tokenizer.encode(" The quick brown fox jumps over the lazy dog, 日本語 😀.")
-    files = ("gateway/output_text.py", "shared/stop_strings.py", "shared/detokenize.py")
+    files = ("gateway/openai/output_text.py", "shared/stop_strings.py", "shared/detokenize.py")
 
     def work(repeats: int) -> Work:
         output = OutputText(tokenizer, [], stop)

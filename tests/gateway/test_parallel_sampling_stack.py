@@ -9,9 +9,9 @@ import openai
 import pytest
 import redis
 
+from gateway.tenants.api_keys import KeyStore
+from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
-from shared.api_keys import KeyStore
-from shared.redis_server import start_redis_server
 from shared.sampling_params import MAX_N
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 

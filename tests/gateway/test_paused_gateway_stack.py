@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 ENV = {"KVSERVE_CPU_KERNELS": "0"}

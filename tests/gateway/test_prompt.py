@@ -5,8 +5,8 @@ import json
 import pytest
 
 from gateway.api_error import APIError
-from gateway.openai_protocol import parse_chat_request, parse_completion_request
-from gateway.prompt import prompt_token_ids
+from gateway.openai.request import parse_chat_request, parse_completion_request
+from gateway.prompt.token_ids import prompt_token_ids
 
 MODELS = ("m",)
 

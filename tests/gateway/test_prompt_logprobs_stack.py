@@ -64,7 +64,7 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(stack, offline):
         assert abs(got - want.logprob) < 1e-5
     for got, want in zip(columns["top_logprobs"][1:], entries[1:], strict=True):
         assert len(got) <= 3 and max(got.values()) == pytest.approx(want.top[0][1], abs=1e-5)
-    from gateway.logprobs import LogprobFormatter
+    from gateway.openai.logprobs import LogprobFormatter
 
     token_bytes = [LogprobFormatter(tokenizer).token_bytes(t) for t in ids]
     assert b"".join(token_bytes) == PROMPT.encode()

@@ -14,10 +14,10 @@ import httpx
 import pytest
 import redis
 
+from gateway.tenants.api_keys import KeyStore
+from kvserve.redis_server import EmbeddedRedis, start_redis_server
 from shared import redis_keys as keys
-from shared.api_keys import KeyStore
 from shared.block_hash import hash_blocks
-from shared.redis_server import EmbeddedRedis, start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
 
 FAMILIES = {name: list(range(start, start + 96)) for name, start in (("a", 3000), ("b", 7000))}  # 6 blocks
@@ -192,7 +192,7 @@ def test_after_a_redis_restart_requests_succeed_within_2_s_and_routing_finds_the
 
 
 def test_tenancy_and_limits_recover_from_dropped_connections_and_a_flushed_script_cache(stack):
-    """Last in this module: once a key has existed the gateway never runs open again (gateway.tenancy), and the
+    """Last in this module: once a key has existed the gateway never runs open again (gateway.tenants.tenancy), and the
     tests above send no key."""
     store = KeyStore(stack.redis)
     key, _ = store.create("acme", rpm=1000, tpm=100_000, max_concurrency=10)

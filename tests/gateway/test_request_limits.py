@@ -8,8 +8,13 @@ import json
 import pytest
 
 from gateway.api_error import APIError
-from gateway.openai_protocol import fit_to_context, parse_chat_request, parse_completion_request
-from gateway.request_limits import DEFAULT_LIMITS, RequestLimits, add_request_limit_args, request_limits
+from gateway.openai.request import fit_to_context, parse_chat_request, parse_completion_request
+from gateway.openai.request_limits import (
+    DEFAULT_LIMITS,
+    RequestLimits,
+    add_request_limit_args,
+    request_limits,
+)
 
 MODELS = ["m"]
 USER = [{"role": "user", "content": "hi"}]

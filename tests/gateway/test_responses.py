@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.openai_protocol import fit_to_context, parse_chat_request, parse_completion_request
-from gateway.responses import DONE_EVENT, EventStream, Generation, response_body
+from gateway.openai.request import fit_to_context, parse_chat_request, parse_completion_request
+from gateway.openai.responses import DONE_EVENT, EventStream, Generation, response_body
 
 MODELS = ("m",)
 HELLO, THERE, BANG = 19556, 665, 17  # "Hello", " there", "!" in the default model's vocabulary

@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.routing_cost import Candidate, leading_run, prefill_tokens, route_request
+from gateway.routing.cost import Candidate, leading_run, prefill_tokens, route_request
 
 
 def test_leading_run_stops_at_the_first_gap():

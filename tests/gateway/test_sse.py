@@ -5,7 +5,7 @@ import json
 import httpx
 
 from gateway.api_error import APIError
-from gateway.sse import sse_data
+from gateway.openai.sse import sse_data
 
 
 def test_an_event_is_one_line_for_splitlines_readers_and_decodes_to_the_same_text():

@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess
 
 TIMEOUT = 600  # twenty constrained streams on a busy 2-core machine

@@ -12,8 +12,8 @@ from starlette.testclient import TestClient
 
 from gateway.api_error import APIError
 from gateway.app import GatewayConfig, build_app
-from gateway.tenancy import ANONYMOUS, Caller, NoKeysConfigured, Tenancy
-from shared.api_keys import KeyStore
+from gateway.tenants.api_keys import KeyStore
+from gateway.tenants.tenancy import ANONYMOUS, Caller, NoKeysConfigured, Tenancy
 
 DB = 11  # a database of its own: whether any key exists is the question here
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import redis
 
-from shared.api_keys import KeyStore
-from shared.redis_server import start_redis_server
+from gateway.tenants.api_keys import KeyStore
+from kvserve.redis_server import start_redis_server
 from tests.gateway.http_wire import request
 from tests.processes import REPO, ExecutorProcess, GatewayProcess, eventually, free_port
 

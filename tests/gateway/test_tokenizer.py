@@ -9,7 +9,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from gateway.tokenizer import RELEASE_GIL_CHARS, Tokenizer, TokenizerLoadError, load_tokenizer
+from gateway.prompt.tokenizer import RELEASE_GIL_CHARS, Tokenizer, TokenizerLoadError, load_tokenizer
 
 TEXTS = [
     "",

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.tool_parser import ToolCallParser
+from gateway.openai.tool_parser import ToolCallParser
 from tests.work_counting import Work, assert_linear, count_work
 
 NAMES = ["get_weather", "get_time"]
@@ -155,7 +155,9 @@ def test_feeding_a_call_in_small_pieces_costs_linear_work(constrained):
             text = text.removeprefix("<tool_call>").removesuffix("</tool_call>")
         parser = ToolCallParser(NAMES, constrained=constrained)
         pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
-        work = count_work(parser.feed, pieces, ("gateway/tool_parser.py", "gateway/tool_call_scan.py"))
+        work = count_work(
+            parser.feed, pieces, ("gateway/openai/tool_parser.py", "gateway/openai/tool_call_scan.py")
+        )
         parser.feed("", finished=True)
         assert parser.content == text and not parser.calls  # an unknown name: the call is text
         return work
@@ -174,7 +176,9 @@ def test_a_long_call_that_streams_costs_linear_work(where):
             text = CALL.replace("}}\n", "}} " + "and more " * (size // 9))
         parser = ToolCallParser(NAMES)
         pieces = [text[i : i + 2] for i in range(0, len(text), 2)]
-        work = count_work(parser.feed, pieces, ("gateway/tool_parser.py", "gateway/tool_call_scan.py"))
+        work = count_work(
+            parser.feed, pieces, ("gateway/openai/tool_parser.py", "gateway/openai/tool_call_scan.py")
+        )
         assert json.loads(parser.calls[0].arguments)["city"].startswith("Paris")
         assert parser.content == "" and len(parser.calls) == 1
         return work

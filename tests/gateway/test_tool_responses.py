@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from gateway.openai_protocol import fit_to_context, parse_chat_request
-from gateway.responses import EventStream, Generation, response_body
+from gateway.openai.request import fit_to_context, parse_chat_request
+from gateway.openai.responses import EventStream, Generation, response_body
 
 WEATHER = {
     "type": "function",

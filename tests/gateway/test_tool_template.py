@@ -10,12 +10,8 @@ import json
 import pytest
 
 from gateway.api_error import APIError
-from gateway.chat_template import (
-    HERMES_TOOL_TEMPLATE,
-    chat_prompt_token_ids,
-    parse_messages,
-    read_chat_template,
-)
+from gateway.openai.messages import parse_messages
+from gateway.prompt.chat_template import HERMES_TOOL_TEMPLATE, chat_prompt_token_ids, read_chat_template
 from tests.gateway.tool_examples import WEATHER
 
 TOOLS = [WEATHER]

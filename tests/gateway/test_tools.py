@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from gateway.api_error import APIError
-from gateway.openai_protocol import parse_chat_request, parse_completion_request
-from gateway.tools import call_schema
+from gateway.openai.request import parse_chat_request, parse_completion_request
+from gateway.openai.tools import call_schema
 from tests.gateway.tool_examples import ADOPT, TIME, WEATHER
 
 MODELS = ["m"]

@@ -9,9 +9,10 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.chat_template import chat_prompt_token_ids, parse_messages
-from gateway.tokenizer import Tokenizer
-from shared.redis_server import start_redis_server
+from gateway.openai.messages import parse_messages
+from gateway.prompt.chat_template import chat_prompt_token_ids
+from gateway.prompt.tokenizer import Tokenizer
+from kvserve.redis_server import start_redis_server
 from tests.gateway.tool_examples import ADOPT, TIME, WEATHER
 from tests.processes import ExecutorProcess, GatewayProcess
 

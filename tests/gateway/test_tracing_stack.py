@@ -9,8 +9,8 @@ import httpx
 import pytest
 import redis
 
-from shared.api_keys import KeyStore
-from shared.redis_server import start_redis_server
+from gateway.tenants.api_keys import KeyStore
+from kvserve.redis_server import start_redis_server
 from tests.otlp_receiver import OtlpReceiver
 from tests.processes import ExecutorProcess, GatewayProcess
 

@@ -7,7 +7,7 @@ import redis
 
 from executor.index_writer import IndexWriter
 from kvserve.cli import main
-from shared.redis_server import start_redis_server
+from kvserve.redis_server import start_redis_server
 
 
 def test_ready_only_while_the_executor_is_registered(capsys, monkeypatch):

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from gateway.exit_deadline import EXIT_MARGIN_S
+from gateway.server.exit_deadline import EXIT_MARGIN_S
 from kvserve.supervisor import RESTART_LIMIT
 from shared import redis_keys
 from tests.processes import REPO, eventually, free_port, raw_generate

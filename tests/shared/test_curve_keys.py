@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import zmq.auth
 
-from shared.curve_keys import executor_keys, gateway_keys
+from shared.curve_keys import load_executor_keys, load_gateway_keys
 from tests.processes import run_kvserve
 
 KEY_FILES = ["executor.key", "executor.key_secret", "gateway.key", "gateway.key_secret"]
@@ -36,8 +36,8 @@ def test_curve_keys_writes_both_pairs_secrets_private_and_refuses_to_overwrite(t
         assert (
             zmq.auth.load_certificate(out / f"{name}.key")[0] == public and zmq.curve_public(secret) == public
         )
-    assert executor_keys(out).peers == (zmq.auth.load_certificate(out / "gateway.key")[0],)
-    assert gateway_keys(out).peers == (zmq.auth.load_certificate(out / "executor.key")[0],)
+    assert load_executor_keys(out).peers == (zmq.auth.load_certificate(out / "gateway.key")[0],)
+    assert load_gateway_keys(out).peers == (zmq.auth.load_certificate(out / "executor.key")[0],)
 
     before = {name: (out / name).read_bytes() for name in KEY_FILES}
     again = kvserve("curve-keys", "--out", str(out))
@@ -65,7 +65,7 @@ def test_if_missing_makes_keys_once_and_then_keeps_them_as_an_init_step_needs(tm
 def test_executor_authorizes_every_other_public_key_in_its_directory(tmp_path):
     kvserve("curve-keys", "--out", str(tmp_path))
     public, _ = zmq.auth.create_certificates(tmp_path, "second-gateway")
-    peers = executor_keys(tmp_path).peers
+    peers = load_executor_keys(tmp_path).peers
     assert len(peers) == 2 and zmq.auth.load_certificate(public)[0] in peers
     assert zmq.auth.load_certificate(tmp_path / "executor.key")[0] not in peers
 

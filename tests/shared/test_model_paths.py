@@ -34,7 +34,7 @@ def test_a_pulled_model_is_found_without_a_child(monkeypatch, tmp_path: Path) ->
 def test_a_new_gguf_file_is_converted_by_a_kvserve_model_pull_child(tmp_path, monkeypatch):
     from transformers import LlamaForCausalLM
 
-    from gateway.tokenizer import load_tokenizer
+    from gateway.prompt.tokenizer import load_tokenizer
     from tests.executor.test_model_files import tiny_config, write_gguf
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))

@@ -208,8 +208,8 @@ def test_updates_carry_their_sequence_number_which_is_required_and_checked():
 def test_the_message_bound_holds_the_largest_legitimate_messages():
     """A prompt from the gateway's largest body, one token per byte, with every bounded field at its limit; and
     the prompt logprobs of a 128k-token prompt: both fit under MAX_MESSAGE_BYTES."""
-    from gateway.openai_protocol import MAX_BODY_BYTES
-    from gateway.request_limits import DEFAULT_LIMITS as limits
+    from gateway.openai.body import MAX_BODY_BYTES
+    from gateway.openai.request_limits import DEFAULT_LIMITS as limits
 
     prompt = [2**31 - 1] * MAX_BODY_BYTES  # the widest token id msgpack writes in 5 bytes
     sampling = {

@@ -1,6 +1,6 @@
 """The routing decision for one prompt: read the live executors from Redis, apply the policy, say why.
 
-gateway.routing_cost holds the cost model as pure functions; this module feeds it what Redis says and reports the
+gateway.routing.cost holds the cost model as pure functions; this module feeds it what Redis says and reports the
 choice with what the trace and the metrics want to know (cached blocks, cost, reason).
 """
 
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.api_error import APIError
-from gateway.index_reader import ExecutorInfo, IndexReader
-from gateway.routing_cost import ROUTING_POLICIES, Candidate, prefill_tokens, route_cost, route_request
+from gateway.routing.cost import ROUTING_POLICIES, Candidate, prefill_tokens, route_cost, route_request
+from gateway.routing.index_reader import ExecutorInfo, IndexReader
 from shared.block_hash import hash_blocks
 from shared.defaults import DEFAULT_BLOCK_SIZE
 
@@ -28,11 +29,13 @@ class Choice:
     cached_blocks: int
     cost: float  # the cache_aware cost of this executor, whatever the policy
     reason: str  # prefix_hit | least_loaded | round_robin | random | retry
-    held_s: float = 0.0  # how long the request waited at the gateway (gateway.backlog) for this choice
+    held_s: float = (
+        0.0  # how long the request waited at the gateway (gateway.routing.backlog) for this choice
+    )
 
 
 class Saturated(Exception):
-    """Every live executor's waiting queue is at its bound: the request waits at the gateway (gateway.backlog)."""
+    """Every live executor's waiting queue is at its bound: the request waits at the gateway (gateway.routing.backlog)."""
 
 
 NO_EXECUTOR_MESSAGE = "no executor is available; try again shortly"
@@ -43,18 +46,22 @@ def _index_unreachable(error: Exception) -> APIError:
     return APIError(503, "the executor index (Redis) is unreachable", "server_error")
 
 
+class SentRequests(Protocol):
+    """What this gateway knows of the executors it sends to beyond what they publish (ExecutorClient is one)."""
+
+    # executor address -> requests this gateway sent there that have had no answer yet
+    unanswered: Mapping[str, int]
+    unanswered_of_tenant: Mapping[tuple[str, str | None], int]  # the same per (executor address, tenant)
+    refused: Mapping[str, str]  # executor address -> why it refused this gateway's connection
+
+
 class Router:
-    def __init__(self, index: IndexReader, policy: str) -> None:
+    def __init__(self, index: IndexReader, policy: str, sent: SentRequests) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy: {policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
         self.index = index
         self.policy = policy
-        # executor address -> requests this gateway sent there that have had no answer yet (ExecutorClient's),
-        # and the same for one tenant
-        self.unanswered: Callable[[str], int] = lambda address: 0
-        self.unanswered_of_tenant: Callable[[tuple[str, str | None]], int] = lambda key: 0
-        # executor address -> why it refused this gateway's connection, or None (ExecutorClient's refused)
-        self.refused: Callable[[str], str | None] = lambda address: None
+        self.sent = sent
         # whether the executors last seen keep waiting places per tenant (fair share on): the backlog then keeps
         # a line per tenant too, else one line for all, first come first served
         self.places_per_tenant = True
@@ -125,10 +132,10 @@ class Router:
             return False
         if not info.max_waiting_seqs:
             return True
-        everyone = max(load.waiting - load.compiling, self.unanswered(info.address))
+        everyone = max(load.waiting - load.compiling, self.sent.unanswered.get(info.address, 0))
         if everyone >= info.max_waiting_seqs * info.waiting_tenants_share:
             return False
-        return self.unanswered_of_tenant((info.address, tenant)) < info.max_waiting_seqs
+        return self.sent.unanswered_of_tenant.get((info.address, tenant), 0) < info.max_waiting_seqs
 
     async def _view(self, hashes: list[bytes], exclude: set[str]) -> list[tuple[ExecutorInfo, Candidate]]:
         try:
@@ -136,7 +143,7 @@ class Router:
         except Exception as error:
             raise _index_unreachable(error) from None
         view = [(info, load) for info, load in view if info.executor_id not in exclude]
-        reachable = [(info, load) for info, load in view if self.refused(info.address) is None]
+        reachable = [(info, load) for info, load in view if info.address not in self.sent.refused]
         if view and not reachable:  # the client has logged why, once
             raise APIError(
                 503, "no executor accepts this gateway's connection (see the gateway's log)", "server_error"

@@ -1,23 +1,13 @@
-"""Chat messages become prompt token ids through the model's own chat template, after checking their shape."""
+"""A chat request's `messages`, checked for shape and read into plain messages the chat template renders."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
-import jinja2
-import jinja2.meta
-from jinja2 import TemplateError
-
-from gateway.api_error import APIError, invalid_request
-from gateway.tokenizer import jinja_environment
+from gateway.api_error import invalid_request
 
 ROLES = ("system", "user", "assistant", "tool")
-# the template for requests with tools when the model's own ChatML template has none (vLLM ships one alike)
-HERMES_TOOL_TEMPLATE = Path(__file__).with_name("tool_chat_template_hermes.jinja")
 
 
 @dataclass(slots=True)
@@ -123,63 +113,3 @@ def _name_tool_results(messages: list[ChatMessage]) -> None:
                 names[call["id"]] = call["function"]["name"]
         if message.role == "tool" and message.name is None and message.tool_call_id in names:
             message.name = names[message.tool_call_id]
-
-
-def chat_prompt_token_ids(
-    tokenizer, messages: list[ChatMessage], tools: list[dict] | None = None
-) -> list[int]:
-    """Render then encode without special tokens: the template already wrote them, a second BOS would differ.
-    tools: those the model may call (None: none, and the template leaves them out)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    conversation = [
-        {key: value for key, value in dataclasses.asdict(m).items() if value is not None} for m in messages
-    ]
-    template = None  # the model's own
-    if tools or any(m.tool_calls for m in messages):
-        template = tool_template(tokenizer.chat_template)
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
-        )
-    except TemplateError as exc:  # the template's own raise_exception(), e.g. a role-alternation rule
-        raise invalid_request(f"messages rejected by the chat template: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-@functools.lru_cache(maxsize=8)
-def _tool_template(chat_template: str) -> str | None:
-    """None when the model's template renders `tools` itself; else the Hermes template, for a ChatML model."""
-    if "tools" in jinja2.meta.find_undeclared_variables(jinja_environment().parse(chat_template)):
-        return None
-    if "<|im_start|>" not in chat_template:
-        raise APIError(
-            400,
-            "this model's chat template renders no tools and is not ChatML, so kvserve's Hermes tool template "
-            "does not fit it; start the gateway with --chat-template PATH (a template that renders `tools`)",
-            param="tools",
-        )
-    return HERMES_TOOL_TEMPLATE.read_text(encoding="utf-8")
-
-
-def tool_template(chat_template: str | dict) -> str | None:
-    """The template a request with tools is rendered with: None for the model's own (it has a "tool_use"
-    template, or its template uses `tools`), else kvserve's Hermes ChatML template."""
-    if isinstance(chat_template, dict):
-        if "tool_use" in chat_template:
-            return None
-        chat_template = chat_template.get("default", "")
-    return _tool_template(chat_template)
-
-
-def read_chat_template(path: str) -> str:
-    """`--chat-template PATH`: the file's text, which must be a Jinja template (ValueError naming it if not)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} cannot be read: {error}") from None
-    try:
-        jinja_environment().parse(text)
-    except jinja2.TemplateSyntaxError as error:
-        raise ValueError(f"{path} is not a Jinja template: line {error.lineno}: {error.message}") from None
-    return text

@@ -191,7 +191,7 @@ class GatewayMetrics:
     def count_usage(
         self, tenant: str, prompt_tokens: int, cached_tokens: int, kv_block_seconds: float
     ) -> None:
-        """What an ended request used, as its tenant's usage hash counts it (gateway.limits)."""
+        """What an ended request used, as its tenant's usage hash counts it (gateway.tenants.rate_limits)."""
         self.prompt_tokens.labels(tenant).inc(prompt_tokens)
         self.prompt_tokens_cached.labels(tenant).inc(cached_tokens)
         self.prompt_tokens_computed.labels(tenant).inc(max(0, prompt_tokens - cached_tokens))

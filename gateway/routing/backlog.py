@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 
 from gateway.api_error import APIError
-from gateway.router import Choice, Router, Saturated
+from gateway.routing.router import Choice, Router, Saturated
 
 FIRST_BACKOFF_S = 0.01  # the oldest waiter asks Redis again after this, doubling up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 0.2  # an executor publishes its load every step: about this stale at worst on a CPU

@@ -4,7 +4,7 @@ tool_choice "required" or a named function always produce a valid call.
 How a call is made, by tool_choice:
 - "none": the tools are left out of the prompt and the output is text.
 - "auto": the model decides; its Hermes `<tool_call>{"name": ..., "arguments": ...}</tool_call>` output is parsed
-  (gateway/tool_parser.py), which needs `--tool-call-parser hermes`, as in vLLM.
+  (gateway/openai/tool_parser.py), which needs `--tool-call-parser hermes`, as in vLLM.
 - "required" and a named function: the output is constrained (structured_outputs, json) to the JSON object a
   Hermes call carries, `{"name": <one of the tools>, "arguments": <its parameters>}`, so it always is one valid
   call. vLLM constrains a named function to its parameters alone and "required" to an array of calls; one

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gateway.api_error import invalid_request
-from gateway.chat_template import chat_prompt_token_ids
-from gateway.openai_protocol import OpenAIRequest
+from gateway.openai.request import OpenAIRequest
+from gateway.prompt.chat_template import chat_prompt_token_ids
 
 
 def prompt_token_ids(request: OpenAIRequest, tokenizer) -> list[int]:

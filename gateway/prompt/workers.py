@@ -3,7 +3,7 @@
 
 Only a large body goes there: for a small one the hop to a thread costs more than the work. In a worker, json and
 jinja hold the GIL but hand it over at every switch interval (5 ms), so the loop keeps its turns; the tokenizer
-releases it for long texts (gateway.tokenizer.Tokenizer.encode), so its work runs beside the loop's.
+releases it for long texts (gateway.prompt.tokenizer.Tokenizer.encode), so its work runs beside the loop's.
 """
 
 from __future__ import annotations

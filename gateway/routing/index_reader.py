@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from gateway.routing_cost import Candidate, leading_run
+from gateway.routing.cost import Candidate, leading_run
 from shared import redis_keys
 from shared.executor_stats import ExecutorStats
 

@@ -6,9 +6,9 @@ buckets that refill continuously; concurrency is a sorted set of request ids sco
 slots of a gateway that died free themselves after LEASE_S. Every state key expires once it would read the
 same as a missing one (a full bucket, an empty set): idle keys cost nothing.
 
-A command that meets a connection error is retried (gateway.index_reader.connect), and the error may have come
+A command that meets a connection error is retried (gateway.routing.index_reader.connect), and the error may have come
 after Redis ran it: each write here applies once per request id, marked in Redis by the same script
-(gateway.index_reader.APPLY_ONCE), so a retry neither takes a budget twice nor counts usage twice.
+(gateway.routing.index_reader.APPLY_ONCE), so a retry neither takes a budget twice nor counts usage twice.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from gateway.index_reader import APPLY_ONCE
+from gateway.routing.index_reader import APPLY_ONCE
+from gateway.tenants.api_keys import KeyRecord
 from shared import redis_keys
-from shared.api_keys import KeyRecord
 
 _CLOCK = """
 local clock = redis.call('TIME')

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from shared.block_hash import max_cached_blocks
 
-# cache_aware routes by this module's cost; the other two are there to compare it with (gateway/router.py)
+# cache_aware routes by this module's cost; the other two are there to compare it with (gateway/routing/router.py)
 ROUTING_POLICIES = ("cache_aware", "round_robin", "random")
 
 # one running request delays a new one about as much as this many prompt tokens of prefill

@@ -1,5 +1,5 @@
 """`kvserve keys create|list|revoke|usage|export|import`: tenants' API keys and what they used, straight from
-Redis; export and import (shared/key_backup.py) back them up as JSON lines, secrets only hashed."""
+Redis; export and import (gateway/tenants/key_backup.py) back them up as JSON lines, secrets only hashed."""
 
 from __future__ import annotations
 
@@ -11,8 +11,15 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from shared.api_keys import FLOAT_USAGE_COUNTERS, USAGE_COUNTERS, KeyRecord, KeyStore, key_id_of, parse_models
-from shared.key_backup import export_lines, import_lines, write_private
+from gateway.tenants.api_keys import (
+    FLOAT_USAGE_COUNTERS,
+    USAGE_COUNTERS,
+    KeyRecord,
+    KeyStore,
+    key_id_of,
+    parse_models,
+)
+from gateway.tenants.key_backup import export_lines, import_lines, write_private
 from shared.redis_url import describe_error
 
 

@@ -9,9 +9,8 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.api_error import internal_error
-from gateway.completion import error_response
-from gateway.metrics import GatewayMetrics
+from gateway.api_error import error_response, internal_error
+from gateway.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger("kvserve.gateway")
 

@@ -1,5 +1,6 @@
 """The gateway's tokenizer without transformers (which imports torch): HF `tokenizers` for the text, jinja2 for
-the chat template, rendered as transformers' apply_chat_template renders it (what SGLang's router does in Rust).
+the chat template (its environment: gateway/prompt/chat_template.py), rendered as transformers'
+apply_chat_template renders it (what SGLang's router does in Rust).
 
 Its surface is what the gateway and shared/detokenize.py call on a transformers tokenizer, so either serves them.
 """
@@ -8,15 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 
 import jinja2
-import jinja2.nodes
 import tokenizers
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from gateway.prompt.chat_template import jinja_environment
 from shared.model_paths import ModelLoadError, pulled_model_dir
 
 # the named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES)
@@ -81,7 +79,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A long text through encode_batch, the same ids: `tokenizers` releases the GIL there and not in
         encode, which would hold every other thread, the event loop's too, for the whole call (seconds for a
-        megabyte prompt; gateway.prompt_workers)."""
+        megabyte prompt; gateway.prompt.workers)."""
         if len(text) < RELEASE_GIL_CHARS:
             return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -238,75 +236,3 @@ def _clean_up_tokenization(text: str) -> str:
     ):
         text = text.replace(spaced, joined)
     return text
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    """transformers' tojson: no HTML escaping (jinja's own escapes <, >, &), with json.dumps' options."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-class _TemplateDict:
-    """`dict(...)` in a template, without handing it the dict type itself (as transformers does)."""
-
-    def __call__(self, *args, **kwargs) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """A namespace that refuses underscore names, so a template cannot reach CPython internals through it."""
-
-    def __init__(*args, **kwargs):  # jinja's own signature trick, so namespace(self=...) still works
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}."
-            )
-
-
-class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers marks assistant tokens with it): renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser) -> jinja2.nodes.CallBlock:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller) -> str:
-        return caller()
-
-
-def jinja_environment() -> ImmutableSandboxedEnvironment:
-    """transformers' environment: sandboxed (templates come from model files), trim/lstrip blocks, loop controls."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env

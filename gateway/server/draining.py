@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from starlette.responses import JSONResponse
 
-from gateway.api_error import APIError
-from gateway.completion import EXECUTOR_HEADER, NO_EXECUTOR, error_response
+from gateway.api_error import EXECUTOR_HEADER, NO_EXECUTOR, APIError, error_response
 
 log = logging.getLogger("kvserve.gateway")
 

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import redis
 
-from shared import redis_keys
-from shared.api_keys import (
+from gateway.tenants.api_keys import (
     LIMITS,
     KeyRecord,
     check_limit,
@@ -37,6 +36,7 @@ from shared.api_keys import (
     parse_record,
     record_fields,
 )
+from shared import redis_keys
 
 FORMAT = "kvserve-keys"
 VERSION = 1

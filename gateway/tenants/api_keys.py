@@ -27,7 +27,7 @@ _KEY_ID = re.compile(r"[0-9a-f]{16}")
 _KEY = re.compile(r"kvs_([0-9a-f]{16})_([A-Za-z0-9_-]{16,128})")  # the secret is secrets.token_urlsafe
 _TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # it becomes part of Redis keys and Prometheus labels
 LIMITS = ("rpm", "tpm", "max_concurrency")
-# a tenant's usage counters (gateway.limits counts them; docs/tenancy.md says what each means), in the order
+# a tenant's usage counters (gateway.tenants.rate_limits counts them; docs/tenancy.md says what each means), in the order
 # `kvserve keys usage` shows them; all integers but kv_block_seconds
 USAGE_COUNTERS = (
     "requests",

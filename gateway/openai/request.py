@@ -1,16 +1,19 @@
-"""OpenAI request bodies for /v1/chat/completions and /v1/completions, checked once into one plain request."""
+"""OpenAI's fields on /v1/chat/completions and /v1/completions, checked once into one plain request: the body
+(gateway/openai/body.py) and its output constraint (gateway/openai/output_constraint.py) are read by their own
+modules."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
 from gateway.api_error import APIError, invalid_request
-from gateway.chat_template import ChatMessage, parse_messages
-from gateway.request_limits import (
+from gateway.openai.body import read_json_body, typed_field
+from gateway.openai.messages import ChatMessage, parse_messages
+from gateway.openai.output_constraint import constrain_to_call, constraint_field, structured_outputs_of
+from gateway.openai.request_limits import (
     DEFAULT_LIMITS,
     RequestLimits,
     check_constraint,
@@ -21,13 +24,10 @@ from gateway.request_limits import (
     check_tools,
     max_tokens_allowed,
 )
-from gateway.tools import ToolCalling, parse_tool_calling
+from gateway.openai.tools import ToolCalling, parse_tool_calling
 from shared.protocol import MAX_PRIORITY
 from shared.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
-from shared.structured_outputs import StructuredOutputsParams
 
-MAX_BODY_BYTES = 4 * 1024 * 1024  # larger bodies get 413 before any parsing
-MAX_JSON_DEPTH = 64  # levels of arrays and objects; OpenAI's own bodies need a handful
 COMPLETIONS_DEFAULT_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 )
@@ -61,113 +61,12 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage
     max_tokens: int | None  # as asked; None lets fit_to_context choose
     sampling: SamplingParams  # validated; its max_tokens is final only after fit_to_context
-    tools: ToolCalling | None = None  # chat: the tools the model may call (gateway/tools.py)
+    tools: ToolCalling | None = None  # chat: the tools the model may call (gateway/openai/tools.py)
     echo: bool = False  # completions: the prompt's text (and logprobs) before the output's
     prompt_logprobs: int | None = None  # vLLM's extension as asked: top entries per prompt position
     constraint_field: str | None = None  # the field the output's constraint came from, for errors naming it
     # vLLM's extension: the order within the caller's tenant, lower first (tenants share by weight, not by this)
     priority: int = 0
-
-
-def body_too_large(size: str) -> APIError:
-    return APIError(413, f"request body is {size}; the limit is {MAX_BODY_BYTES}", code="request_too_large")
-
-
-def check_content_type(content_type: str | None) -> None:
-    """JSON bodies only, as vLLM (415): a form or text body is a client's mistake, not JSON by luck. The media type
-    is compared case-insensitively, parameters (charset) aside; no Content-Type at all is read as JSON, which
-    HTTP allows (RFC 9110 8.3: the recipient may examine the data) and raw clients rely on."""
-    if content_type is None:
-        return
-    if content_type.split(";", 1)[0].strip().lower() != "application/json":
-        raise APIError(
-            415,
-            f"Content-Type must be application/json, got {content_type!r}",
-            code="unsupported_media_type",
-        )
-
-
-def read_json_body(raw: bytes) -> dict:
-    """Size first (413), then UTF-8 and JSON (400), then shape: every later check may assume a dict whose strings
-    are valid Unicode and whose nesting is shallow."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise body_too_large(f"{len(raw)} bytes")
-    try:
-        text = raw.decode("utf-8")  # strict: also refuses UTF-8-encoded surrogates (\xed\xa0\x80)
-    except UnicodeDecodeError as exc:
-        raise invalid_request(
-            f"request body is not valid JSON: it must be UTF-8, and byte {exc.start} is not ({exc.reason})",
-            None,
-        ) from None
-    try:
-        body = json.loads(text, parse_constant=_refuse_constant)
-    except RecursionError:  # the C decoder's own guard, near a thousand levels
-        raise invalid_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", None) from None
-    except json.JSONDecodeError as exc:
-        raise invalid_request(f"request body is not valid JSON: {exc}", None) from None
-    except ValueError as exc:  # an integer of more than 4,300 digits
-        raise invalid_request(f"request body holds a number too long to read: {exc}", None) from None
-    if not isinstance(body, dict):
-        raise invalid_request("request body must be a JSON object", None)
-    _check_values(body)
-    return body
-
-
-def _refuse_constant(name: str) -> float:
-    """Python's json reads NaN and Infinity, which JSON does not have."""
-    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
-
-
-def _check_values(body: dict) -> None:
-    """Bounded nesting, so later code may recurse (repr, msgpack); and strings that UTF-8 can carry: a JSON escape
-    can spell a lone surrogate ("\\ud800"), which the tokenizer, msgpack and our own JSON replies all refuse."""
-    pending: list[tuple[dict | list, tuple]] = [(body, ())]
-    while pending:
-        value, path = pending.pop()
-        if len(path) >= MAX_JSON_DEPTH:
-            field = _param(path[:1])
-            raise invalid_request(f"{field} is nested deeper than {MAX_JSON_DEPTH} levels", field)
-        if isinstance(value, list) and all(type(item) is int for item in value):
-            continue  # token ids, the one long list a body has: ~10x faster than the loop below
-        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-            if isinstance(key, str) and _not_unicode(key):
-                where = _param(path) or "the request body"
-                raise invalid_request(
-                    f"a key in {where} is not valid Unicode (a lone surrogate)", _param(path)
-                )
-            if isinstance(item, str) and _not_unicode(item):
-                param = _param((*path, key))
-                raise invalid_request(f"{param} is not valid Unicode: it holds a lone surrogate", param)
-            if isinstance(item, (dict, list)):
-                pending.append((item, (*path, key)))
-
-
-def _not_unicode(text: str) -> bool:
-    if text.isascii():
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _param(path: tuple) -> str | None:
-    """("messages", 0, "content") -> "messages[0].content", as the other checks name fields."""
-    name = ""
-    for part in path:
-        name += f"[{part}]" if isinstance(part, int) else f".{part}" if name else part
-    return name or None
-
-
-def _typed(body: dict, name: str, kind: type, what: str, default=None):
-    """One optional field of a JSON type; null means absent, as OpenAI treats it. A bool is never an int here."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise invalid_request(f"{name} must be {what}, got {value!r}", name)
-    return value
 
 
 def _model(body: dict, served_models: Collection[str]) -> str:
@@ -195,120 +94,14 @@ def model_not_found(model: str | None, served_models: Collection[str]) -> APIErr
 
 def _refuse_unsupported(body: dict) -> None:
     """Features we do not serve are refused by name rather than silently ignored."""
-    best_of = _typed(body, "best_of", int, "an integer", 1)
+    best_of = typed_field(body, "best_of", int, "an integer", 1)
     if best_of != 1:
         raise invalid_request("best_of other than 1 is not supported", "best_of")
-    if _typed(body, "suffix", str, "a string", ""):
+    if typed_field(body, "suffix", str, "a string", ""):
         raise invalid_request("suffix is not supported", "suffix")
     for name in ("functions", "function_call"):  # OpenAI's deprecated form of tools and tool_choice
         if body.get(name) is not None:
             raise invalid_request(f"{name} is not supported: send tools and tool_choice instead", name)
-
-
-# vLLM's older names for structured outputs, each one StructuredOutputsParams field
-_GUIDED = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-
-
-def _response_format(body: dict) -> dict | None:
-    """OpenAI's response_format as StructuredOutputsParams fields; None for plain text."""
-    response_format = _typed(body, "response_format", dict, "an object", {"type": "text"})
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict):
-            raise invalid_request(
-                "response_format.json_schema must be an object with name and schema",
-                "response_format.json_schema",
-            )
-        name = spec.get("name")
-        if not isinstance(name, str) or not name:
-            raise invalid_request(
-                f"response_format.json_schema.name must be a non-empty string, got {name!r}",
-                "response_format.json_schema.name",
-            )
-        strict = spec.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise invalid_request(
-                f"response_format.json_schema.strict must be a boolean, got {strict!r}",
-                "response_format.json_schema.strict",
-            )
-        schema = spec.get("schema")
-        if schema is None:  # OpenAI allows a schema-less json_schema: any JSON object
-            return {"json_object": True}
-        if not isinstance(schema, dict):
-            raise invalid_request(
-                f"response_format.json_schema.schema must be a JSON schema object, got {schema!r}",
-                "response_format.json_schema.schema",
-            )
-        return {"json": schema}
-    raise invalid_request(
-        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-        "response_format.type",
-    )
-
-
-def _constraint(body: dict) -> tuple[str, dict] | None:
-    """(the request's field, StructuredOutputsParams fields) from whichever of OpenAI's and vLLM's fields the
-    request uses to constrain its output (one at most)."""
-    given: dict[str, dict] = {}
-    response_format = _response_format(body)
-    if response_format is not None:
-        given["response_format"] = response_format
-    if body.get("structured_outputs") is not None:
-        value = body["structured_outputs"]
-        if not isinstance(value, dict):
-            raise invalid_request(
-                f"structured_outputs must be an object, got {value!r}", "structured_outputs"
-            )
-        given["structured_outputs"] = value
-    for name, kind in _GUIDED.items():
-        if body.get(name) is not None:
-            given[name] = {kind: body[name]}
-    if len(given) > 1:
-        names = ", ".join(given)
-        raise invalid_request(f"give one way of constraining the output, got {names}", next(iter(given)))
-    return next(iter(given.items()), None)
-
-
-def _field_used(param: str, kind: str | None) -> str:
-    """The field of the request that holds a constraint of this kind: what errors about it name."""
-    if param == "structured_outputs":
-        return f"structured_outputs.{kind}" if kind else param
-    if (param, kind) == ("response_format", "json"):
-        return "response_format.json_schema.schema"
-    return param
-
-
-def constraint_field(body: dict) -> str | None:
-    """The field the request's constraint came from (checked already by _sampling), or None."""
-    given = _constraint(body)
-    return None if given is None else _field_used(given[0], next(iter(given[1]), None))
-
-
-def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
-    given = _constraint(body)
-    if given is None:
-        return None
-    param, value = given
-    try:
-        return StructuredOutputsParams.from_wire(value)
-    except ValueError as exc:
-        message, kind = str(exc), next(iter(value), None)
-        used = _field_used(param, kind)
-        if param != "structured_outputs":  # name the field the request used
-            message = message.replace(f"structured_outputs.{kind}", used, 1).replace(
-                "structured_outputs", used, 1
-            )
-        raise invalid_request(message, used if message.startswith(used) else param) from exc
 
 
 def _sampling(
@@ -324,7 +117,7 @@ def _sampling(
     check_stop(body.get("stop"), limits)
     check_logit_bias(body.get("logit_bias"), limits)
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
-    structured_outputs = _structured_outputs(body)
+    structured_outputs = structured_outputs_of(body)
     try:
         sampling = SamplingParams(
             max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
@@ -344,7 +137,7 @@ def _sampling(
 
 
 def _priority(body: dict) -> int:
-    priority = _typed(body, "priority", int, "an integer", 0)
+    priority = typed_field(body, "priority", int, "an integer", 0)
     if abs(priority) > MAX_PRIORITY:
         raise invalid_request(f"priority must be within +-{MAX_PRIORITY}, got {priority}", "priority")
     return priority
@@ -354,9 +147,11 @@ def _common(body: dict, served_models: Collection[str]) -> tuple[str, bool, bool
     """model, stream, stream_options.include_usage: the same on both endpoints."""
     model = _model(body, served_models)
     _refuse_unsupported(body)
-    _typed(body, "user", str, "a string")  # an end-user id OpenAI keeps for abuse reports; here only checked
-    stream = _typed(body, "stream", bool, "a boolean", False)
-    options = _typed(body, "stream_options", dict, "an object", {})
+    typed_field(
+        body, "user", str, "a string"
+    )  # an end-user id OpenAI keeps for abuse reports; here only checked
+    stream = typed_field(body, "stream", bool, "a boolean", False)
+    options = typed_field(body, "stream_options", dict, "an object", {})
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise invalid_request(
@@ -383,22 +178,22 @@ def parse_chat_request(
     check_tools(body.get("tools"), limits)
     messages = parse_messages(body["messages"])
     renamed = {}
-    max_tokens = _typed(body, "max_tokens", int, "an integer")
+    max_tokens = typed_field(body, "max_tokens", int, "an integer")
     if body.get("max_completion_tokens") is not None:
-        max_tokens = _typed(body, "max_completion_tokens", int, "an integer")
+        max_tokens = typed_field(body, "max_completion_tokens", int, "an integer")
         renamed["max_tokens"] = "max_completion_tokens"
     logprobs = None
-    if _typed(body, "logprobs", bool, "a boolean", False):
-        logprobs = _typed(body, "top_logprobs", int, "an integer", 0)
+    if typed_field(body, "logprobs", bool, "a boolean", False):
+        logprobs = typed_field(body, "top_logprobs", int, "an integer", 0)
         renamed["logprobs"] = "top_logprobs"
     elif body.get("top_logprobs") is not None:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if body.get("echo") is not None:
         raise invalid_request("echo is served on /v1/completions only; see prompt_logprobs", "echo")
-    prompt_logprobs = _typed(body, "prompt_logprobs", int, "an integer")
+    prompt_logprobs = typed_field(body, "prompt_logprobs", int, "an integer")
     sampling = _sampling(body, max_tokens, logprobs, renamed, limits, prompt_logprobs)
     tools = parse_tool_calling(body, tool_call_parser)
-    sampling = _constrain_to_call(sampling, tools)
+    sampling = constrain_to_call(sampling, tools)
     field = "tools" if tools is not None and tools.constrained else constraint_field(body)
     check_constraint(sampling.structured_outputs, field, limits)
     return OpenAIRequest(
@@ -415,20 +210,6 @@ def parse_chat_request(
         constraint_field=field,
         priority=_priority(body),
     )
-
-
-def _constrain_to_call(sampling: SamplingParams, tools: ToolCalling | None) -> SamplingParams:
-    """tool_choice "required" or a named function: the output is constrained to one call (gateway/tools.py)."""
-    constraint = tools.constraint() if tools is not None else None
-    if constraint is None:
-        return sampling
-    if sampling.structured_outputs is not None:
-        raise invalid_request(
-            f"tool_choice {tools.function or tools.choice!r} constrains the output to a tool call; it cannot "
-            "also follow response_format or structured_outputs",
-            "tool_choice",
-        )
-    return dataclasses.replace(sampling, structured_outputs=constraint)
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -468,10 +249,10 @@ def parse_completion_request(
         raise invalid_request("prompt is required", "prompt")
     prompt = _prompt(body)
     _refuse_tools(body)
-    max_tokens = _typed(body, "max_tokens", int, "an integer")
-    logprobs = _typed(body, "logprobs", int, "an integer")
-    echo = _typed(body, "echo", bool, "a boolean", False)
-    prompt_logprobs = _typed(body, "prompt_logprobs", int, "an integer")
+    max_tokens = typed_field(body, "max_tokens", int, "an integer")
+    logprobs = typed_field(body, "logprobs", int, "an integer")
+    echo = typed_field(body, "echo", bool, "a boolean", False)
+    prompt_logprobs = typed_field(body, "prompt_logprobs", int, "an integer")
     n = body.get("n")
     if echo and isinstance(n, int) and n > 1 and (logprobs is not None or max_tokens == 0):
         raise invalid_request(

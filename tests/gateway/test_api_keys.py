@@ -4,8 +4,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from gateway.tenants.api_keys import KeyStore, authenticate, deployment_keyed, keys_configured, parse_models
 from shared import redis_keys as keys
-from shared.api_keys import KeyStore, authenticate, deployment_keyed, keys_configured, parse_models
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
 """Who is calling, what they may use and whether their budget allows it: the gateway's side of tenancy.
 
-A request's `Authorization: Bearer <key>` names a key record in Redis (shared.api_keys), which names the
-tenant, its cache salt, its models and its limits. Limits are kept in Redis (gateway.limits), so every gateway
+A request's `Authorization: Bearer <key>` names a key record in Redis (gateway.tenants.api_keys), which names the
+tenant, its cache salt, its models and its limits. Limits are kept in Redis (gateway.tenants.rate_limits), so every gateway
 replica enforces one budget.
 
 Open (every request served as one anonymous tenant) only while this deployment has never had a key, and only
 where the operator allows it: a loopback --host, or --allow-anonymous; never with --require-api-key. It fails
-closed: once keys exist, neither revoking the last one (Redis keeps a marker, shared.api_keys.mark_keyed) nor a
+closed: once keys exist, neither revoking the last one (Redis keeps a marker, gateway.tenants.api_keys.mark_keyed) nor a
 Redis that comes back empty (this process remembers, for its life) opens it again.
 """
 
@@ -22,8 +22,8 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.api_error import APIError
-from gateway.limits import Limiter
-from shared.api_keys import KeyRecord, authenticate, deployment_keyed
+from gateway.tenants.api_keys import KeyRecord, authenticate, deployment_keyed
+from gateway.tenants.rate_limits import Limiter
 
 log = logging.getLogger("kvserve.gateway.tenancy")
 

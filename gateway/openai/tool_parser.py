@@ -22,7 +22,7 @@ import copy
 import uuid
 from dataclasses import dataclass, field
 
-from gateway.tool_call_scan import CallScan, CallText
+from gateway.openai.tool_call_scan import CallScan, CallText
 from shared.growing_text import GrowingText
 
 TOOL_CALL_START = "<tool_call>"

@@ -7,11 +7,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.logprobs import LogprobFormatter, TokenLogprob, logprob_formatter, token_logprob
-from gateway.openai_protocol import Endpoint, OpenAIRequest
-from gateway.output_text import OutputText
-from gateway.sse import sse_data
-from gateway.tool_parser import ToolCallDelta, ToolCallParser
+from gateway.openai.logprobs import LogprobFormatter, TokenLogprob, logprob_formatter, token_logprob
+from gateway.openai.output_text import OutputText
+from gateway.openai.request import Endpoint, OpenAIRequest
+from gateway.openai.sse import sse_data
+from gateway.openai.tool_parser import ToolCallDelta, ToolCallParser
 
 DONE_EVENT = "data: [DONE]\n\n"
 

@@ -1,0 +1,2 @@
+"""Where a request goes and how it gets there: the executor index in Redis, the cost model and router, the backlog
+that holds requests while every executor is full, the ZeroMQ client, and the dispatch that reroutes on loss."""
