@@ -10,7 +10,7 @@ import argparse
 import pytest
 import torch
 
-from kernels.triton_mode import interpret_on_cpu_only_machines
+from tests.triton_interpreter import interpret_on_cpu_only_machines
 
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 
@@ -86,7 +86,7 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_models, fami
 
 
 def test_the_torch_backends_fused_add_norm_is_the_unfused_layer_and_matches_the_twin():
-    from kernels import reference
+    from kernels import torch_twins
 
     torch.manual_seed(0)
     x, residual, weight = torch.randn(7, 64), torch.randn(7, 64), torch.rand(64) + 0.5
@@ -94,6 +94,6 @@ def test_the_torch_backends_fused_add_norm_is_the_unfused_layer_and_matches_the_
     # bit for bit what the layer computed before the add was fused (HF equivalence rests on it)
     assert torch.equal(summed, x + residual)
     assert torch.equal(normed, torch.nn.functional.rms_norm(x + residual, (64,), weight, 1e-6))
-    twin_normed, twin_summed = reference.add_rms_norm(x, residual, weight, 1e-6)
+    twin_normed, twin_summed = torch_twins.add_rms_norm(x, residual, weight, 1e-6)
     assert torch.equal(summed, twin_summed)
     torch.testing.assert_close(normed, twin_normed)

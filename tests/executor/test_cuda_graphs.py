@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.triton_mode import interpret_on_cpu_only_machines
+from tests.triton_interpreter import interpret_on_cpu_only_machines
 
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 
@@ -211,8 +211,8 @@ def test_default_layout_in_bf16_padded_with_an_h200s_splits_gives_the_torch_toke
 ):
     """What an H200 runs first: bf16, the padded decode path at max_model_len 2048, the Triton kernel splitting
     each context as it would over 132 multiprocessors; greedy tokens as the torch backend's."""
+    from bench.triton_compile_check import H200_SMS
     from kernels import triton_attention
-    from kernels.triton_compile_check import H200_SMS
 
     splits = []
     choose = triton_attention.choose_num_splits
