@@ -23,28 +23,28 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 def test_auto_picks_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     monkeypatch.setattr(backend, "interpreting", lambda: False)
-    assert backend.choose_attention_backend("auto", CPU).name == "torch"
-    assert backend.choose_attention_backend("auto", CUDA).name == "triton"
-    assert backend.choose_attention_backend("torch", CUDA).name == "torch"
+    assert backend.choose_kernels("auto", CPU).name == "torch"
+    assert backend.choose_kernels("auto", CUDA).name == "triton"
+    assert backend.choose_kernels("torch", CUDA).name == "torch"
     monkeypatch.setattr(backend, "triton_available", lambda: False)
-    assert backend.choose_attention_backend("auto", CUDA).name == "torch"
+    assert backend.choose_kernels("auto", CUDA).name == "torch"
 
 
 def test_auto_never_picks_the_interpreter(monkeypatch):
     monkeypatch.setattr(backend, "interpreting", lambda: True)
-    assert backend.choose_attention_backend("auto", CUDA).name == "torch"
+    assert backend.choose_kernels("auto", CUDA).name == "torch"
 
 
 def test_triton_on_cpu_without_the_interpreter_names_the_flag(monkeypatch):
     monkeypatch.setattr(backend, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="--attention-backend triton: Triton kernels run on CUDA devices"):
-        backend.choose_attention_backend("triton", CPU)
+        backend.choose_kernels("triton", CPU)
 
 
 def test_triton_without_the_package_names_the_flag(monkeypatch):
     monkeypatch.setattr(backend, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="--attention-backend triton: the triton package is not installed"):
-        backend.choose_attention_backend("triton", CUDA)
+        backend.choose_kernels("triton", CUDA)
 
 
 def test_flag_parses_round_trips_and_rejects_unknown_names():
@@ -79,7 +79,7 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_models, fami
             kv_cache_memory="8MiB",
             max_num_batched_tokens=16,
         )
-        assert llm.engine.attention.name == name
+        assert llm.engine.kernels.name == name
         outputs[name] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert all(len(tokens) == 5 for tokens in outputs["triton"])
     assert outputs["triton"] == outputs["torch"]
