@@ -20,6 +20,11 @@ def kv_block_bytes(spec: DecoderSpec, block_size: int, dtype: torch.dtype) -> in
     return math.prod(kv_cache_shape(spec, 1, block_size)) * dtype.itemsize
 
 
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Each source block's K and V, every layer, into its destination block."""
+    kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+
 def layer_caches(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (key cache, value cache): views into the one tensor."""
     return [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]

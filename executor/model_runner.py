@@ -13,7 +13,7 @@ import torch
 
 from executor.cuda_graphs import DecodeGraphs, DecodeRow, capture_sizes
 from executor.kv_cache_manager import KVCacheManager
-from executor.kv_layout import kv_cache_shape, layer_caches
+from executor.kv_layout import copy_blocks, kv_cache_shape, layer_caches
 from executor.models.llama import AttentionBatch, DecoderLM
 from executor.request import Request
 
@@ -114,7 +114,7 @@ class ModelRunner:
         """Copy-on-write: each (source, destination) block's KV, every layer, K and V."""
         if copies:
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies, strict=True))
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            copy_blocks(self.kv_cache, src, dst)
 
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager) -> StepLogits:
         """One step of the scheduler's work; a request whose tokens all have KV after it gets logits at its last

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from executor import LLM, SamplingParams
+from executor.kv_layout import kv_block_bytes
 from executor.kv_sizing import kv_cache_bytes, profile_kv_bytes, worst_sampling_params
 from shared.engine_config import EngineConfig
 from shared.sampling_params import MAX_PROMPT_LOGPROBS
@@ -116,7 +117,7 @@ def _profile(llm: LLM, live: LiveBytes, **config) -> tuple[int, FakeCudaMemory, 
         **{"max_num_batched_tokens": 512, "max_num_seqs": 16, "gpu_memory_utilization": 0.5, **config}
     )
     spec = model.spec
-    scratch = spec.num_layers * 2 * 512 * spec.num_kv_heads * spec.head_dim * 4
+    scratch = kv_block_bytes(spec, config.block_size, torch.float32) * (512 // config.block_size)
     with live:
         budget = profile_kv_bytes(config, model, torch.device("cpu"), torch.float32, memory)
     return budget, memory, scratch
