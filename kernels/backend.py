@@ -20,6 +20,8 @@ from kernels.triton_mode import interpreting, triton_available
 
 @dataclass(frozen=True, slots=True)
 class Kernels:
+    """The functions a model calls for one --attention-backend, and how they ready a built model."""
+
     name: str
     # attention over the paged KV cache
     paged_attention: Callable[..., torch.Tensor]
@@ -51,7 +53,7 @@ TORCH = Kernels(
     layer_ops.rotary_embedding,
     layer_ops.add_rms_norm,
     layer_ops.silu_and_mul,
-    torch_paged.prepare,
+    torch_paged.build,
 )
 
 

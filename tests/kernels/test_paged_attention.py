@@ -133,7 +133,7 @@ def test_decode_groups_cover_every_row_once_with_little_padding():
 def test_the_torch_backend_builds_the_cpu_kernels_before_serving(monkeypatch):
     built = []
     monkeypatch.setattr(torch_paged, "cpu_kernels", lambda: built.append(True))
-    torch_paged.prepare(torch.device("cpu"), torch.bfloat16)  # not a dtype the kernel serves
+    torch_paged.build(torch.device("cpu"), torch.bfloat16)  # not a dtype the kernel serves
     assert built == []
-    torch_paged.prepare(torch.device("cpu"), torch.float32)
+    torch_paged.build(torch.device("cpu"), torch.float32)
     assert built == [True]
