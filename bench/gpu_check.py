@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench import gpu_e2e, gpu_report
-from kernels import reference
+from kernels import torch_twins
 
 # peak memory bandwidth in GB/s by device name; the first entry whose key the name contains wins, so the
 # more specific names come first
@@ -238,28 +238,28 @@ def _kernel_error(kernel: str, case: tuple | None, dtype: torch.dtype, device: s
         args = paged_batch(q_lens, lens, heads, kv_heads, dim, bs, dtype, device)
         got = triton_attention.paged_attention(*args, scale=dim**-0.5, num_kv_splits=splits)
         # the twin builds its masks on the CPU
-        return _max_error(got, reference.paged_attention(*(a.cpu() for a in args), scale=dim**-0.5))
+        return _max_error(got, torch_twins.paged_attention(*(a.cpu() for a in args), scale=dim**-0.5))
     if kernel == "reshape_and_cache":
         key = torch.randn(40, 3, 64, device=device).to(dtype)
         caches = [torch.zeros(8, 16, 3, 64, dtype=dtype, device=device) for _ in range(4)]
         slots = torch.randperm(128, device=device)[:40]
         triton_cache.reshape_and_cache(key, key * 2, caches[0], caches[1], slots)
-        reference.reshape_and_cache(key, key * 2, caches[2], caches[3], slots)
+        torch_twins.reshape_and_cache(key, key * 2, caches[2], caches[3], slots)
         return max(_max_error(caches[0], caches[2]), _max_error(caches[1], caches[3]))
     x, residual = (torch.randn(33, 576, device=device).to(dtype) for _ in range(2))
     weight = torch.randn(576, device=device).to(dtype)
     if kernel == "rms_norm":
-        return _max_error(triton_norm_rope.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+        return _max_error(triton_norm_rope.rms_norm(x, weight, 1e-5), torch_twins.rms_norm(x, weight, 1e-5))
     if kernel == "add_rms_norm":
         got = triton_norm_rope.add_rms_norm(x, residual, weight, 1e-5)
-        expected = reference.add_rms_norm(x, residual, weight, 1e-5)
+        expected = torch_twins.add_rms_norm(x, residual, weight, 1e-5)
         return max(_max_error(a, b) for a, b in zip(got, expected, strict=True))
     angles = torch.randn(33, 32, device=device).repeat(1, 2) * 100
     q = torch.randn(33, 9, 64, device=device).to(dtype)
     k = torch.randn(33, 3, 64, device=device).to(dtype)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     got = triton_norm_rope.rotary_embedding(q, k, cos, sin)
-    expected = reference.rotary_embedding(q, k, cos, sin)
+    expected = torch_twins.rotary_embedding(q, k, cos, sin)
     return max(_max_error(a, b) for a, b in zip(got, expected, strict=True))
 
 

@@ -179,7 +179,7 @@ def _profiled_row(args: argparse.Namespace, clock: EngineClock) -> dict:
     params = SamplingParams(max_tokens=args.e2e_output_len, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     return {
-        "backend": llm.engine.attention.name,
+        "backend": llm.engine.kernels.name,
         "cuda_graphs": llm.engine.runner.decode_graphs is not None,
         "engine_start_s": round(clock.last_build_s, 1),
         "kv_blocks": llm.engine.pool.num_blocks,

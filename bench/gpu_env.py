@@ -32,7 +32,7 @@ MODULES = (
     "kernels.triton_cache",
     "kernels.triton_norm_rope",
     "kernels.torch_paged",
-    "kernels.reference",
+    "kernels.torch_twins",
     "bench.gpu_model",
     "bench.gpu_check",
     "bench.gpu_e2e",

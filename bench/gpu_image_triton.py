@@ -1,6 +1,6 @@
 """The GPU image's Triton, installed beside the venv so that the compile check runs against it too.
 
-kernels.triton_compile_check compiles every kernel launch for sm_90 on a machine without a GPU, with the Triton
+bench.triton_compile_check compiles every kernel launch for sm_90 on a machine without a GPU, with the Triton
 it imports. The venv's Triton is newer than the image's (bench/gpu_image.py's IMAGE_VERSIONS), and a kernel
 one compiler accepts another may reject, so the image's version lives in .cache/ (ignored by git; `make test`
 installs it) and the check runs a second time with that directory first on PYTHONPATH. torch stays the venv's:

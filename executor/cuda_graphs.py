@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.models import AttentionBatch, DecoderLM
-from kernels.backend import AttentionBackend
+from executor.models.llama import AttentionBatch, DecoderLM
 
 log = logging.getLogger("kvserve.engine")
 
@@ -59,14 +58,13 @@ class DecodeGraphs:
         self,
         model: DecoderLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attention: AttentionBackend,
         block_size: int,
         max_blocks_per_seq: int,
         sizes: list[int],
         device: torch.device,
         capture: bool,
     ) -> None:
-        self.model, self.kv_caches, self.attention = model, kv_caches, attention
+        self.model, self.kv_caches = model, kv_caches
         self.block_size = block_size
         self.sizes = sorted(sizes)
         self.capture_graphs = capture
@@ -93,7 +91,6 @@ class DecodeGraphs:
             block_table=self.block_table[:size],
             seq_lens=lens.to(torch.int32),
             query_start_loc=self.query_start_loc[: size + 1],
-            attention=self.attention,
         )
         return self.model(ids, positions, self.kv_caches, batch)
 

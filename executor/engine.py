@@ -30,7 +30,7 @@ from executor.scheduler import NewTokens, SchedulerOutput
 from executor.spec_decode import SpecBackoff, verify
 from executor.structured_output import Grammars, RequestGrammar, step_bitmask
 from executor.waiting_queue import TENANTS_SHARE
-from kernels.backend import choose_attention_backend
+from kernels.backend import choose_kernels
 from shared.block_hash import hash_blocks
 from shared.engine_config import EngineConfig
 from shared.protocol import MAX_TENANT_WEIGHT
@@ -72,22 +72,20 @@ class Engine:
             config, max_num_batched_tokens=config.batched_tokens_for(self.device.type)
         )
         self.config = config
-        self.attention = choose_attention_backend(config.attention_backend, self.device)
-        models = load_models(config, self.device, self.dtype)
+        self.kernels = choose_kernels(config.attention_backend, self.device)
+        models = load_models(config, self.device, self.dtype, self.kernels)
         self.model_path, self.tokenizer = models.path, models.tokenizer
         self.eos_token_ids, self.vocab_size = models.eos_token_ids, models.vocab_size
         self.max_model_len = models.max_model_len
         self.block_size = config.block_size
-        num_blocks, block_bytes = num_kv_blocks(config, models, self.device, self.dtype, self.attention)
+        num_blocks, block_bytes = num_kv_blocks(config, models, self.device, self.dtype)
         self.scheduler = build_scheduler(config, num_blocks, self.max_model_len, self.device)
         self.kv, self.pool = self.scheduler.kv, self.scheduler.kv.pool
         self.kv_block_seconds = KVBlockSeconds(self.kv)  # each request's, for its tenant's bill
         self.runner = build_runner(
-            config, models.target, num_blocks, self.max_model_len, self.device, self.dtype, self.attention
+            config, models.target, num_blocks, self.max_model_len, self.device, self.dtype
         )
-        self.ngram, self.draft = build_proposers(
-            config, models.draft, num_blocks, self.device, self.dtype, self.attention
-        )
+        self.ngram, self.draft = build_proposers(config, models.draft, num_blocks, self.device, self.dtype)
         self.backoff = SpecBackoff(config.speculative_disable_by_batch_size)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}  # unfinished, by their own id (a choice's, for n > 1)

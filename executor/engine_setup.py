@@ -12,14 +12,16 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from executor.block_pool import BlockPool
 from executor.kv_cache_manager import KVCacheManager
+from executor.kv_layout import kv_block_bytes
 from executor.kv_sizing import kv_cache_bytes
 from executor.model_files import load_weights, read_config, resolve_model
 from executor.model_runner import ModelRunner
-from executor.models import DecoderLM, build_model, decoder_spec
+from executor.models.llama import DecoderLM
+from executor.models.loader import build_model, decoder_spec
 from executor.scheduler import Scheduler
 from executor.spec_decode import NgramProposer
 from executor.spec_decode.draft import DraftProposer, load_draft_model
-from kernels.backend import AttentionBackend
+from kernels.backend import Kernels
 from shared.engine_config import EngineConfig
 
 log = logging.getLogger("kvserve.engine")
@@ -40,7 +42,8 @@ class Models:
     draft: DecoderLM | None
 
 
-def load_models(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Models:
+def load_models(config: EngineConfig, device: torch.device, dtype: torch.dtype, kernels: Kernels) -> Models:
+    """The target (and draft) built with the kernels that will serve them."""
     path = resolve_model(config.model)
     hf_config = read_config(path)
     spec = decoder_spec(hf_config)
@@ -48,28 +51,24 @@ def load_models(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     eos_token_ids = _eos_token_ids(hf_config, path, tokenizer)
     max_model_len = _max_model_len(config.max_model_len, spec)
     torch.manual_seed(config.seed)
-    target = build_model(spec, load_weights(path), dtype, device)
+    target = build_model(spec, load_weights(path), dtype, device, kernels)
     draft = None
     if config.speculative_model not in (None, NGRAM):
         draft = load_draft_model(
-            config.speculative_model, tokenizer, spec.vocab_size, max_model_len, dtype, device
+            config.speculative_model, tokenizer, spec.vocab_size, max_model_len, dtype, device, kernels
         )
     return Models(path, tokenizer, eos_token_ids, spec.vocab_size, max_model_len, target, draft)
 
 
 def num_kv_blocks(
-    config: EngineConfig,
-    models: Models,
-    device: torch.device,
-    dtype: torch.dtype,
-    attention: AttentionBackend,
+    config: EngineConfig, models: Models, device: torch.device, dtype: torch.dtype
 ) -> tuple[int, int]:
     """How many KV blocks the memory holds, and the bytes of one; a draft's blocks mirror the target's, so
     each block costs both."""
     block_bytes = sum(
-        ModelRunner.bytes_per_block(m, config.block_size, dtype) for m in (models.target, models.draft) if m
+        kv_block_bytes(m.spec, config.block_size, dtype) for m in (models.target, models.draft) if m
     )
-    num_blocks = kv_cache_bytes(config, models.target, device, dtype, attention) // block_bytes
+    num_blocks = kv_cache_bytes(config, models.target, device, dtype) // block_bytes
     if num_blocks < 1:
         raise ValueError("kv_cache_memory: too small for even one KV block")
     return num_blocks, block_bytes
@@ -105,16 +104,14 @@ def build_runner(
     max_model_len: int,
     device: torch.device,
     dtype: torch.dtype,
-    attention: AttentionBackend,
 ) -> ModelRunner:
-    """The target's runner, its attention kernels ready, with CUDA graphs for decodes where they can run."""
-    runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, attention)
-    attention.prepare(device, dtype)
+    """The target's runner, with CUDA graphs for decodes where its kernels can be captured."""
+    runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
     if device.type == "cuda" and not config.enforce_eager:
-        if attention.graph_safe:
+        if model.kernels.graph_safe:
             runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
         else:
-            log.info("no CUDA graphs: the %s attention backend cannot be captured", attention.name)
+            log.info("no CUDA graphs: the %s attention backend cannot be captured", model.kernels.name)
     return runner
 
 
@@ -124,13 +121,12 @@ def build_proposers(
     num_blocks: int,
     device: torch.device,
     dtype: torch.dtype,
-    attention: AttentionBackend,
 ) -> tuple[NgramProposer | None, DraftProposer | None]:
     """Speculative decoding's proposer, n-gram lookup or a draft model: at most one of the two."""
     if config.speculative_model == NGRAM:
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), None
     if draft_model is not None:
-        return None, DraftProposer(draft_model, num_blocks, config.block_size, device, dtype, attention)
+        return None, DraftProposer(draft_model, num_blocks, config.block_size, device, dtype)
     return None, None
 
 

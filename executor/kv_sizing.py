@@ -7,11 +7,11 @@ import logging
 
 import torch
 
+from executor.kv_layout import kv_cache_shape, layer_caches
 from executor.model_runner import PROMPT_LOGITS_ROWS
-from executor.models import AttentionBatch, DecoderLM
+from executor.models.llama import AttentionBatch, DecoderLM
 from executor.sampler import Sampler, SamplingRow, logprobs_of
 from executor.sampling_state import SamplingState
-from kernels.backend import AttentionBackend
 from shared.engine_config import EngineConfig
 from shared.sampling_params import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS, SamplingParams
 
@@ -31,18 +31,12 @@ def pick_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.
     return dev, getattr(torch, dtype)
 
 
-def kv_cache_bytes(
-    config: EngineConfig,
-    model: DecoderLM,
-    device: torch.device,
-    dtype: torch.dtype,
-    attention: AttentionBackend,
-) -> int:
+def kv_cache_bytes(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype) -> int:
     if config.kv_cache_memory is not None:
         return int(config.kv_cache_memory)
     if device.type != "cuda":
         return CPU_DEFAULT_KV_BYTES
-    return profile_kv_bytes(config, model, device, dtype, attention, torch.cuda)
+    return profile_kv_bytes(config, model, device, dtype, torch.cuda)
 
 
 def worst_sampling_params(vocab_size: int) -> SamplingParams:
@@ -67,11 +61,10 @@ def profile_kv_bytes(
     model: DecoderLM,
     device: torch.device,
     dtype: torch.dtype,
-    attention: AttentionBackend,
     memory,
 ) -> int:
     """gpu_memory_utilization x device memory, minus what others hold, weights and the peak of the worst step,
-    run with the kernels that will serve (their scratch memory differs). memory is torch.cuda (a stand-in in
+    run with the model's kernels, which will serve (their scratch memory differs). memory is torch.cuda (a stand-in in
     tests): mem_get_info, memory_reserved, max_memory_allocated and their resets.
 
     The worst step: a full token budget through the model, then every logits row a step can hold at once:
@@ -85,17 +78,14 @@ def profile_kv_bytes(
     n = config.max_num_batched_tokens
     bs = config.block_size
     num_blocks = -(-n // bs)
-    scratch = torch.zeros(
-        (spec.num_layers, 2, num_blocks, bs, spec.num_kv_heads, spec.head_dim), dtype=dtype, device=device
-    )
-    caches = [(scratch[i, 0], scratch[i, 1]) for i in range(spec.num_layers)]
+    scratch = torch.zeros(kv_cache_shape(spec, num_blocks, bs), dtype=dtype, device=device)
+    caches = layer_caches(scratch)
     positions = torch.arange(n, device=device)
     batch = AttentionBatch(
         slot_mapping=positions,
         block_table=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
         seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        attention=attention,
     )
     input_ids = torch.zeros(n, dtype=torch.int64, device=device)
     hidden = model(input_ids, positions, caches, batch)

@@ -13,9 +13,9 @@ import torch
 
 from executor.cuda_graphs import DecodeGraphs, DecodeRow, capture_sizes
 from executor.kv_cache_manager import KVCacheManager
-from executor.models import AttentionBatch, DecoderLM
+from executor.kv_layout import copy_blocks, kv_cache_shape, layer_caches
+from executor.models.llama import AttentionBatch, DecoderLM
 from executor.request import Request
-from kernels.backend import TORCH, AttentionBackend
 
 # prompt logprobs: logits are computed (and scored) for this many prompt positions at a time, so that a step's
 # logits never exceed max(this, its sampled rows) x vocabulary; every position at once would be a step's whole
@@ -76,35 +76,32 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
-        attention: AttentionBackend = TORCH,
     ):
-        spec = model.spec
         self.model = model
-        self.attention = attention
         self.block_size = block_size
         self.device = device
-        # every layer's K and V in one tensor. It starts as zeros: attention reads a partly filled block's
-        # unwritten slots (masked, but NaN * 0 is NaN); a block used before holds finite values
-        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # zeros: attention reads a partly filled block's unwritten slots (masked, but NaN * 0 is NaN); a block
+        # used before holds finite values
+        shape = kv_cache_shape(model.spec, num_blocks, block_size)
         if device.type == "cuda":
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         else:
             self.kv_cache = host_zeros(shape, dtype)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
+        self.kv_caches = layer_caches(self.kv_cache)
         self.decode_graphs: DecodeGraphs | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Decode-only steps from now on run padded to a captured batch size (executor/cuda_graphs.py);
         capture=False runs that padded forward eagerly instead."""
-        if capture and not self.attention.graph_safe:
+        kernels = self.model.kernels
+        if capture and not kernels.graph_safe:
             raise ValueError(
-                f"CUDA graphs: the {self.attention.name} attention backend reads lengths back to the host "
+                f"CUDA graphs: the {kernels.name} attention backend reads lengths back to the host "
                 "and cannot be captured; use --attention-backend triton or --enforce-eager"
             )
         self.decode_graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
-            self.attention,
             self.block_size,
             -(-max_model_len // self.block_size),
             capture_sizes(max_num_seqs),
@@ -113,16 +110,11 @@ class ModelRunner:
         )
         self.decode_graphs.capture()
 
-    @staticmethod
-    def bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
-        spec = model.spec
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) block's KV, every layer, K and V."""
         if copies:
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies, strict=True))
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            copy_blocks(self.kv_cache, src, dst)
 
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager) -> StepLogits:
         """One step of the scheduler's work; a request whose tokens all have KV after it gets logits at its last
@@ -222,7 +214,6 @@ class ModelRunner:
             block_table=torch.from_numpy(table).to(dev),
             seq_lens=torch.from_numpy((starts + lengths).astype(np.int32)).to(dev),
             query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
-            attention=self.attention,
         )
         input_ids = torch.from_numpy(ids).to(dev)
         rows = torch.from_numpy(wanted).to(dev)

@@ -1,9 +1,4 @@
-"""Attention kernels over the paged KV cache; kernels.reference holds the torch twins that define them.
-
-paged_attention / reshape_and_cache here are the torch path (CPU, or CUDA without Triton); the Triton kernels
-live in kernels/triton_*.py, and kernels.backend picks between the two for --attention-backend.
-"""
-
-from kernels.torch_paged import paged_attention, reshape_and_cache
-
-__all__ = ["paged_attention", "reshape_and_cache"]
+"""The kernels a model is built with (kernels/backend.py chooses them for --attention-backend): paged attention and
+cache writes over the paged KV cache (torch_paged.py on the CPU or without Triton, triton_*.py on CUDA), the
+per-layer operations (layer_ops.py, triton_norm_rope.py), packed linear weights on the CPU (cpu_linear.py), and
+the torch twins that define what each computes (torch_twins.py)."""

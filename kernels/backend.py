@@ -1,8 +1,8 @@
-"""The --attention-backend choice: which kernels the model calls for paged attention, cache writes, rotary
-embedding and the fused residual add + RMSNorm.
+"""The --attention-backend choice: the kernels a model is built with, for attention over the paged KV cache and
+for the per-layer operations around it (rotary embedding, the residual add fused with RMSNorm, SiLU and multiply).
 
-auto picks Triton on CUDA and torch elsewhere; the engine code path is the same either way, only these
-functions differ.
+auto picks Triton on CUDA and torch elsewhere; the model's code is the same either way, only these functions
+differ.
 """
 
 from __future__ import annotations
@@ -11,43 +11,56 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from kernels import layer_ops, torch_paged
+from kernels.cpu_linear import pack_linears, packing_available
 from kernels.triton_mode import interpreting, triton_available
 
 
 @dataclass(frozen=True, slots=True)
-class AttentionBackend:
+class Kernels:
+    """The functions a model calls for one --attention-backend, and how they ready a built model."""
+
     name: str
+    # attention over the paged KV cache
     paged_attention: Callable[..., torch.Tensor]
     reshape_and_cache: Callable[..., None]
+    # the per-layer operations
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (rms_norm(x + residual), x + residual): the residual stream's add fused with the norm that follows it
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # [T, 2I] (gate, then up) -> silu(gate) * up
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    # (device, dtype): build what the kernels build on first use now, before the executor serves
-    prepare: Callable[[torch.device, torch.dtype], None]
+    # (device, dtype): build what the kernels build on first use
+    build: Callable[[torch.device, torch.dtype], None]
     # every kernel sizes its launch from shapes alone, with no read back to the host: CUDA graphs can hold it
     graph_safe: bool = False
 
+    def prepare(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        """Ready a built model for serving: the kernels built now rather than at the first request, and its linear
+        weights packed once where a packed GEMM serves (float32 on the CPU, kernels/cpu_linear.py)."""
+        self.build(device, dtype)
+        if packing_available(device, dtype):
+            pack_linears(model)
+
 
 # On the CPU in float32 these run as C++ kernels (kernels/layer_ops.py, torch_paged.py); elsewhere as torch ops.
-TORCH = AttentionBackend(
+TORCH = Kernels(
     "torch",
     torch_paged.paged_attention,
     torch_paged.reshape_and_cache,
     layer_ops.rotary_embedding,
     layer_ops.add_rms_norm,
     layer_ops.silu_and_mul,
-    torch_paged.prepare,
+    torch_paged.build,
 )
 
 
-def _triton() -> AttentionBackend:
+def _triton() -> Kernels:
     from kernels import triton_attention, triton_cache, triton_norm_rope
 
-    return AttentionBackend(
+    return Kernels(
         "triton",
         triton_attention.paged_attention,
         triton_cache.reshape_and_cache,
@@ -61,8 +74,9 @@ def _triton() -> AttentionBackend:
     )
 
 
-def choose_attention_backend(choice: str, device: torch.device) -> AttentionBackend:
-    """Raises ValueError naming the flag when Triton is asked for where it cannot run."""
+def choose_kernels(choice: str, device: torch.device) -> Kernels:
+    """The kernels for --attention-backend; raises ValueError naming the flag when Triton is asked for where it
+    cannot run."""
     if choice == "auto":
         # the interpreter is for tests: auto never picks it
         choice = "triton" if device.type == "cuda" and triton_available() and not interpreting() else "torch"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import torch_twins
 from kernels.cpu_extension import cpu_kernels
 
 
@@ -35,7 +35,7 @@ def rotary_embedding(
     if ops is not None and key.dtype == torch.float32 and cos.dtype == torch.float32:
         ops.rotary_embedding_(query, key, cos.contiguous(), sin.contiguous())
         return query, key
-    return reference.rotary_embedding(query, key, cos, sin)
+    return torch_twins.rotary_embedding(query, key, cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

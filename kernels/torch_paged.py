@@ -23,7 +23,7 @@ def _uses_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
-def prepare(device: torch.device, dtype: torch.dtype) -> None:
+def build(device: torch.device, dtype: torch.dtype) -> None:
     """Build the C++ CPU kernels now if this device and dtype will call them: their first build takes about a
     minute, which belongs to the executor's start, not to the first request."""
     if _uses_cpu_kernels(device, dtype):

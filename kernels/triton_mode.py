@@ -1,4 +1,4 @@
-"""Whether Triton compiles for the GPU or interprets on the CPU, and how the interpreter gets chosen.
+"""Whether Triton compiles for the GPU or interprets on the CPU.
 
 Triton decides once per process: `@triton.jit` reads TRITON_INTERPRET when it decorates a function, and the
 jit helpers inside triton.language itself (tl.sum, tl.max, tl.cdiv) are decorated when triton is first
@@ -25,20 +25,6 @@ def interpreting() -> bool:
 
         return isinstance(standard.sum, InterpretedFunction)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def interpret_on_cpu_only_machines(cuda_available: bool) -> bool:
-    """For tests: where no CUDA device exists, switch the interpreter on before triton is imported.
-
-    Returns whether this process interprets. Raises if it should but triton was already imported compiled."""
-    if not cuda_available and "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
-    if not cuda_available and not interpreting():
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 could be set; run with TRITON_INTERPRET=1 in the "
-            "environment"
-        )
-    return interpreting()
 
 
 def check_device(tensor, caller: str) -> None:

@@ -1,7 +1,7 @@
 """RMSNorm (optionally fused with the residual add) and rotary embedding in Triton, one program per token.
 
 Both are memory-bound elementwise work between matmuls; on a GPU each saves round trips through memory that
-the torch forms make (the add, the fp32 upcast, the rotate-half copy). Twins: kernels.reference.
+the torch forms make (the add, the fp32 upcast, the rotate-half copy). Twins: kernels.torch_twins.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The Llama family as one decoder: Llama (with Llama 3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 Weights keep HuggingFace's names, except that q/k/v and gate/up projections are stacked into one GEMM each
-(qkv_proj, gate_up_proj; FUSED_PROJECTIONS says how a checkpoint's tensors map onto them). Attention reads and
-writes the paged KV cache through the paged_attention / reshape_and_cache of the batch's attention backend, which
-also supplies the per-layer kernels (fused residual add + RMSNorm, rotary embedding, SiLU and multiply).
+(qkv_proj, gate_up_proj; FUSED_PROJECTIONS says how a checkpoint's tensors map onto them). The model is built with
+its kernels (kernels/backend.py): attention reads and writes the paged KV cache through their paged_attention /
+reshape_and_cache, and the layers call their fused residual add + RMSNorm, rotary embedding, SiLU and multiply.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.backend import TORCH, AttentionBackend
+from kernels.backend import Kernels
 
 
 @dataclass(slots=True)
@@ -26,7 +26,6 @@ class AttentionBatch:
     block_table: torch.Tensor  # [S, M] int32
     seq_lens: torch.Tensor  # [S] int32, context length after this step
     query_start_loc: torch.Tensor  # [S+1] int32
-    attention: AttentionBackend = TORCH  # the kernels that write and read the cache (--attention-backend)
 
 
 @dataclass(slots=True)
@@ -89,8 +88,9 @@ def rope_inv_freq(spec: DecoderSpec) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         # q, k and v in one GEMM (HF's q_proj, k_proj, v_proj stacked at load time): one pass over the input
@@ -117,33 +117,35 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = batch.attention.rotary_embedding(q, k, cos, sin)
+        q, k = self.kernels.rotary_embedding(q, k, cos, sin)
         key_cache, value_cache = kv_cache
-        batch.attention.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
-        o = batch.attention.paged_attention(
+        self.kernels.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        o = self.kernels.paged_attention(
             q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, self.scale
         )
         return self.o_proj(o.reshape(t, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         # gate and up in one GEMM (HF's gate_proj and up_proj stacked at load time)
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, kernels: AttentionBackend) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, kernels)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, kv_cache, batch: AttentionBatch
@@ -151,34 +153,33 @@ class DecoderLayer(nn.Module):
         """x: what the layer before added to the residual stream (the first layer: the embeddings, with no
         residual yet). Returns this layer's addition and the stream before it, so that each add is fused with
         the norm that follows it: residual + attn(norm(residual)), then + mlp(norm(...)), as HF computes."""
-        kernels = batch.attention
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = kernels.add_rms_norm(
+            h, residual = self.kernels.add_rms_norm(
                 x, residual, self.input_layernorm.weight, self.input_layernorm.eps
             )
         h = self.self_attn(h, cos, sin, kv_cache, batch)
         norm = self.post_attention_layernorm
-        h, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.mlp(h, kernels), residual
+        h, residual = self.kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, kernels) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class DecoderLM(nn.Module):
     """Token ids and positions of a flattened batch in, final hidden states out; logits only where asked."""
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
         super().__init__()
-        self.spec = spec
-        self.model = Backbone(spec)
+        self.spec, self.kernels = spec, kernels
+        self.model = Backbone(spec, kernels)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -200,7 +201,7 @@ class DecoderLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, batch)
         norm = self.model.norm
-        return batch.attention.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+        return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -17,14 +17,21 @@ from transformers import AutoTokenizer
 from executor.kv_cache_manager import KVCacheManager
 from executor.model_files import load_weights, read_config, resolve_model
 from executor.model_runner import Chunk, ModelRunner
-from executor.models import DecoderLM, build_model, decoder_spec
+from executor.models.llama import DecoderLM
+from executor.models.loader import build_model, decoder_spec
 from executor.request import Request
 from executor.sampler import draw, sampling_probs
-from kernels.backend import AttentionBackend
+from kernels.backend import Kernels
 
 
 def load_draft_model(
-    path: str, target_tokenizer, target_vocab_size: int, max_model_len: int, dtype: torch.dtype, device
+    path: str,
+    target_tokenizer,
+    target_vocab_size: int,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device,
+    kernels: Kernels,
 ) -> DecoderLM:
     """The draft's weights, after checking it can serve as a draft at all: same vocabulary, long enough."""
     if not Path(path).expanduser().exists():
@@ -46,14 +53,12 @@ def load_draft_model(
         raise ValueError(
             f"speculative_model: the draft's context length {limit} is shorter than max_model_len {max_model_len}"
         )
-    return build_model(spec, load_weights(model_path), dtype, device)
+    return build_model(spec, load_weights(model_path), dtype, device, kernels)
 
 
 class DraftProposer:
-    def __init__(
-        self, model: DecoderLM, num_blocks: int, block_size: int, device, dtype, attention: AttentionBackend
-    ) -> None:
-        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype, attention)
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, device, dtype) -> None:
+        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype)
         self.vocab_size = model.spec.vocab_size
 
     def propose(self, work: list[tuple[Request, int]], kv: KVCacheManager) -> None:

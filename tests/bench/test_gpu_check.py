@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kernels.triton_mode import interpret_on_cpu_only_machines
+from tests.triton_interpreter import interpret_on_cpu_only_machines
 
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 

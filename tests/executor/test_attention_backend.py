@@ -10,7 +10,7 @@ import argparse
 import pytest
 import torch
 
-from kernels.triton_mode import interpret_on_cpu_only_machines
+from tests.triton_interpreter import interpret_on_cpu_only_machines
 
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 
@@ -23,28 +23,28 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 def test_auto_picks_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     monkeypatch.setattr(backend, "interpreting", lambda: False)
-    assert backend.choose_attention_backend("auto", CPU).name == "torch"
-    assert backend.choose_attention_backend("auto", CUDA).name == "triton"
-    assert backend.choose_attention_backend("torch", CUDA).name == "torch"
+    assert backend.choose_kernels("auto", CPU).name == "torch"
+    assert backend.choose_kernels("auto", CUDA).name == "triton"
+    assert backend.choose_kernels("torch", CUDA).name == "torch"
     monkeypatch.setattr(backend, "triton_available", lambda: False)
-    assert backend.choose_attention_backend("auto", CUDA).name == "torch"
+    assert backend.choose_kernels("auto", CUDA).name == "torch"
 
 
 def test_auto_never_picks_the_interpreter(monkeypatch):
     monkeypatch.setattr(backend, "interpreting", lambda: True)
-    assert backend.choose_attention_backend("auto", CUDA).name == "torch"
+    assert backend.choose_kernels("auto", CUDA).name == "torch"
 
 
 def test_triton_on_cpu_without_the_interpreter_names_the_flag(monkeypatch):
     monkeypatch.setattr(backend, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="--attention-backend triton: Triton kernels run on CUDA devices"):
-        backend.choose_attention_backend("triton", CPU)
+        backend.choose_kernels("triton", CPU)
 
 
 def test_triton_without_the_package_names_the_flag(monkeypatch):
     monkeypatch.setattr(backend, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="--attention-backend triton: the triton package is not installed"):
-        backend.choose_attention_backend("triton", CUDA)
+        backend.choose_kernels("triton", CUDA)
 
 
 def test_flag_parses_round_trips_and_rejects_unknown_names():
@@ -79,14 +79,14 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_models, fami
             kv_cache_memory="8MiB",
             max_num_batched_tokens=16,
         )
-        assert llm.engine.attention.name == name
+        assert llm.engine.kernels.name == name
         outputs[name] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert all(len(tokens) == 5 for tokens in outputs["triton"])
     assert outputs["triton"] == outputs["torch"]
 
 
 def test_the_torch_backends_fused_add_norm_is_the_unfused_layer_and_matches_the_twin():
-    from kernels import reference
+    from kernels import torch_twins
 
     torch.manual_seed(0)
     x, residual, weight = torch.randn(7, 64), torch.randn(7, 64), torch.rand(64) + 0.5
@@ -94,6 +94,6 @@ def test_the_torch_backends_fused_add_norm_is_the_unfused_layer_and_matches_the_
     # bit for bit what the layer computed before the add was fused (HF equivalence rests on it)
     assert torch.equal(summed, x + residual)
     assert torch.equal(normed, torch.nn.functional.rms_norm(x + residual, (64,), weight, 1e-6))
-    twin_normed, twin_summed = reference.add_rms_norm(x, residual, weight, 1e-6)
+    twin_normed, twin_summed = torch_twins.add_rms_norm(x, residual, weight, 1e-6)
     assert torch.equal(summed, twin_summed)
     torch.testing.assert_close(normed, twin_normed)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.triton_mode import interpret_on_cpu_only_machines
+from tests.triton_interpreter import interpret_on_cpu_only_machines
 
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 
@@ -22,8 +22,8 @@ from executor import LLM, SamplingParams  # noqa: E402
 from executor.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from executor.model_files import load_weights, read_config  # noqa: E402
 from executor.model_runner import Chunk, ModelRunner  # noqa: E402
-from executor.models import build_model, decoder_spec  # noqa: E402
-from kernels.backend import TORCH, choose_attention_backend  # noqa: E402
+from executor.models.loader import build_model, decoder_spec  # noqa: E402
+from kernels.backend import TORCH, choose_kernels  # noqa: E402
 from shared.engine_config import add_engine_args, config_from_args, engine_argv  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not INTERPRETING
@@ -49,11 +49,11 @@ def test_enforce_eager_flag_parses_and_round_trips():
     assert config_from_args(parser.parse_args([])).enforce_eager is False
 
 
-def _runner(model_dir: str, attention, device: str) -> ModelRunner:
+def _runner(model_dir: str, kernels, device: str) -> ModelRunner:
     model_dir = Path(model_dir)
     spec = decoder_spec(read_config(model_dir))
-    model = build_model(spec, load_weights(model_dir), torch.float32, torch.device(device))
-    runner = ModelRunner(model, 24, BLOCK, torch.device(device), torch.float32, attention)
+    model = build_model(spec, load_weights(model_dir), torch.float32, torch.device(device), kernels)
+    runner = ModelRunner(model, 24, BLOCK, torch.device(device), torch.float32)
     runner.kv_cache.zero_()
     return runner
 
@@ -74,10 +74,10 @@ def _decode_chunks(step: int) -> list[Chunk]:
     ]
 
 
-def _backend(name: str, device: str):
+def _kernels(name: str, device: str):
     if name == "triton":
         pytest.importorskip("triton")
-    return choose_attention_backend(name, torch.device(device))
+    return choose_kernels(name, torch.device(device))
 
 
 @pytest.mark.parametrize(
@@ -89,8 +89,8 @@ def _backend(name: str, device: str):
     ],
 )
 def test_padded_decode_gives_eager_logits_and_writes_only_real_slots(tiny_models, backend, device):
-    attention = _backend(backend, device)
-    eager, padded = (_runner(tiny_models["llama"], attention, device) for _ in range(2))
+    kernels = _kernels(backend, device)
+    eager, padded = (_runner(tiny_models["llama"], kernels, device) for _ in range(2))
     padded.enable_decode_graphs(max_num_seqs=8, max_model_len=256, capture=device == "cuda")
     for runner in (eager, padded):
         _prefill(runner, PROMPTS, TABLES)
@@ -211,8 +211,8 @@ def test_default_layout_in_bf16_padded_with_an_h200s_splits_gives_the_torch_toke
 ):
     """What an H200 runs first: bf16, the padded decode path at max_model_len 2048, the Triton kernel splitting
     each context as it would over 132 multiprocessors; greedy tokens as the torch backend's."""
+    from bench.triton_compile_check import H200_SMS
     from kernels import triton_attention
-    from kernels.triton_compile_check import H200_SMS
 
     splits = []
     choose = triton_attention.choose_num_splits
@@ -275,12 +275,16 @@ class HostReads(TorchDispatchMode):
 def test_the_captured_forward_reads_nothing_back_to_the_host(default_layout, backend):
     """What capture runs (the padded decode forward) must size everything from shapes: the Triton backend does;
     the torch backend reads the lengths back, which is why it never captures."""
-    attention = _backend(backend, "cpu")
+    kernels = _kernels(backend, "cpu")
     model_dir = Path(default_layout)
     model = build_model(
-        decoder_spec(read_config(model_dir)), load_weights(model_dir), torch.bfloat16, torch.device("cpu")
+        decoder_spec(read_config(model_dir)),
+        load_weights(model_dir),
+        torch.bfloat16,
+        torch.device("cpu"),
+        kernels,
     )
-    runner = ModelRunner(model, 24, BLOCK, torch.device("cpu"), torch.bfloat16, attention)
+    runner = ModelRunner(model, 24, BLOCK, torch.device("cpu"), torch.bfloat16)
     runner.enable_decode_graphs(max_num_seqs=4, max_model_len=2048, capture=False)
     _prefill(runner, PROMPTS, TABLES)
     graphs = runner.decode_graphs

@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from executor import LLM, SamplingParams
+from executor.kv_layout import kv_block_bytes
 from executor.kv_sizing import kv_cache_bytes, profile_kv_bytes, worst_sampling_params
-from kernels.backend import TORCH
 from shared.engine_config import EngineConfig
 from shared.sampling_params import MAX_PROMPT_LOGPROBS
 
@@ -117,9 +117,9 @@ def _profile(llm: LLM, live: LiveBytes, **config) -> tuple[int, FakeCudaMemory, 
         **{"max_num_batched_tokens": 512, "max_num_seqs": 16, "gpu_memory_utilization": 0.5, **config}
     )
     spec = model.spec
-    scratch = spec.num_layers * 2 * 512 * spec.num_kv_heads * spec.head_dim * 4
+    scratch = kv_block_bytes(spec, config.block_size, torch.float32) * (512 // config.block_size)
     with live:
-        budget = profile_kv_bytes(config, model, torch.device("cpu"), torch.float32, TORCH, memory)
+        budget = profile_kv_bytes(config, model, torch.device("cpu"), torch.float32, memory)
     return budget, memory, scratch
 
 
@@ -159,8 +159,8 @@ def test_the_budget_covers_the_worst_steps_the_engine_runs(llm):
 
 def test_profiling_runs_on_cuda_only_and_an_explicit_size_wins(llm):
     model, cpu = llm.engine.runner.model, torch.device("cpu")
-    assert kv_cache_bytes(EngineConfig(kv_cache_memory="3GiB"), model, cpu, torch.float32, TORCH) == 3 * GIB
-    assert kv_cache_bytes(EngineConfig(), model, cpu, torch.float32, TORCH) == 4 * GIB  # vLLM's CPU default
+    assert kv_cache_bytes(EngineConfig(kv_cache_memory="3GiB"), model, cpu, torch.float32) == 3 * GIB
+    assert kv_cache_bytes(EngineConfig(), model, cpu, torch.float32) == 4 * GIB  # vLLM's CPU default
 
 
 def test_too_little_memory_names_the_flag(llm):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.models import DecoderSpec, stack_projections
+from executor.models.llama import DecoderSpec
+from executor.models.loader import stack_projections
 
 SPEC = DecoderSpec(
     vocab_size=32,

@@ -20,6 +20,7 @@ import pytest
 from executor import LLM, SamplingParams
 from executor.engine import Engine
 from executor.engine_busy import EngineBusy
+from executor.kv_layout import kv_block_bytes
 from executor.structured_output import Grammars, step_bitmask
 from shared.structured_outputs import StructuredOutputsParams
 from tests.processes import REPO, eventually
@@ -353,7 +354,7 @@ def test_speculation_and_preemption_leave_constrained_tokens_unchanged(tiny):
     assert drafted == reference
     # 8 blocks of 16 tokens for four requests of 61 tokens: they preempt one another
     engine = plain.engine
-    small = 8 * engine.runner.bytes_per_block(engine.runner.model, engine.block_size, engine.dtype)
+    small = 8 * kv_block_bytes(engine.runner.model.spec, engine.block_size, engine.dtype)
     preempted, with_preemption = _greedy_json(tiny, kv_cache_memory=small)
     assert with_preemption.stats()["num_preemptions"] > 0
     assert preempted == reference

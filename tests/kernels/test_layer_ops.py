@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import layer_ops, reference, torch_paged
+from kernels import layer_ops, torch_paged, torch_twins
 from kernels.cpu_extension import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
@@ -34,7 +33,7 @@ def cos_sin(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_rotary_in_place_is_bit_identical_to_the_twin(tokens: int) -> None:
     q, k, _ = qkv_views(tokens)
     cos, sin = cos_sin(tokens)
-    expected_q, expected_k = reference.rotary_embedding(q.clone(), k.clone(), cos, sin)
+    expected_q, expected_k = torch_twins.rotary_embedding(q.clone(), k.clone(), cos, sin)
     got_q, got_k = layer_ops.rotary_embedding(q, k, cos, sin)
     assert got_q.data_ptr() == q.data_ptr()  # rotated where the projection wrote it
     assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
@@ -73,8 +72,8 @@ def test_cache_write_from_strided_views_skips_padding(kernel_on: bool, monkeypat
     slots = torch.tensor([3, -1, 40, 17, 0])
     caches = [torch.zeros(4, 16, KV_HEADS, DIM) for _ in range(4)]
     keep = slots >= 0
-    reference.reshape_and_cache(k[keep], v[keep], caches[0], caches[1], slots[keep])
-    kernels.reshape_and_cache(k, v, caches[2], caches[3], slots)
+    torch_twins.reshape_and_cache(k[keep], v[keep], caches[0], caches[1], slots[keep])
+    torch_paged.reshape_and_cache(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
@@ -82,7 +81,7 @@ def test_cache_write_outside_the_cache_is_an_error() -> None:
     _, k, v = qkv_views(2)
     caches = [torch.zeros(2, 16, KV_HEADS, DIM) for _ in range(2)]
     with pytest.raises(RuntimeError, match="outside the cache"):
-        kernels.reshape_and_cache(k, v, *caches, torch.tensor([1, 32]))
+        torch_paged.reshape_and_cache(k, v, *caches, torch.tensor([1, 32]))
 
 
 def test_decode_step_reads_a_strided_query_in_one_call() -> None:
@@ -94,10 +93,10 @@ def test_decode_step_reads_a_strided_query_in_one_call() -> None:
     table = torch.randperm(12, generator=g)[:12].view(4, 3).to(torch.int32)
     seq_lens = torch.tensor([1, 16, 33, 48], dtype=torch.int32)
     starts = torch.arange(5, dtype=torch.int32)
-    expected = reference.paged_attention(
+    expected = torch_twins.paged_attention(
         q.contiguous(), key_cache, value_cache, table, seq_lens, starts, 0.125
     )
-    got = kernels.paged_attention(q, key_cache, value_cache, table, seq_lens, starts, 0.125)
+    got = torch_paged.paged_attention(q, key_cache, value_cache, table, seq_lens, starts, 0.125)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

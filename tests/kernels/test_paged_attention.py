@@ -1,12 +1,11 @@
-"""The CPU paths (batched torch, and the C++ kernels) against the reference twins."""
+"""The CPU paths (batched torch, and the C++ kernels) against the torch twins."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kernels
-from kernels import reference, torch_paged
+from kernels import torch_paged, torch_twins
 from kernels.cpu_extension import cpu_kernels
 
 
@@ -37,7 +36,7 @@ CASES = {
 def test_torch_path_matches_reference(case, block_size, monkeypatch):
     monkeypatch.setattr(torch_paged, "cpu_kernels", lambda: None)
     args = random_batch(*CASES[case], block_size=block_size)
-    expected = reference.paged_attention(*args, scale=0.17)
+    expected = torch_twins.paged_attention(*args, scale=0.17)
     assert torch.allclose(torch_paged.paged_attention(*args, scale=0.17), expected, atol=1e-5)
 
 
@@ -46,8 +45,8 @@ def test_cpu_decode_kernel_matches_reference(case):
     if cpu_kernels() is None:
         pytest.skip("the C++ CPU kernels could not be built here")
     args = random_batch(*CASES[case], block_size=16)
-    expected = reference.paged_attention(*args, scale=0.17)
-    assert torch.allclose(kernels.paged_attention(*args, scale=0.17), expected, atol=1e-5)
+    expected = torch_twins.paged_attention(*args, scale=0.17)
+    assert torch.allclose(torch_paged.paged_attention(*args, scale=0.17), expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 64), (8, 2, 128), (4, 4, 32), (6, 3, 40)])
@@ -64,8 +63,8 @@ def test_cpu_decode_kernel_block_by_block(heads, kv_heads, dim, seq_lens, scale,
     args = random_batch(
         [1] * len(seq_lens), seq_lens, block_size, heads=heads, kv_heads=kv_heads, dim=dim, seed=5
     )
-    expected = reference.paged_attention(*args, scale=scale)
-    assert torch.allclose(kernels.paged_attention(*args, scale=scale), expected, atol=1e-5)
+    expected = torch_twins.paged_attention(*args, scale=scale)
+    assert torch.allclose(torch_paged.paged_attention(*args, scale=scale), expected, atol=1e-5)
 
 
 def test_cpu_decode_kernel_ignores_what_lies_past_the_context():
@@ -77,12 +76,12 @@ def test_cpu_decode_kernel_ignores_what_lies_past_the_context():
     query, key_cache, value_cache, table, lens, starts = random_batch(
         [1] * len(seq_lens), seq_lens, heads=9, kv_heads=3, dim=64, seed=7
     )
-    expected = reference.paged_attention(query, key_cache, value_cache, table, lens, starts, scale=0.125)
+    expected = torch_twins.paged_attention(query, key_cache, value_cache, table, lens, starts, scale=0.125)
     for row, n in enumerate(seq_lens):
         last = table[row, (n - 1) // 16]
         key_cache[last, n % 16 or 16 :] = float("nan")
         value_cache[last, n % 16 or 16 :] = float("nan")
-    out = kernels.paged_attention(query, key_cache, value_cache, table, lens, starts, scale=0.125)
+    out = torch_paged.paged_attention(query, key_cache, value_cache, table, lens, starts, scale=0.125)
     assert torch.allclose(out, expected, atol=1e-5)
 
 
@@ -94,8 +93,8 @@ def test_cpu_prefill_kernel_matches_reference(heads, kv_heads, dim):
         pytest.skip("the C++ CPU kernels could not be built here")
     q_lens, seq_lens = [1, 300, 7, 1, 97, 2], [50, 300, 200, 1, 130, 2]
     args = random_batch(q_lens, seq_lens, heads=heads, kv_heads=kv_heads, dim=dim, seed=3)
-    expected = reference.paged_attention(*args, scale=dim**-0.5)
-    assert torch.allclose(kernels.paged_attention(*args, scale=dim**-0.5), expected, atol=1e-5)
+    expected = torch_twins.paged_attention(*args, scale=dim**-0.5)
+    assert torch.allclose(torch_paged.paged_attention(*args, scale=dim**-0.5), expected, atol=1e-5)
 
 
 def test_reshape_and_cache_matches_reference():
@@ -103,8 +102,8 @@ def test_reshape_and_cache_matches_reference():
     key, value = torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
     slots = torch.tensor([3, 4, 5, 17, 30, 31, 0, 9, 10])
     caches = [torch.zeros(4, 8, 2, 8) for _ in range(4)]
-    reference.reshape_and_cache(key, value, caches[0], caches[1], slots)
-    kernels.reshape_and_cache(key, value, caches[2], caches[3], slots)
+    torch_twins.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    torch_paged.reshape_and_cache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
@@ -112,7 +111,7 @@ def test_reshape_and_cache_skips_padding_slots():
     """Slot -1 marks a padding token (a CUDA graph's padded batch): it writes nothing, the others land."""
     key, value = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
     slots = torch.tensor([5, -1, 12, -1])
-    for write in (reference.reshape_and_cache, kernels.reshape_and_cache):
+    for write in (torch_twins.reshape_and_cache, torch_paged.reshape_and_cache):
         caches = [torch.zeros(2, 8, 2, 8) for _ in range(2)]
         write(key, value, *caches, slots)
         flat = caches[0].view(16, 2, 8)
@@ -134,7 +133,7 @@ def test_decode_groups_cover_every_row_once_with_little_padding():
 def test_the_torch_backend_builds_the_cpu_kernels_before_serving(monkeypatch):
     built = []
     monkeypatch.setattr(torch_paged, "cpu_kernels", lambda: built.append(True))
-    torch_paged.prepare(torch.device("cpu"), torch.bfloat16)  # not a dtype the kernel serves
+    torch_paged.build(torch.device("cpu"), torch.bfloat16)  # not a dtype the kernel serves
     assert built == []
-    torch_paged.prepare(torch.device("cpu"), torch.float32)
+    torch_paged.build(torch.device("cpu"), torch.float32)
     assert built == [True]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from kernels.backend import TORCH
 from kernels.cpu_extension import cpu_kernels
 from kernels.cpu_linear import PackedLinear, pack_linears
 
@@ -77,3 +78,13 @@ def test_packed_linear_replaces_nn_linear_in_a_model() -> None:
         got = model(x)
     assert got.shape == (2, 5, 24)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_kernels_prepare_pack_a_float32_cpu_models_linears_and_nothing_else() -> None:
+    cpu = torch.device("cpu")
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    TORCH.prepare(model, cpu, torch.float32)
+    assert all(isinstance(m, PackedLinear) for m in model)
+    model = nn.Sequential(nn.Linear(8, 4)).bfloat16()
+    TORCH.prepare(model, cpu, torch.bfloat16)  # no packed GEMM serves bf16
+    assert isinstance(model[0], nn.Linear)

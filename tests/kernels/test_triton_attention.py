@@ -1,4 +1,4 @@
-"""The Triton paged-attention and cache-write kernels against their torch twins in kernels.reference.
+"""The Triton paged-attention and cache-write kernels against their torch twins in kernels.torch_twins.
 
 Where no CUDA device exists, this process runs Triton in its interpreter on CPU tensors (TRITON_INTERPRET=1 has
 to be set before triton is first imported, hence before the imports below); with CUDA, the same cases run
@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton_mode import interpret_on_cpu_only_machines
+from tests.triton_interpreter import interpret_on_cpu_only_machines
 
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 pytest.importorskip("triton")
 
-from kernels import reference, triton_attention, triton_cache  # noqa: E402
+from kernels import torch_twins, triton_attention, triton_cache  # noqa: E402
 from tests.kernels.test_paged_attention import random_batch  # noqa: E402
 
 DEVICES = [
@@ -42,7 +42,7 @@ MIXED = ([1, 1, 20, 9, 1], [1, 37, 20, 50, 33])
 def run_both(q_lens, seq_lens, device, dtype=torch.float32, num_kv_splits=None, **shape):
     query, key_cache, value_cache, table, lens, starts = random_batch(q_lens, seq_lens, **shape)
     query, key_cache, value_cache = (t.to(dtype) for t in (query, key_cache, value_cache))
-    expected = reference.paged_attention(query, key_cache, value_cache, table, lens, starts, scale=0.125)
+    expected = torch_twins.paged_attention(query, key_cache, value_cache, table, lens, starts, scale=0.125)
     on_device = [t.to(device) for t in (query, key_cache, value_cache, table, lens, starts)]
     got = triton_attention.paged_attention(*on_device, scale=0.125, num_kv_splits=num_kv_splits)
     assert got.dtype == dtype and got.shape == query.shape
@@ -109,7 +109,7 @@ def test_reshape_and_cache_matches_reference(device, dtype, block_size):
     # scattered slots: a partial block, a block's last slot, blocks out of order
     slots = torch.randperm(num_blocks * block_size, generator=g)[:11]
     expected = [torch.zeros(num_blocks, block_size, heads, dim, dtype=dtype) for _ in range(2)]
-    reference.reshape_and_cache(key, value, *expected, slots)
+    torch_twins.reshape_and_cache(key, value, *expected, slots)
     caches = [c.to(device) for c in torch.zeros(2, num_blocks, block_size, heads, dim, dtype=dtype)]
     triton_cache.reshape_and_cache(key.to(device), value.to(device), *caches, slots.to(device))
     assert torch.equal(caches[0].cpu(), expected[0]) and torch.equal(caches[1].cpu(), expected[1])
@@ -132,7 +132,7 @@ def test_reshape_and_cache_skips_padding_slots(device):
     key, value = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
     slots = torch.tensor([5, -1, 31, -1])
     expected = [torch.zeros(2, 16, 3, 64) for _ in range(2)]
-    reference.reshape_and_cache(key, value, *expected, slots)
+    torch_twins.reshape_and_cache(key, value, *expected, slots)
     caches = [torch.zeros(2, 16, 3, 64, device=device) for _ in range(2)]
     triton_cache.reshape_and_cache(key.to(device), value.to(device), *caches, slots.to(device))
     assert torch.equal(caches[0].cpu(), expected[0]) and torch.equal(caches[1].cpu(), expected[1])

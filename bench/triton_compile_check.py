@@ -8,10 +8,10 @@ becomes a constant, ints divisible by 16 and 16-byte aligned pointers are compil
 masks follow. The launches are first those the engine makes serving SmolLM2-135M on an H200, then other shapes
 and dtypes. Needs a process where TRITON_INTERPRET is unset.
 
-    python -m kernels.triton_compile_check [--arch 90] [--quick]
+    python -m bench.triton_compile_check [--arch 90] [--quick]
 
 Against the GPU image's Triton instead of this machine's: the same with bench/gpu_image_triton.py's directory
-first on PYTHONPATH (`make image-triton` installs it; tests/kernels/test_triton_compile_check.py runs both).
+first on PYTHONPATH (`make image-triton` installs it; tests/bench/test_triton_compile_check.py runs both).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kernels.triton_compile_check: every Triton launch the engine makes compiles to an sm_90 cubin, with the venv's
+"""bench.triton_compile_check: every Triton launch the engine makes compiles to an sm_90 cubin, with the venv's
 Triton and with the GPU image's (older), each launch specialised as Triton's launcher specialises it.
 
 The check runs in a subprocess: Triton compiles only where TRITON_INTERPRET was unset when it was first imported,
@@ -49,7 +49,7 @@ def compiled(request) -> list[str]:
     """The check's lines for the engine's launches (--quick: the full set takes 35-50 s a Triton here)."""
     env, version = request.param()
     done = subprocess.run(
-        [sys.executable, "-m", "kernels.triton_compile_check", "--arch", "90", "--quick"],
+        [sys.executable, "-m", "bench.triton_compile_check", "--arch", "90", "--quick"],
         cwd=ROOT,
         env=env,
         capture_output=True,
