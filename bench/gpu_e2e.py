@@ -33,7 +33,7 @@ BUDGET_SPENT = "time budget spent"
 
 def split_backend(backend: str) -> tuple[str, bool]:
     """'triton-eager' -> ('triton', True): the attention backend, and whether CUDA graphs are off."""
-    from shared.engine_config import ATTENTION_BACKENDS
+    from executor import ATTENTION_BACKENDS
 
     name, _, mode = backend.partition("-")
     if name not in ATTENTION_BACKENDS or mode not in ("", "eager"):

@@ -12,11 +12,11 @@ import signal
 import sys
 import time
 
+from executor.engine_config import add_engine_args, config_from_args
 from executor.gateway_outbox import DEFAULT_SNDHWM
 from shared import logs
 from shared.curve_keys import EXECUTOR, CurveKeyError, add_curve_keys_arg, executor_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
-from shared.engine_config import add_engine_args, config_from_args
 from shared.model_paths import ModelLoadError
 
 log = logging.getLogger("kvserve.executor")

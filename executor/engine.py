@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.engine_busy import EngineBusy
+from executor.engine_config import EngineConfig
 from executor.engine_setup import (
     build_proposers,
     build_runner,
@@ -20,6 +21,7 @@ from executor.engine_setup import (
     log_kv_capacity,
     num_kv_blocks,
 )
+from executor.grammars import Grammars, RequestGrammar, step_bitmask
 from executor.kv_block_seconds import KVBlockSeconds
 from executor.kv_sizing import pick_device_and_dtype
 from executor.model_runner import PROMPT_LOGITS_ROWS, StepLogits
@@ -28,11 +30,9 @@ from executor.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from executor.sampling_state import PromptTerms, SamplingState
 from executor.scheduler import NewTokens, SchedulerOutput
 from executor.spec_decode import SpecBackoff, verify
-from executor.structured_output import Grammars, RequestGrammar, step_bitmask
 from executor.waiting_queue import TENANTS_SHARE
 from kernels.backend import choose_attention_backend
 from shared.block_hash import hash_blocks
-from shared.engine_config import EngineConfig
 from shared.protocol import MAX_TENANT_WEIGHT
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputsParams

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from executor.block_pool import BlockPool
+from executor.engine_config import EngineConfig
 from executor.kv_cache_manager import KVCacheManager
 from executor.kv_sizing import kv_cache_bytes
 from executor.model_files import load_weights, read_config, resolve_model
@@ -20,7 +21,6 @@ from executor.scheduler import Scheduler
 from executor.spec_decode import NgramProposer
 from executor.spec_decode.draft import DraftProposer, load_draft_model
 from kernels.backend import AttentionBackend
-from shared.engine_config import EngineConfig
 
 log = logging.getLogger("kvserve.engine")
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from executor.engine import Engine, StepOutput
+from executor.engine_config import EngineConfig
 from executor.sampler import TokenLogprobs
-from shared.engine_config import EngineConfig
 from shared.sampling_params import SamplingParams
 from shared.stop_strings import CompletionText
 

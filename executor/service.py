@@ -21,7 +21,7 @@ from executor.engine_busy import EngineBusy
 from executor.gateway_liveness import GatewayLiveness
 from executor.gateway_outbox import DEFAULT_SNDHWM, GatewayOutbox
 from executor.index_writer import IndexWriter
-from executor.request_spans import record_request_spans
+from executor.phase_spans import record_request_spans
 from shared import protocol, tracing
 from shared.executor_stats import ExecutorStats
 from shared.redis_keys import HEARTBEAT_INTERVAL_S

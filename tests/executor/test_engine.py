@@ -203,7 +203,7 @@ def test_load_reports_the_most_requests_one_tenant_has_waiting(llm):
 
 def test_a_steps_token_budget_defaults_by_device(tiny_models):
     """512 on a CPU, where a 2,048-token step would take seconds; an explicit budget is kept."""
-    from shared.engine_config import EngineConfig
+    from executor.engine_config import EngineConfig
 
     assert LLM(tiny_models["llama"], kv_cache_memory="1MiB").engine.scheduler.max_num_batched_tokens == 512
     assert EngineConfig().batched_tokens_for("cuda") == 2048

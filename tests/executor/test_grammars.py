@@ -20,7 +20,7 @@ import pytest
 from executor import LLM, SamplingParams
 from executor.engine import Engine
 from executor.engine_busy import EngineBusy
-from executor.structured_output import Grammars, step_bitmask
+from executor.grammars import Grammars, step_bitmask
 from shared.structured_outputs import StructuredOutputsParams
 from tests.processes import REPO, eventually
 
@@ -382,7 +382,7 @@ def test_the_compile_process_dies_with_its_parent_even_mid_compile(tiny):
     script = f"""
 import time
 from transformers import AutoTokenizer
-from executor.structured_output import Grammars
+from executor.grammars import Grammars
 from shared.structured_outputs import StructuredOutputsParams as Spec
 tokenizer = AutoTokenizer.from_pretrained({tiny!r})
 grammars = Grammars(tokenizer, len(tokenizer), frozenset({{tokenizer.eos_token_id}}), timeout_s=600)
@@ -427,9 +427,9 @@ def test_drawn_draft_proposals_the_grammar_refuses_are_rejected(tiny):
 def test_without_the_grammar_library_a_structured_request_is_refused_naming_it(tiny_models, monkeypatch):
     """As on the GPU image, which has no xgrammar: the engine serves, and only a request that needs the library
     is refused, with a message saying which and how to install it."""
-    from executor import structured_output
+    from executor import grammars
 
-    monkeypatch.setattr(structured_output, "_library_missing", ImportError("No module named 'xgrammar'"))
+    monkeypatch.setattr(grammars, "_library_missing", ImportError("No module named 'xgrammar'"))
     llm = LLM(tiny_models["llama"], device="cpu", kv_cache_memory="8MiB")
     plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))
