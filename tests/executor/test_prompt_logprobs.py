@@ -84,7 +84,7 @@ def test_max_tokens_zero_scores_the_prompt_only(default_model, prompt, hf_logpro
     check_against_hf(out.prompt_logprobs, prompt, hf_logprobs)
     assert out.outputs[0].token_ids == [] and out.outputs[0].text == ""
     assert out.outputs[0].finish_reason == "length"
-    assert llm.stats()["kv_blocks_used"] == 0
+    assert llm.stats().kv_blocks_used == 0
 
 
 def test_prompt_logprobs_bounds():
@@ -105,7 +105,7 @@ def test_prompt_logprobs_survive_preemption(tiny_models):
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, float32
     tight = LLM(tiny_models["llama"], kv_cache_memory=12 * block_bytes, max_num_batched_tokens=16)
     outs = tight.generate(prompts, params)
-    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats().preemptions > 0
     for out, want in zip(outs, expected, strict=True):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
         assert len(out.prompt_logprobs) == len(want.prompt_logprobs) == 60
