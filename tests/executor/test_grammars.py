@@ -196,7 +196,9 @@ def test_a_grammar_that_fails_while_queued_ends_only_its_request(tiny_engine):
     engine = tiny_engine
     # the worker busy with another tenant's compile (killed at the deadline), so both grammars below wait
     engine.grammars.compile(constrained(regex=slow_regex()), "holder")
-    (bad,) = engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=constrained(regex="[z-a]")))
+    (bad,) = engine.add_request(
+        "bad", [1, 2, 3], SamplingParams(structured_outputs=constrained(regex="[z-a]"))
+    )
     (good,) = engine.add_request(
         "good", [1, 2, 3], SamplingParams(max_tokens=3, structured_outputs=constrained(regex="a+"))
     )
