@@ -182,7 +182,7 @@ def _profiled_row(args: argparse.Namespace, clock: EngineClock) -> dict:
         "backend": llm.engine.attention.name,
         "cuda_graphs": llm.engine.runner.decode_graphs is not None,
         "engine_start_s": round(clock.last_build_s, 1),
-        "kv_blocks": llm.engine.pool.num_blocks,
+        "kv_blocks": llm.stats().kv_blocks_total,
         "block_size": llm.engine.block_size,
         "profiling_log": next((line for line in lines if line.startswith("profiling:")), None),
         "kv_cache_log": next((line for line in lines if line.startswith("KV cache:")), None),
