@@ -261,7 +261,11 @@ def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(t
     for i, spec in enumerate(specs):
         params = SamplingParams(max_tokens=2, structured_outputs=spec)
         engine.add_request(f"c{i}", [1, 2, 3], params, cache_salt="alpha")
-    assert len(engine.grammar_queue.requests) == 3 and not engine.scheduler.waiting and not engine.queue_full
+    assert (
+        len(engine.grammar_queue.requests) == 3
+        and not engine.scheduler.waiting
+        and not engine.stats().queue_full
+    )
     assert engine.stats().waiting == 3 and engine.stats().compiling == 3
     more = SamplingParams(max_tokens=2, structured_outputs=constrained(regex="(zw)+"))
     with pytest.raises(EngineBusy, match="3 of this tenant's requests already wait for their grammars"):
@@ -269,7 +273,7 @@ def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(t
     assert "refused" not in engine.intake.requests
     assert engine.grammars.lookup(more.structured_outputs, "alpha") is None  # nothing queued for it
     engine.add_request("beta", [1, 2, 3], more, cache_salt="beta")  # another tenant still has room
-    assert len(engine.grammar_queue.requests) == 4 and not engine.queue_full
+    assert len(engine.grammar_queue.requests) == 4 and not engine.stats().queue_full
     assert engine.abort("beta") == [0]
     engine.add_request("ready", [1, 2, 3], SamplingParams(max_tokens=2, structured_outputs=ready), "alpha")
     engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
