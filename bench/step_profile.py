@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, engine_args: dict) -> dict:
     timer.wrap(engine.runner, "_prepare", "prepare")
     timer.wrap(engine.runner.model, "forward", "forward")
     timer.wrap(engine.runner.model, "compute_logits", "lm_head")
-    timer.wrap(engine, "_sample", "sample")
+    timer.wrap(engine.sampling, "_sample", "sample")
     rng = random.Random(args.seed)
     pool = token_pool(llm.tokenizer, 4096)
     ids = itertools.count()
