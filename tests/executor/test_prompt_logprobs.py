@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor import LLM, SamplingParams
-from executor import engine as engine_module
+from executor import LLM, SamplingParams, step_sampler
 from tests.executor.test_hf_equivalence import LONG_TEXT
 
 TOP = 5
@@ -61,7 +60,7 @@ def test_prompt_logprobs_match_hf_in_chunks(default_model, prompt, hf_logprobs, 
 
 def test_prompt_logprobs_scored_a_slice_of_rows_at_a_time(default_model, prompt, hf_logprobs, monkeypatch):
     """A step's logits are bounded: a chunk's prompt rows are scored PROMPT_LOGITS_ROWS at a time."""
-    monkeypatch.setattr(engine_module, "PROMPT_LOGITS_ROWS", 10)  # 64-row chunks in slices of 10, and a rest
+    monkeypatch.setattr(step_sampler, "PROMPT_LOGITS_ROWS", 10)  # 64-row chunks in slices of 10, and a rest
     llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=64)
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP))[0]
     check_against_hf(out.prompt_logprobs, prompt, hf_logprobs)

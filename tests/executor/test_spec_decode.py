@@ -186,7 +186,7 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_tokens_there_too(tiny, se
 def test_eos_inside_an_accepted_run_ends_the_output_there(tiny, tiny_reference):
     llm = LLM(tiny, kv_cache_memory="8MiB", speculative_model=tiny, num_speculative_tokens=6)
     eos = tiny_reference[9]
-    llm.engine.eos_token_ids = frozenset({eos})
+    llm.engine.intake.eos_token_ids = frozenset({eos})  # what new requests stop at
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0].outputs[0]
     assert out.token_ids == tiny_reference[: tiny_reference.index(eos) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None
