@@ -33,7 +33,7 @@ BUDGET_SPENT = "time budget spent"
 
 def split_backend(backend: str) -> tuple[str, bool]:
     """'triton-eager' -> ('triton', True): the attention backend, and whether CUDA graphs are off."""
-    from shared.engine_config import ATTENTION_BACKENDS
+    from executor import ATTENTION_BACKENDS
 
     name, _, mode = backend.partition("-")
     if name not in ATTENTION_BACKENDS or mode not in ("", "eager"):
@@ -182,7 +182,7 @@ def _profiled_row(args: argparse.Namespace, clock: EngineClock) -> dict:
         "backend": llm.engine.kernels.name,
         "cuda_graphs": llm.engine.runner.decode_graphs is not None,
         "engine_start_s": round(clock.last_build_s, 1),
-        "kv_blocks": llm.engine.pool.num_blocks,
+        "kv_blocks": llm.stats().kv_blocks_total,
         "block_size": llm.engine.block_size,
         "profiling_log": next((line for line in lines if line.startswith("profiling:")), None),
         "kv_cache_log": next((line for line in lines if line.startswith("KV cache:")), None),

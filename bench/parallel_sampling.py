@@ -49,7 +49,7 @@ def run_case(llm: LLM, prompt: list[int], n: int, max_tokens: int, grouped: bool
                 pending.discard(out.request_id)
                 output_tokens += sum(len(c.token_ids) for c in out.outputs)
         steps += 1
-        peak = max(peak, llm.stats()["kv_blocks_used"])
+        peak = max(peak, llm.stats().kv_blocks_used)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     return {
         "peak_kv_blocks": peak,

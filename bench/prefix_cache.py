@@ -45,7 +45,8 @@ def run(model_dir: str, prompts: list[list[int]], caching: bool) -> dict:
         "first_ttft_s": ttfts[0],
         "later_mean_ttft_s": statistics.mean(ttfts[1:]),
         "later_hit_rate": sum(cached[1:]) / later_prompt_tokens,
-        "stats_hit_rate": llm.stats()["prefix_cache_hits"] / max(1, llm.stats()["prefix_cache_queries"]),
+        "stats_hit_rate": llm.stats().prefix_cache_hit_tokens
+        / max(1, llm.stats().prefix_cache_queried_tokens),
     }
 
 

@@ -4,7 +4,7 @@ victim tenant sees), and with repetition_penalty on ~1k-token prompts.
 
     python -m bench.sampling_cost [--requests 16] [--steps 32] [--json out.json] [engine flags as keywords]
 
-Times whole decode steps (engine.step) and the sampling part of them (engine._sample, which this benchmark
+Times whole decode steps (engine.step) and the sampling part of them (engine.sampling._sample, which this benchmark
 reaches into), after every request has its prompt prefilled; median and mean over --steps steps. Prompts share
 all but their last block, and one request is prefilled before the others join, so the prefix cache makes the
 1k-token prefills cheap: prefill is not what is measured.
@@ -50,13 +50,13 @@ def run_scenario(llm: LLM, name: str, prompt_tokens: int, extras: list[dict], ar
     prompts = [pool[: prompt_tokens - 1] + [1000 + i] for i in range(args.requests)]
     extras = [extras[i % len(extras)] for i in range(args.requests)]
     engine.add_request(f"{name}-0", prompts[0], _params(extras[0], args.steps))
-    while engine.requests[f"{name}-0"].num_output_tokens == 0:  # its blocks cached for the others
+    while engine.intake.requests[f"{name}-0"].num_output_tokens == 0:  # its blocks cached for the others
         engine.step()
     for i in range(1, args.requests):
         engine.add_request(f"{name}-{i}", prompts[i], _params(extras[i], args.steps))
-    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+    while any(r.num_output_tokens == 0 for r in engine.intake.requests.values()):
         engine.step()
-    inner = engine._sample
+    inner = engine.sampling._sample
     sample_seconds = []
 
     def timed(step):
@@ -66,7 +66,7 @@ def run_scenario(llm: LLM, name: str, prompt_tokens: int, extras: list[dict], ar
         finally:
             sample_seconds.append(time.perf_counter() - start)
 
-    engine._sample = timed
+    engine.sampling._sample = timed
     step_seconds = []
     try:
         for _ in range(args.steps):
@@ -74,7 +74,7 @@ def run_scenario(llm: LLM, name: str, prompt_tokens: int, extras: list[dict], ar
             engine.step()
             step_seconds.append(time.perf_counter() - start)
     finally:
-        del engine._sample  # back to the class's method
+        del engine.sampling._sample  # back to the class's method
     while engine.has_unfinished():
         engine.step()
 

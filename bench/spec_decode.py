@@ -93,8 +93,8 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
         steps += 1
     elapsed = time.perf_counter() - start
     stats = llm.stats()
-    drafted = stats["spec_draft_tokens"] - before["spec_draft_tokens"]
-    accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    drafted = stats.spec_draft_tokens - before.spec_draft_tokens
+    accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
     tokens = sum(len(t) for t in outputs.values())
     return {
         "output_tokens": tokens,

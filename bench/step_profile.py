@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, engine_args: dict) -> dict:
     timer.wrap(engine.runner, "_prepare", "prepare")
     timer.wrap(engine.runner.model, "forward", "forward")
     timer.wrap(engine.runner.model, "compute_logits", "lm_head")
-    timer.wrap(engine, "_sample", "sample")
+    timer.wrap(engine.sampling, "_sample", "sample")
     rng = random.Random(args.seed)
     pool = token_pool(llm.tokenizer, 4096)
     ids = itertools.count()
@@ -77,20 +77,20 @@ def run(args: argparse.Namespace, engine_args: dict) -> dict:
     wave_start = time.perf_counter()
     for _ in range(args.streams):
         submit()
-    first_wave = set(engine.requests)
+    first_wave = set(engine.intake.requests)
     wave_ttft: dict[str, float] = {}  # the first wave's times to first token: they all arrive at once
     steps: dict[str, list[dict[str, float]]] = {"decode": [], "prefill": []}
     output_tokens, began, warm = 0, None, False
     while True:
         timer.current.clear()
         start = time.perf_counter()
-        outputs = engine.step()
+        outputs = engine.step().outputs
         total = time.perf_counter() - start
         for out in outputs:
             if out.request_id in first_wave and out.new_token_ids:
                 wave_ttft.setdefault(out.request_id, time.perf_counter() - wave_start)
         if not warm:  # the first wave's prefill is its own thing: start the clock once everyone decodes
-            warm = all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.requests.values())
+            warm = all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.intake.requests.values())
             if warm:
                 began = time.perf_counter()
         else:

@@ -6,7 +6,7 @@
     python -m bench.structured_outputs compliance  # 100 sampled outputs valid against the schema, with/without
     python -m bench.structured_outputs all [--output FILE.json]
 
-Mask work is the engine's own count (stats()["structured_output_mask_seconds"]: filling each constrained row's
+Mask work is the engine's own count (stats().structured_output_mask_seconds: filling each constrained row's
 bitmask and applying it to the logits), divided by the wall time of the same decode steps.
 """
 
@@ -74,12 +74,12 @@ def overhead(llm: LLM, batch: int, max_tokens: int) -> dict:
         r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running
     ):
         llm.step()  # prefill
-    mask_before, steps, started = llm.stats()["structured_output_mask_seconds"], 0, time.perf_counter()
+    mask_before, steps, started = llm.stats().structured_output_mask_seconds, 0, time.perf_counter()
     while llm.engine.has_unfinished():
         llm.step()
         steps += 1
     wall = time.perf_counter() - started
-    mask = llm.stats()["structured_output_mask_seconds"] - mask_before
+    mask = llm.stats().structured_output_mask_seconds - mask_before
     return {
         "batch": batch,
         "steps": steps,

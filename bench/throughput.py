@@ -22,27 +22,26 @@ def run_kvserve(model_dir: str, prompts: list[list[int]], output_len: int, max_m
     start = time.perf_counter()
     for prompt in prompts:
         llm.add_request(prompt, params)
-    peak = {"kv_blocks_used": 0}
-    peak_running = 0
+    peak, peak_tokens_stored, peak_running = llm.stats(), 0, 0
     while llm.engine.has_unfinished():
         llm.step()
         stats = llm.stats()
-        peak_running = max(peak_running, stats["num_running"])
-        if stats["kv_blocks_used"] > peak["kv_blocks_used"]:
-            peak = stats
+        peak_running = max(peak_running, stats.running)
+        if stats.kv_blocks_used > peak.kv_blocks_used:
+            peak, peak_tokens_stored = stats, llm.engine.kv_tokens_stored()
     elapsed = time.perf_counter() - start
-    slots = peak["kv_blocks_used"] * peak["block_size"]
+    slots = peak.kv_blocks_used * peak.block_size
     return {
         "system": "kvserve",
         "output_tokens": len(prompts) * output_len,
         "seconds": elapsed,
         "output_tok_s": len(prompts) * output_len / elapsed,
-        "peak_kv_blocks_used": peak["kv_blocks_used"],
+        "peak_kv_blocks_used": peak.kv_blocks_used,
         "peak_kv_slots": slots,
-        "peak_kv_tokens_stored": peak["kv_tokens_stored"],
-        "peak_kv_slot_use": peak["kv_tokens_stored"] / slots,
-        "peak_running_requests": peak["num_running"],
-        "contiguous_slots_at_peak": peak["num_running"] * max_model_len,
+        "peak_kv_tokens_stored": peak_tokens_stored,
+        "peak_kv_slot_use": peak_tokens_stored / slots,
+        "peak_running_requests": peak.running,
+        "contiguous_slots_at_peak": peak.running * max_model_len,
         "max_running_requests": peak_running,
     }
 

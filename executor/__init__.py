@@ -2,7 +2,14 @@
 
 from shared.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "resolve_model"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "resolve_model",
+    "ATTENTION_BACKENDS",
+]
 
 
 def __getattr__(name: str):
@@ -17,4 +24,8 @@ def __getattr__(name: str):
         from executor.model_files import resolve_model
 
         return resolve_model
+    if name == "ATTENTION_BACKENDS":  # the --attention-backend choices
+        from executor.engine_config import ATTENTION_BACKENDS
+
+        return ATTENTION_BACKENDS
     raise AttributeError(f"module 'executor' has no attribute {name!r}")

@@ -52,8 +52,8 @@ class BlockPool:
         self._num_idle: dict[Tenant, int] = {}
         self._weights: dict[Tenant, float] = {}
         self._cached: dict[bytes, Block] = {}
-        # hash -> whether it was cached when first touched since the last drain; None: nobody publishes the
-        # cache (offline use), so nothing accumulates
+        # hash -> whether it was cached when first touched since the last drain (the engine drains it every
+        # step); None: not recording, so nothing accumulates
         self._events: dict[bytes, bool] | None = {} if record_events else None
 
     @property

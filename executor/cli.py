@@ -12,11 +12,11 @@ import signal
 import sys
 import time
 
+from executor.engine_config import add_engine_args, config_from_args
 from executor.gateway_outbox import DEFAULT_SNDHWM
 from shared import logs
 from shared.curve_keys import EXECUTOR, CurveKeyError, add_curve_keys_arg, load_executor_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
-from shared.engine_config import add_engine_args, config_from_args
 from shared.model_paths import ModelLoadError
 
 log = logging.getLogger("kvserve.executor")
@@ -200,7 +200,6 @@ def serve(args: argparse.Namespace) -> int:
 
     # SIGTERM during the model load has nothing to drain: it just ends the process
     engine = Engine(config)
-    engine.pool.start_recording_events()
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
     configure_router(socket, args.zmq_sndhwm)
@@ -218,7 +217,7 @@ def serve(args: argparse.Namespace) -> int:
             "the gateway's API keys, limits and cache salts; see `kvserve curve-keys`",
             args.bind,
         )
-    index = IndexWriter(client, executor_id, cached_hashes=engine.pool.cached_hashes)
+    index = IndexWriter(client, executor_id, cached_hashes=engine.cached_block_hashes)
     service = ExecutorService(engine, socket, index, args.shutdown_grace_period, args.zmq_sndhwm)
     signal.signal(signal.SIGTERM, service.drain)
     signal.signal(signal.SIGINT, service.drain)
@@ -227,7 +226,7 @@ def serve(args: argparse.Namespace) -> int:
             "address": args.advertise_address or args.bind,
             "model": str(engine.model_path),
             "block_size": engine.block_size,
-            "kv_blocks_total": engine.pool.num_blocks,
+            "kv_blocks_total": engine.stats().kv_blocks_total,
             "max_model_len": engine.max_model_len,
             "max_waiting_seqs": engine.config.max_waiting_seqs,
             "waiting_tenants_share": engine.waiting_tenants_share,

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from executor.block_pool import BlockPool
+from executor.engine_config import EngineConfig
 from executor.kv_cache_manager import KVCacheManager
 from executor.kv_layout import kv_block_bytes
 from executor.kv_sizing import kv_cache_bytes
@@ -22,7 +23,6 @@ from executor.scheduler import Scheduler
 from executor.spec_decode import NgramProposer
 from executor.spec_decode.draft import DraftProposer, load_draft_model
 from kernels.backend import Kernels
-from shared.engine_config import EngineConfig
 
 log = logging.getLogger("kvserve.engine")
 
@@ -74,13 +74,9 @@ def num_kv_blocks(
     return num_blocks, block_bytes
 
 
-def build_scheduler(
-    config: EngineConfig, num_blocks: int, max_model_len: int, device: torch.device
-) -> Scheduler:
-    """The scheduler over a KV cache manager over a pool of num_blocks blocks."""
-    max_batched = config.max_num_batched_tokens
-    if not config.enable_chunked_prefill:
-        max_batched = max(max_batched, max_model_len)  # a whole prompt must fit one step
+def build_scheduler(config: EngineConfig, num_blocks: int, max_model_len: int) -> Scheduler:
+    """The scheduler over a KV cache manager over a pool of num_blocks blocks; config is resolved (its token
+    budget decided: EngineConfig.resolved)."""
     pool = BlockPool(num_blocks, config.enable_prefix_caching, shares=config.kv_shares)
     kv = KVCacheManager(
         pool, config.block_size, -(-max_model_len // config.block_size) + 1, config.max_num_seqs
@@ -88,11 +84,11 @@ def build_scheduler(
     return Scheduler(
         kv,
         config.max_num_seqs,
-        max_batched,
+        config.max_num_batched_tokens,
         max_model_len,
         config.enable_chunked_prefill,
         config.max_waiting_seqs,
-        config.waiting_tokens_for(device.type),
+        config.max_waiting_tokens,
         config.fair_share,
     )
 

@@ -6,9 +6,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from executor.engine import Engine, StepOutput
+from executor.engine import Engine
+from executor.engine_config import EngineConfig
 from executor.sampler import TokenLogprobs
-from shared.engine_config import EngineConfig
+from executor.step_result import EngineStats, StepOutput
 from shared.sampling_params import SamplingParams
 from shared.stop_strings import CompletionText
 
@@ -55,7 +56,7 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def generate(
@@ -97,12 +98,12 @@ class LLM:
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # offline, waiting for the grammar costs nothing: a bad one (or one past its deadline, which the
             # cache does not keep) raises its ValueError here, a fault of the compiler its RuntimeError
-            error = self.engine.grammars.compile(params.structured_outputs).exception()
+            error = self.engine.compile_grammar(params.structured_outputs).exception()
             if (
                 error is not None
             ):  # a new one each time: the cached one's traceback would grow with every raise
                 raise (ValueError if isinstance(error, ValueError) else RuntimeError)(str(error)) from None
-        request = self.engine.add_request(request_id, token_prompt, params)
+        request = self.engine.add_request(request_id, token_prompt, params)[0]
         output = RequestOutput(
             request_id,
             prompt if isinstance(prompt, str) else None,
@@ -122,7 +123,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One engine step; the outputs of the requests it advanced."""
         updated = []
-        for step_out in self.engine.step():
+        for step_out in self.engine.step().outputs:
             tracked = self._tracked.get(step_out.request_id)
             if tracked is not None:
                 self._apply(tracked, step_out)

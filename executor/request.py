@@ -13,8 +13,8 @@ from executor.sampling_state import SamplingState
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from executor.grammars import RequestGrammar
     from executor.sampler import TokenLogprobs
-    from executor.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -63,7 +63,7 @@ class Request:
     num_draft_computed: int = 0
     num_draft_tokens: int = 0  # proposals verified so far
     num_accepted_tokens: int = 0  # of which the target accepted
-    # structured outputs (executor/structured_output.py): its grammar's matcher, None when unconstrained
+    # structured outputs (executor/grammars.py): its grammar's matcher, None when unconstrained
     grammar: RequestGrammar | None = None
     # prompt logprobs (params.prompt_logprobs): the first num_scored_prompt_tokens prompt tokens have theirs (the
     # first token has none, so it counts from 1); they gather in prompt_logprobs until its first token goes out

@@ -21,7 +21,8 @@ from executor.engine_busy import EngineBusy
 from executor.gateway_liveness import GatewayLiveness
 from executor.gateway_outbox import DEFAULT_SNDHWM, GatewayOutbox
 from executor.index_writer import IndexWriter
-from executor.request_spans import record_request_spans
+from executor.phase_spans import record_request_spans
+from executor.step_result import EngineStats, StepOutput, StepResult
 from shared import protocol, tracing
 from shared.executor_stats import ExecutorStats
 from shared.redis_keys import HEARTBEAT_INTERVAL_S
@@ -30,7 +31,7 @@ from shared.sampling_params import SamplingParams
 if TYPE_CHECKING:  # the engine pulls in torch and transformers: `kvserve --help` should not wait for them
     from opentelemetry.context import Context
 
-    from executor.engine import Engine, StepOutput
+    from executor.engine import Engine
     from executor.request import Request
     from executor.sampler import TokenLogprobs
 
@@ -46,7 +47,7 @@ class Owned:
     """A request running here for a gateway."""
 
     identity: bytes  # the gateway's ZeroMQ identity
-    choices: list[Request]  # every choice (n > 1); the first carries the prompt
+    choices: list[Request]  # every choice (n > 1), as add_request handed them: what its end reports
     tenant: str | None
     trace_id: str | None  # from the gateway's traceparent, for log lines, with tracing on or off
     parent: Context | None  # the gateway's span, only while tracing is on: its spans go out when it ends
@@ -100,15 +101,15 @@ class ExecutorService:
             if received:
                 self._receive_all()
             orphaned = self._abort_orphans()
-            stepped = self._step()
+            step = self._step()
             self._flush()
             now = time.monotonic()
-            changed = stepped or received or orphaned  # an abort changes the load without a step
+            changed = step is not None or received or orphaned  # an abort changes the load without a step
             if changed or now >= next_heartbeat:
                 heartbeat = now >= next_heartbeat
                 if heartbeat:
                     next_heartbeat = now + HEARTBEAT_INTERVAL_S
-                self._publish(heartbeat, changed)
+                self._publish(heartbeat, changed, step)
 
     # -- messages in --------------------------------------------------------------------------------
 
@@ -182,7 +183,7 @@ class ExecutorService:
             if unknown:
                 raise ValueError(f"sampling: unknown parameter {unknown[0]!r}")
             params = SamplingParams(**msg.sampling)
-            self.engine.add_request(
+            choices = self.engine.add_request(
                 msg.request_id,
                 msg.prompt_token_ids,
                 params,
@@ -199,7 +200,6 @@ class ExecutorService:
             self._send_error(identity, msg.request_id, str(error), protocol.BUSY, trace_id)
             return
         parent = tracing.parent_context(msg.traceparent) if tracing.enabled() else None
-        choices = list(self.engine.groups[msg.request_id])
         self.owners[msg.request_id] = Owned(identity, choices, msg.tenant, trace_id, parent)
         if self.engine.is_compiling(msg.request_id):  # it holds none of the queue's places the gateway counts
             self._emit(self.owners[msg.request_id], protocol.accepted(msg.request_id))
@@ -213,22 +213,23 @@ class ExecutorService:
 
     # -- the step and messages out ------------------------------------------------------------------
 
-    def _step(self) -> bool:
+    def _step(self) -> StepResult | None:
+        """One engine step, its outputs queued for their gateways; None when there was nothing to do."""
         if not self.engine.has_unfinished():
-            return False
+            return None
         try:
-            outputs = self.engine.step()
+            step = self.engine.step()
         except Exception:
             log.exception("engine step failed; failing requests %s", ", ".join(self.owners))
             self._fail_all("internal error in the executor's engine step")
-            return True
-        for request in self.engine.first_scheduled:
-            self.stats.observe_queue_time(max(0, request.first_scheduled_ns - request.arrival_ns) / 1e9)
-        for out in outputs:
+            return StepResult()
+        for seconds in step.queue_times:
+            self.stats.observe_queue_time(seconds)
+        for out in step.outputs:
             self._queue(out)
         if self.index.peer_has_room:  # alone, a request handed back would only lose its place here
             self._hand_back_overdue()
-        return True
+        return step
 
     def _hand_back_overdue(self) -> None:
         for request_id in self.engine.hand_back_overdue():
@@ -271,7 +272,7 @@ class ExecutorService:
         """Aborted choices end with an update each; the request is released once none of it runs, and the
         first of its last updates says what its KV held."""
         owned = self.owners[request_id]
-        ended = request_id not in self.engine.groups
+        ended = not self.engine.is_unfinished(request_id)
         for i, index in enumerate(indexes or [0]):  # none left to stop: the gateway still hears that it ended
             kv_block_seconds = _kv_block_seconds(owned) if ended and i == 0 else None
             self._emit(
@@ -394,34 +395,22 @@ class ExecutorService:
         )
         self.wire.send(identity, protocol.RequestError(request_id, message, code))
 
-    def _publish(self, heartbeat: bool, changed: bool) -> None:
-        added, removed = self.engine.pool.drain_events()
-        load = self.engine.load()
+    def _publish(self, heartbeat: bool, changed: bool, step: StepResult | None = None) -> None:
+        """The step's cache changes, and the engine's numbers as they are now (aborts since the step count)."""
+        stats = self.engine.stats()
         self.stats_pending |= changed
-        self.index.publish(added, removed, load, heartbeat, self._due_stats(load))
+        cached, evicted = (step.cached, step.evicted) if step is not None else ([], [])
+        self.index.publish(cached, evicted, stats.load(), heartbeat, self._due_stats(stats))
 
-    def _due_stats(self, load: dict[str, float]) -> dict[str, float] | None:
+    def _due_stats(self, stats: EngineStats) -> dict[str, float] | None:
         """The stats hash at most every STATS_INTERVAL_S while busy, and at once when the engine goes idle, so a
-        finished request's counts show within a second."""
+        finished request's counts show within a second. Its counters and gauges are the snapshot's, by name."""
         now = time.monotonic()
         if not self.stats_pending or (now < self.next_stats_at and self.engine.has_unfinished()):
             return None
         self.stats_pending, self.next_stats_at = False, now + STATS_INTERVAL_S
-        counters = self.engine.counters()
-        self.stats.counters.update(
-            prefix_cache_queried_tokens=counters["prefix_cache_queries"],
-            prefix_cache_hit_tokens=counters["prefix_cache_hits"],
-            preemptions=counters["num_preemptions"],
-            spec_draft_tokens=counters["spec_draft_tokens"],
-            spec_accepted_tokens=counters["spec_accepted_tokens"],
-            block_hash_mismatches=counters["block_hash_mismatches"],
-        )
-        self.stats.gauges.update(
-            kv_blocks_used=self.engine.pool.num_used_blocks,
-            kv_blocks_total=self.engine.pool.num_blocks,
-            running=load["running"],
-            waiting=load["waiting"],
-        )
+        for numbers in (self.stats.counters, self.stats.gauges):
+            numbers.update({name: getattr(stats, name) for name in numbers})
         return self.stats.to_hash()
 
 

@@ -13,13 +13,13 @@ import tempfile
 from pathlib import Path
 
 from executor.cli import add_zmq_sndhwm_arg
+from executor.engine_config import add_engine_args, config_from_args, engine_argv
 from gateway.cli import add_http_args, run_gateway
 from gateway.server.exit_deadline import EXIT_MARGIN_S
 from kvserve.curve_keys_cli import write_keys
 from kvserve.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S
 from shared.curve_keys import CurveKeyError, load_executor_keys, load_gateway_keys
 from shared.defaults import DEFAULT_MODEL
-from shared.engine_config import add_engine_args, config_from_args, engine_argv
 from shared.model_paths import check_model_dir, pulled_model_dir
 
 # CPU executors run below the gateway's priority: the gateway's work per request is small but sits on every

@@ -210,9 +210,7 @@ def test_the_walk_sees_function_level_and_relative_imports(tmp_path):
 
 
 # shared/ modules one side alone uses, each with why it stays
-SHARED_ONE_SIDE = {
-    "shared.engine_config": "the executor's; it moves to executor/ with the engine's seams (issue 31)",
-}
+SHARED_ONE_SIDE: dict[str, str] = {}
 
 
 def users_of_shared(imports: list[Import]) -> dict[str, set[str]]:

@@ -15,7 +15,7 @@ def llm(tiny_models) -> LLM:
 
 def assert_no_blocks_held(llm: LLM) -> None:
     stats = llm.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 
 def test_a_request_larger_than_the_whole_pool_is_refused(tiny_models):
     small = LLM(tiny_models["llama"], kv_cache_memory=4 * 2 * 2 * 16 * 2 * 16 * 4, max_model_len=512)
-    assert small.stats()["kv_blocks_total"] == 4
+    assert small.stats().kv_blocks_total == 4
     with pytest.raises(ValueError, match="whole pool"):
         small.generate([list(range(1, 60))], SamplingParams(max_tokens=10))
     out = small.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0))
@@ -76,7 +76,7 @@ def test_abort_frees_blocks_and_leaves_neighbours_running(llm):
     drop = llm.add_request(list(range(100, 160)), params)
     llm.step()
     llm.step()
-    assert llm.stats()["kv_blocks_used"] > 0
+    assert llm.stats().kv_blocks_used > 0
     llm.abort(drop)
     done = []
     while llm.engine.has_unfinished():
@@ -177,13 +177,13 @@ def test_load_counts_the_prompt_tokens_still_to_prefill(llm):
     # prompts no other test sends, so no prefix hit; 100 tokens take two steps at a 64-token budget
     first = llm.add_request(list(range(4200, 4300)), params)
     second = llm.add_request(list(range(4300, 4340)), params)
-    assert llm.engine.load()["prefill_tokens"] == 140
+    assert llm.engine.stats().prefill_tokens == 140
     llm.step()  # the first 64 of the first prompt
-    assert llm.engine.load()["prefill_tokens"] == 76
+    assert llm.engine.stats().prefill_tokens == 76
     while llm.engine.has_unfinished():
         llm.step()
-    assert llm.engine.load()["prefill_tokens"] == 0
-    assert {first, second} and llm.engine.load()["running"] == 0
+    assert llm.engine.stats().prefill_tokens == 0
+    assert {first, second} and llm.engine.stats().running == 0
 
 
 def test_load_reports_the_most_requests_one_tenant_has_waiting(llm):
@@ -192,19 +192,19 @@ def test_load_reports_the_most_requests_one_tenant_has_waiting(llm):
     for i in range(3):
         engine.add_request(f"wa{i}", [5, 6, 7 + i], params, tenant="A")
     engine.add_request("wb", [5, 6, 9], params, tenant="B", weight=2.5)
-    assert (engine.load()["waiting"], engine.load()["waiting_max_tenant"]) == (4, 3)
+    assert (engine.stats().waiting, engine.stats().waiting_max_tenant) == (4, 3)
     with pytest.raises(ValueError, match="weight"):
         engine.add_request("w0", [5, 6], params, tenant="C", weight=0)
     while engine.has_unfinished():
         llm.step()
-    assert engine.load()["waiting_max_tenant"] == 0
+    assert engine.stats().waiting_max_tenant == 0
     assert_no_blocks_held(llm)
 
 
 def test_a_steps_token_budget_defaults_by_device(tiny_models):
     """512 on a CPU, where a 2,048-token step would take seconds; an explicit budget is kept."""
-    from shared.engine_config import EngineConfig
+    from executor.engine_config import EngineConfig
 
-    assert LLM(tiny_models["llama"], kv_cache_memory="1MiB").engine.scheduler.max_num_batched_tokens == 512
-    assert EngineConfig().batched_tokens_for("cuda") == 2048
-    assert EngineConfig(max_num_batched_tokens=96).batched_tokens_for("cpu") == 96
+    assert LLM(tiny_models["llama"], kv_cache_memory="1MiB").engine.config.max_num_batched_tokens == 512
+    assert EngineConfig().resolved("cuda", 8192).max_num_batched_tokens == 2048
+    assert EngineConfig(max_num_batched_tokens=96).resolved("cpu", 8192).max_num_batched_tokens == 96

@@ -57,7 +57,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_default_model_matches_hf(default_model, default_prompts, default_reference):
     llm = LLM(default_model, kv_cache_memory="256MiB")
     assert generate(llm, default_prompts) == default_reference
-    assert llm.stats()["kv_blocks_used"] == 0
+    assert llm.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -87,18 +87,18 @@ def test_engine_features_do_not_change_output(default_model, default_prompts, de
     assert generate(llm, default_prompts) == default_reference
     stats = llm.stats()
     if engine_args.get("enable_prefix_caching", True):
-        assert stats["prefix_cache_hits"] > 0
+        assert stats.prefix_cache_hit_tokens > 0
     else:
-        assert stats["prefix_cache_hits"] == 0
-    assert stats["kv_blocks_used"] == 0
+        assert stats.prefix_cache_hit_tokens == 0
+    assert stats.kv_blocks_used == 0
 
 
 def test_preemption_keeps_output(default_model, default_prompts, default_reference):
     # room for about two long requests at once: the others must be preempted and recomputed
     llm = LLM(default_model, kv_cache_memory=48 * 16 * 30 * 2 * 3 * 64 * 4, max_num_batched_tokens=256)
     assert generate(llm, default_prompts) == default_reference
-    assert llm.stats()["num_preemptions"] > 0
-    assert llm.stats()["kv_blocks_used"] == 0
+    assert llm.stats().preemptions > 0
+    assert llm.stats().kv_blocks_used == 0
 
 
 def test_all_at_once_equals_one_at_a_time(default_model, default_prompts, default_reference):

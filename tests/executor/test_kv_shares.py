@@ -209,7 +209,7 @@ def test_engine_keeps_a_tenants_prefix_through_anothers_burst(tiny_models, kv_sh
     # 16 blocks of 16 tokens (a block of the tiny llama is 8 KiB)
     llm = LLM(tiny_models["llama"], kv_cache_memory=16 * 8192, max_model_len=256, kv_shares=kv_shares)
     engine = llm.engine
-    assert engine.pool.num_blocks == 16
+    assert engine.kv.pool.num_blocks == 16
 
     def run(requests: dict[str, tuple[list[int], str]]) -> dict[str, int]:
         """Run them together to the end: each one's cached prompt tokens."""
@@ -219,7 +219,7 @@ def test_engine_keeps_a_tenants_prefix_through_anothers_burst(tiny_models, kv_sh
             )
         cached = {}
         while engine.has_unfinished():
-            for out in engine.step():
+            for out in engine.step().outputs:
                 cached[out.request_id] = out.num_cached_tokens
         return cached
 
@@ -227,4 +227,4 @@ def test_engine_keeps_a_tenants_prefix_through_anothers_burst(tiny_models, kv_sh
     run({"b": (prefix + [1], "B")})
     run({f"a{i}": (unique(40), "A") for i in range(8)})
     assert run({"b2": (prefix + [2], "B")})["b2"] == (48 if kv_shares else 0)
-    assert engine.pool.num_free_blocks == 16
+    assert engine.kv.pool.num_free_blocks == 16

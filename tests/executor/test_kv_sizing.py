@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from executor import LLM, SamplingParams
+from executor.engine_config import EngineConfig
 from executor.kv_layout import kv_block_bytes
 from executor.kv_sizing import kv_cache_bytes, profile_kv_bytes, worst_sampling_params
-from shared.engine_config import EngineConfig
 from shared.sampling_params import MAX_PROMPT_LOGPROBS
 
 GIB = 2**30

@@ -29,8 +29,8 @@ def choices(llm: LLM, prompt, **params) -> list[list[int]]:
 
 def assert_no_blocks_held(llm: LLM) -> None:
     stats = llm.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert not llm.engine.requests and not llm.engine.groups
+    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
+    assert not llm.engine.intake.requests and not llm.engine.intake.groups
 
 
 @pytest.mark.parametrize("prompt_len", [37, 48])  # a partial last block (copied) and whole blocks only
@@ -48,11 +48,11 @@ def test_the_prompt_is_prefilled_once_and_its_full_blocks_shared(tiny_models):
     prompt = list(range(100, 100 + 5 * BLOCK + 3))  # 5 full blocks and 3 tokens in a sixth
     llm.add_request(prompt, SamplingParams(max_tokens=8, n=4, **GREEDY))
     llm.step()  # the prefill: 83 tokens computed once, four first tokens
-    assert llm.stats()["kv_blocks_used"] == 6
+    assert llm.stats().kv_blocks_used == 6
     llm.step()  # each choice writes its second token: three copy the shared partial block, one keeps it
-    assert llm.stats()["kv_blocks_used"] == 5 + 4
+    assert llm.stats().kv_blocks_used == 5 + 4
     # the five shared blocks once, and each choice's own last block: the prompt's 3 tokens and its first
-    assert llm.stats()["kv_tokens_stored"] == 5 * BLOCK + 4 * (3 + 1)
+    assert llm.engine.kv_tokens_stored() == 5 * BLOCK + 4 * (3 + 1)
     while llm.engine.has_unfinished():
         llm.step()
     assert_no_blocks_held(llm)
@@ -81,7 +81,7 @@ PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty
 def test_a_group_under_a_tiny_pool_is_preempted_and_still_gives_the_greedy_output(tiny_models, penalties):
     # 16 blocks: the group needs 2 shared + 4 x 3 of its own at its end, the other request 5: they preempt
     llm = make_llm(tiny_models, kv_cache_memory=16 * 2 * 2 * BLOCK * 2 * 16 * 4)
-    assert llm.stats()["kv_blocks_total"] == 16
+    assert llm.stats().kv_blocks_total == 16
     prompts = [list(range(50, 90)), list(range(150, 190))]
     greedy = GREEDY | penalties
     singles = [choices(llm, p, max_tokens=40, **greedy)[0] for p in prompts]
@@ -90,7 +90,7 @@ def test_a_group_under_a_tiny_pool_is_preempted_and_still_gives_the_greedy_outpu
     )
     assert [c.token_ids for c in outs[0].outputs] == [singles[0]] * 4
     assert outs[1].outputs[0].token_ids == singles[1]
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().preemptions > 0
     assert_no_blocks_held(llm)
 
 
@@ -98,7 +98,7 @@ def test_aborting_the_group_frees_every_choice(llm):
     request_id = llm.add_request(list(range(10, 60)), SamplingParams(max_tokens=60, n=4, **GREEDY))
     for _ in range(4):
         llm.step()
-    assert llm.stats()["num_running"] == 4
+    assert llm.stats().running == 4
     llm.abort(request_id)
     assert_no_blocks_held(llm)
 
@@ -106,7 +106,7 @@ def test_aborting_the_group_frees_every_choice(llm):
 def test_aborting_before_the_prefill_ends_frees_the_choices_waiting_to_fork(llm):
     request_id = llm.add_request(list(range(10, 200)), SamplingParams(max_tokens=8, n=4, **GREEDY))
     llm.step()  # a first chunk of 64 tokens
-    assert llm.stats()["num_running"] == 1
+    assert llm.stats().running == 1
     llm.abort(request_id)
     assert_no_blocks_held(llm)
 
@@ -145,10 +145,10 @@ def test_speculative_decoding_works_per_choice(tiny_models, draft):
     )
     prompt = [5, 6, 7, 8] * 10 + [5]
     single = choices(llm, prompt, max_tokens=30, **GREEDY)
-    drafted = llm.stats()["spec_draft_tokens"]
+    drafted = llm.stats().spec_draft_tokens
     assert choices(llm, prompt, max_tokens=30, n=4, **GREEDY) == single * 4
     # n-gram lookup proposes only where the random model's output repeats itself, which it may never do
-    assert llm.stats()["spec_draft_tokens"] > 2 * drafted > 0 or draft == "ngram"
+    assert llm.stats().spec_draft_tokens > 2 * drafted > 0 or draft == "ngram"
     assert_no_blocks_held(llm)
 
 
@@ -193,7 +193,7 @@ def test_aborting_one_choice_leaves_the_others_running(llm):
     assert engine.abort("cut", 1) == []  # already stopped
     outs = []
     while engine.has_unfinished():
-        outs += engine.step()
+        outs += engine.step().outputs
     assert {o.index for o in outs} == {0, 2} and all(len(o.new_token_ids) == 1 for o in outs)
     assert sum(o.group_finished for o in outs) == 1 and outs[-1].group_finished
     assert_no_blocks_held(llm)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor import LLM, SamplingParams
-from executor import engine as engine_module
+from executor import LLM, SamplingParams, step_sampler
 from tests.executor.test_hf_equivalence import LONG_TEXT
 
 TOP = 5
@@ -61,7 +60,7 @@ def test_prompt_logprobs_match_hf_in_chunks(default_model, prompt, hf_logprobs, 
 
 def test_prompt_logprobs_scored_a_slice_of_rows_at_a_time(default_model, prompt, hf_logprobs, monkeypatch):
     """A step's logits are bounded: a chunk's prompt rows are scored PROMPT_LOGITS_ROWS at a time."""
-    monkeypatch.setattr(engine_module, "PROMPT_LOGITS_ROWS", 10)  # 64-row chunks in slices of 10, and a rest
+    monkeypatch.setattr(step_sampler, "PROMPT_LOGITS_ROWS", 10)  # 64-row chunks in slices of 10, and a rest
     llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=64)
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP))[0]
     check_against_hf(out.prompt_logprobs, prompt, hf_logprobs)
@@ -84,7 +83,7 @@ def test_max_tokens_zero_scores_the_prompt_only(default_model, prompt, hf_logpro
     check_against_hf(out.prompt_logprobs, prompt, hf_logprobs)
     assert out.outputs[0].token_ids == [] and out.outputs[0].text == ""
     assert out.outputs[0].finish_reason == "length"
-    assert llm.stats()["kv_blocks_used"] == 0
+    assert llm.stats().kv_blocks_used == 0
 
 
 def test_prompt_logprobs_bounds():
@@ -105,7 +104,7 @@ def test_prompt_logprobs_survive_preemption(tiny_models):
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, float32
     tight = LLM(tiny_models["llama"], kv_cache_memory=12 * block_bytes, max_num_batched_tokens=16)
     outs = tight.generate(prompts, params)
-    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats().preemptions > 0
     for out, want in zip(outs, expected, strict=True):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
         assert len(out.prompt_logprobs) == len(want.prompt_logprobs) == 60

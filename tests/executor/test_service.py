@@ -392,8 +392,8 @@ def _local_service(model: str, peer_has_room: bool = True, **engine_flags):
     import threading
 
     from executor.engine import Engine
+    from executor.engine_config import EngineConfig
     from executor.service import ExecutorService
-    from shared.engine_config import EngineConfig
 
     engine = Engine(EngineConfig(model=model, kv_cache_memory="8MiB", device="cpu", **engine_flags))
     context = zmq.Context()

@@ -33,7 +33,7 @@ def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 def assert_no_blocks_held(llm: LLM) -> None:
     stats = llm.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
 
 
 # -- the default model ------------------------------------------------------------------------------------
@@ -82,15 +82,15 @@ def test_default_model_greedy_output_is_unchanged(
     )
     assert generate(llm, default_prompts) == default_reference
     stats = llm.stats()
-    assert stats["spec_draft_tokens"] > 0
+    assert stats.spec_draft_tokens > 0
     if draft == "self":
-        assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"]
-        assert stats["spec_acceptance_rate"] == 1.0
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+        assert stats.spec_acceptance_rate == 1.0
     if draft == "ngram":  # the code rewrite repeats its prompt: lookup must find and land proposals
-        assert stats["spec_accepted_tokens"] > 0
+        assert stats.spec_accepted_tokens > 0
         # round two starts from the prefix cache, verified blocks only
         assert generate(llm, default_prompts) == default_reference
-        assert llm.stats()["prefix_cache_hits"] > 0
+        assert llm.stats().prefix_cache_hit_tokens > 0
     assert_no_blocks_held(llm)
 
 
@@ -111,9 +111,9 @@ def test_tiny_models_greedy_output_is_unchanged(tiny_models, family):
         assert generate(llm, TINY_PROMPTS) == reference, draft
         stats = llm.stats()
         # (a random model's output need not repeat anything, so n-gram lookup may find nothing to propose)
-        assert stats["spec_draft_tokens"] > 0 or draft == "ngram"
+        assert stats.spec_draft_tokens > 0 or draft == "ngram"
         if draft == path:
-            assert stats["spec_acceptance_rate"] == 1.0
+            assert stats.spec_acceptance_rate == 1.0
         assert_no_blocks_held(llm)
 
 
@@ -186,11 +186,11 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_tokens_there_too(tiny, se
 def test_eos_inside_an_accepted_run_ends_the_output_there(tiny, tiny_reference):
     llm = LLM(tiny, kv_cache_memory="8MiB", speculative_model=tiny, num_speculative_tokens=6)
     eos = tiny_reference[9]
-    llm.engine.eos_token_ids = frozenset({eos})
+    llm.engine.intake.eos_token_ids = frozenset({eos})  # what new requests stop at
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0].outputs[0]
     assert out.token_ids == tiny_reference[: tiny_reference.index(eos) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None
-    assert llm.stats()["spec_accepted_tokens"] > 0
+    assert llm.stats().spec_accepted_tokens > 0
     assert_no_blocks_held(llm)
 
 
@@ -205,10 +205,10 @@ def test_preemption_under_memory_pressure_keeps_output(tiny):
     llm = LLM(
         tiny, kv_cache_memory=24 * 2 * block_bytes, speculative_model=tiny, num_speculative_tokens=4, **SPEC
     )
-    assert llm.stats()["kv_blocks_total"] == 24
+    assert llm.stats().kv_blocks_total == 24
     assert generate(llm, prompts, params) == reference
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats.preemptions > 0 and stats.spec_accepted_tokens > 0
     assert_no_blocks_held(llm)
 
 
@@ -221,7 +221,7 @@ def test_preempting_a_request_with_pending_proposals(tiny, draft):
     model = "ngram" if draft == "ngram" else tiny
     llm = LLM(tiny, kv_cache_memory="8MiB", speculative_model=model, num_speculative_tokens=3, **SPEC)
     ids = [llm.add_request(p, params) for p in prompts]
-    victim = llm.engine.requests[ids[1]] if draft == "self" else llm.engine.requests[ids[0]]
+    victim = llm.engine.intake.requests[ids[1]] if draft == "self" else llm.engine.intake.requests[ids[0]]
     outputs = {i: [] for i in ids}
     preempted = False
     while llm.engine.has_unfinished():
@@ -233,7 +233,7 @@ def test_preempting_a_request_with_pending_proposals(tiny, draft):
             )  # as the scheduler does when blocks run out
             preempted = True
             assert not victim.spec_token_ids
-    assert preempted and llm.stats()["num_preemptions"] == 1
+    assert preempted and llm.stats().preemptions == 1
     assert [outputs[i] for i in ids] == reference
     assert_no_blocks_held(llm)
 
@@ -246,11 +246,11 @@ def test_rejected_proposals_never_reach_the_prefix_cache(tiny, tiny_models):
     llm = LLM(tiny, kv_cache_memory="8MiB", speculative_model=other, num_speculative_tokens=5, **SPEC)
     first = generate(llm, prompts)
     stats = llm.stats()
-    assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"]
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens
     follow_up = [p + out for p, out in zip(prompts, first, strict=True)]
     plain = LLM(tiny, kv_cache_memory="8MiB", enable_prefix_caching=False)
     assert generate(llm, follow_up) == generate(plain, follow_up)
-    assert llm.stats()["prefix_cache_hits"] - stats["prefix_cache_hits"] >= 4 * 32
+    assert llm.stats().prefix_cache_hit_tokens - stats.prefix_cache_hit_tokens >= 4 * 32
     assert_no_blocks_held(llm)
 
 
@@ -274,7 +274,7 @@ def test_every_sampling_option_with_speculation(tiny):
     )
     plain = LLM(tiny, kv_cache_memory="8MiB")
     assert generate(llm, [prompt], greedy) == generate(plain, [prompt], greedy)
-    assert llm.stats()["spec_draft_tokens"] > 0
+    assert llm.stats().spec_draft_tokens > 0
     assert_no_blocks_held(llm)
 
 
@@ -284,7 +284,7 @@ def test_stats_and_per_request_accepted_counts(tiny):
     stats = llm.stats()
     # 1 token from the prefill, then runs of 4 up to 29; with 3 left, k shrinks to 2: 7 x 3 + 2 accepted
     assert [o.num_accepted_tokens for o in outs] == [23, 23]
-    assert stats["spec_draft_tokens"] == stats["spec_accepted_tokens"] == 46
+    assert stats.spec_draft_tokens == stats.spec_accepted_tokens == 46
 
 
 # -- back-off -----------------------------------------------------------------------------------------------
@@ -307,9 +307,9 @@ def test_no_speculation_while_the_batch_is_large(tiny, draft):
         llm.engine.draft.runner.run = lambda chunks: draft_runs.append(len(chunks)) or run(chunks)
     prompts = [[7, 8, 9, 10] * 6 + [i] for i in range(4)]
     generate(llm, prompts)  # four running, all to the end
-    assert llm.stats()["spec_draft_tokens"] == 0 and not draft_runs
+    assert llm.stats().spec_draft_tokens == 0 and not draft_runs
     generate(llm, prompts[:3])
-    assert llm.stats()["spec_draft_tokens"] > 0
+    assert llm.stats().spec_draft_tokens > 0
     assert draft_runs or draft == "ngram"
 
 

@@ -26,7 +26,7 @@ def stream_through_engine(llm: LLM, body: dict) -> tuple[Generation, str, list[i
     llm.engine.add_request("r", prompt, params)
     events = ""
     while not generation.finished:
-        for out in llm.engine.step():
+        for out in llm.engine.step().outputs:
             events += stream.update(
                 out.new_token_ids, out.new_logprobs, out.finish_reason, out.num_cached_tokens
             )

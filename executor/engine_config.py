@@ -65,7 +65,7 @@ class EngineConfig:
     # structured outputs: seconds one grammar may take to compile before its process is killed and its request
     # refused (a regex's compile time grows with the square of its length)
     grammar_compile_timeout: float = 10.0
-    # tokens a step computes at most; None: DEFAULT_MAX_NUM_BATCHED_TOKENS for the device (batched_tokens_for)
+    # tokens a step computes at most; None: DEFAULT_MAX_NUM_BATCHED_TOKENS for the device (resolved)
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
@@ -120,17 +120,17 @@ class EngineConfig:
             )
         self._check_speculative()
 
-    def batched_tokens_for(self, device_type: str) -> int:
-        """max_num_batched_tokens, or the default for this kind of device."""
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device_type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
-
-    def waiting_tokens_for(self, device_type: str) -> int:
-        """max_waiting_tokens, or WAITING_STEPS steps' token budget."""
-        if self.max_waiting_tokens is not None:
-            return self.max_waiting_tokens
-        return WAITING_STEPS * self.batched_tokens_for(device_type)
+    def resolved(self, device_type: str, max_model_len: int) -> EngineConfig:
+        """This config with the step's token budget decided, the one place it is: --max-num-batched-tokens or
+        the device's default, and at least a whole prompt (max_model_len) without chunked prefill; the waiting
+        queue's token bound, when not given, WAITING_STEPS budgets (before a whole prompt raised it)."""
+        budget = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(
+            device_type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
+        )
+        waiting_tokens = self.max_waiting_tokens or WAITING_STEPS * budget
+        if not self.enable_chunked_prefill:
+            budget = max(budget, max_model_len)
+        return dataclasses.replace(self, max_num_batched_tokens=budget, max_waiting_tokens=waiting_tokens)
 
     def _check_speculative(self) -> None:
         if self.speculative_model is None:

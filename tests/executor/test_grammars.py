@@ -20,8 +20,8 @@ import pytest
 from executor import LLM, SamplingParams
 from executor.engine import Engine
 from executor.engine_busy import EngineBusy
+from executor.grammars import Grammars, step_bitmask
 from executor.kv_layout import kv_block_bytes
-from executor.structured_output import Grammars, step_bitmask
 from shared.structured_outputs import StructuredOutputsParams
 from tests.processes import REPO, eventually
 
@@ -56,8 +56,8 @@ def run_to_the_end(engine: Engine, timeout_s: float = 120) -> tuple[dict, dict]:
     """Step until nothing is left: each request's last output, in the order they ended, and its tokens."""
     finished, tokens, deadline = {}, {}, time.monotonic() + timeout_s
     while engine.has_unfinished():
-        assert time.monotonic() < deadline, f"still unfinished: {sorted(engine.requests)}"
-        for out in engine.step():
+        assert time.monotonic() < deadline, f"still unfinished: {sorted(engine.intake.requests)}"
+        for out in engine.step().outputs:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason is not None:
                 finished[out.request_id] = out
@@ -197,19 +197,21 @@ def test_a_grammar_that_fails_while_queued_ends_only_its_request(tiny_engine):
     engine = tiny_engine
     # the worker busy with another tenant's compile (killed at the deadline), so both grammars below wait
     engine.grammars.compile(constrained(regex=slow_regex()), "holder")
-    bad = engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=constrained(regex="[z-a]")))
-    good = engine.add_request(
+    (bad,) = engine.add_request(
+        "bad", [1, 2, 3], SamplingParams(structured_outputs=constrained(regex="[z-a]"))
+    )
+    (good,) = engine.add_request(
         "good", [1, 2, 3], SamplingParams(max_tokens=3, structured_outputs=constrained(regex="a+"))
     )
     engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
-    first = engine.step()
+    first = engine.step().outputs
     assert [o.request_id for o in first] == ["plain"]  # not held up by the two compiling
     assert not bad.grammar.ready and not good.grammar.ready
     finished, tokens = run_to_the_end(engine)
     assert finished["bad"].error.startswith("structured_outputs.regex:") and not finished["bad"].new_token_ids
     assert finished["bad"].error_code == 400
     assert finished["good"].finish_reason == "length" and finished["plain"].finish_reason == "length"
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_a_grammar_past_its_deadline_fails_alone_and_the_next_compiles_in_a_fresh_process(tiny_engine):
@@ -230,7 +232,7 @@ def test_a_grammar_past_its_deadline_fails_alone_and_the_next_compiles_in_a_fres
     assert finished["after"].error is None and finished["after"].finish_reason in ("stop", "length")
     assert re.fullmatch("((ab)+)?a?", engine.tokenizer.decode(tokens["after"], skip_special_tokens=True))
     assert gone(first_pid) and engine.grammars.worker_pid not in (None, first_pid)
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_a_compile_process_that_dies_fails_its_request_as_our_fault_and_is_replaced(tiny_engine):
@@ -260,28 +262,32 @@ def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(t
     for i, spec in enumerate(specs):
         params = SamplingParams(max_tokens=2, structured_outputs=spec)
         engine.add_request(f"c{i}", [1, 2, 3], params, cache_salt="alpha")
-    assert len(engine.compiling) == 3 and not engine.scheduler.waiting and not engine.queue_full
-    assert engine.load()["waiting"] == 3 and engine.stats()["num_compiling"] == 3
+    assert (
+        len(engine.grammar_queue.requests) == 3
+        and not engine.scheduler.waiting
+        and not engine.stats().queue_full
+    )
+    assert engine.stats().waiting == 3 and engine.stats().compiling == 3
     more = SamplingParams(max_tokens=2, structured_outputs=constrained(regex="(zw)+"))
     with pytest.raises(EngineBusy, match="3 of this tenant's requests already wait for their grammars"):
         engine.add_request("refused", [1, 2, 3], more, cache_salt="alpha")
-    assert "refused" not in engine.requests
+    assert "refused" not in engine.intake.requests
     assert engine.grammars.lookup(more.structured_outputs, "alpha") is None  # nothing queued for it
     engine.add_request("beta", [1, 2, 3], more, cache_salt="beta")  # another tenant still has room
-    assert len(engine.compiling) == 4 and not engine.queue_full
+    assert len(engine.grammar_queue.requests) == 4 and not engine.stats().queue_full
     assert engine.abort("beta") == [0]
     engine.add_request("ready", [1, 2, 3], SamplingParams(max_tokens=2, structured_outputs=ready), "alpha")
     engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(engine.scheduler.waiting) == 2
     # c2 waits behind c0 and c1: aborted, its compile is dropped unstarted, and asked again it compiles afresh
-    queued = engine.requests["c2"].grammar.future
+    queued = engine.intake.requests["c2"].grammar.future
     assert engine.abort("c2") == [0] and queued.cancelled()
     assert engine.grammars.lookup(specs[2], "alpha") is None
     assert engine.abort("c0") == [0] and engine.abort("c1") == [0]
-    assert not engine.compiling and engine.load()["waiting"] == 2
+    assert not engine.grammar_queue.requests and engine.stats().waiting == 2
     finished, tokens = run_to_the_end(engine)
     assert set(finished) == {"ready", "plain"} and finished["ready"].error is None
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_all_tenants_together_have_four_times_one_tenants_places(tiny_engine):
@@ -298,7 +304,7 @@ def test_all_tenants_together_have_four_times_one_tenants_places(tiny_engine):
     for request_id in added:
         engine.abort(request_id)
     finished, _ = run_to_the_end(engine)
-    assert list(finished) == ["plain"] and not engine.compiling
+    assert list(finished) == ["plain"] and not engine.grammar_queue.requests
 
 
 def test_tenants_take_turns_at_the_compiler(tiny_engine):
@@ -345,18 +351,18 @@ def _greedy_json(path: str, n: int = 4, **engine_args) -> tuple[list[list[int]],
 def test_speculation_and_preemption_leave_constrained_tokens_unchanged(tiny):
     reference, plain = _greedy_json(tiny, kv_cache_memory="4MiB")
     speculated, with_spec = _greedy_json(tiny, kv_cache_memory="4MiB", **SPEC)
-    assert with_spec.stats()["spec_draft_tokens"] > 0
+    assert with_spec.stats().spec_draft_tokens > 0
     assert speculated == reference
     drafted, with_draft = _greedy_json(
         tiny, kv_cache_memory="4MiB", **{**SPEC, "speculative_model": tiny, "num_speculative_tokens": 3}
     )
-    assert with_draft.stats()["spec_accepted_tokens"] > 0  # the model drafting for itself
+    assert with_draft.stats().spec_accepted_tokens > 0  # the model drafting for itself
     assert drafted == reference
     # 8 blocks of 16 tokens for four requests of 61 tokens: they preempt one another
     engine = plain.engine
     small = 8 * kv_block_bytes(engine.runner.model.spec, engine.block_size, engine.dtype)
     preempted, with_preemption = _greedy_json(tiny, kv_cache_memory=small)
-    assert with_preemption.stats()["num_preemptions"] > 0
+    assert with_preemption.stats().preemptions > 0
     assert preempted == reference
 
 
@@ -383,7 +389,7 @@ def test_the_compile_process_dies_with_its_parent_even_mid_compile(tiny):
     script = f"""
 import time
 from transformers import AutoTokenizer
-from executor.structured_output import Grammars
+from executor.grammars import Grammars
 from shared.structured_outputs import StructuredOutputsParams as Spec
 tokenizer = AutoTokenizer.from_pretrained({tiny!r})
 grammars = Grammars(tokenizer, len(tokenizer), frozenset({{tokenizer.eos_token_id}}), timeout_s=600)
@@ -420,7 +426,7 @@ def test_drawn_draft_proposals_the_grammar_refuses_are_rejected(tiny):
         for seed in range(3)
     ]
     outs = llm.generate([[10, 20, 30, 40] * 4] * 3, params)
-    assert llm.stats()["spec_draft_tokens"] > 0
+    assert llm.stats().spec_draft_tokens > 0
     for out in outs:
         assert re.fullmatch("((ab|cd)+)?[ac]?", out.outputs[0].text), out.outputs[0].text
 
@@ -428,9 +434,9 @@ def test_drawn_draft_proposals_the_grammar_refuses_are_rejected(tiny):
 def test_without_the_grammar_library_a_structured_request_is_refused_naming_it(tiny_models, monkeypatch):
     """As on the GPU image, which has no xgrammar: the engine serves, and only a request that needs the library
     is refused, with a message saying which and how to install it."""
-    from executor import structured_output
+    from executor import grammars
 
-    monkeypatch.setattr(structured_output, "_library_missing", ImportError("No module named 'xgrammar'"))
+    monkeypatch.setattr(grammars, "_library_missing", ImportError("No module named 'xgrammar'"))
     llm = LLM(tiny_models["llama"], device="cpu", kv_cache_memory="8MiB")
     plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))

@@ -1,0 +1,85 @@
+"""What a step hands out: each request's new tokens, the step's events, and one snapshot of the engine's numbers.
+
+The snapshot's names are the ones published: its routing fields are the executor's load in Redis
+(EngineStats.load), its counters and gauges the stats hash behind /metrics (shared/executor_stats.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from executor.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    num_cached_tokens: int
+    num_accepted_tokens: int = 0  # proposals of this request the target has accepted so far
+    error: str | None = None  # refused after it was queued (its grammar failed to compile): the message
+    error_code: int = 400  # 400 when the spec was at fault, 500 when the engine was
+    # params.prompt_logprobs: every prompt token's but the first (which has none), with its first new token
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # the choice (parallel sampling, n > 1); request_id is the whole group's
+    group_finished: bool = True  # no choice of the group runs any more: its last output
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's numbers at one moment: cheap to take every step (no block table is walked)."""
+
+    running: int
+    waiting: int  # in the waiting queue, or waiting for their grammar (they will need their prefill too)
+    compiling: int  # of waiting: for their grammar, outside the waiting queue's places
+    waiting_max_tenant: int  # the most places of the waiting queue one tenant holds
+    prefill_tokens: int  # prompt tokens still to prefill: the work a new request waits behind
+    queue_full: bool  # every tenant's places in the waiting queue taken
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_size: int
+    # cumulative since start
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    preemptions: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    block_hash_mismatches: int  # requests whose gateway hashed their prompt otherwise
+    structured_output_mask_seconds: float  # building and applying token masks (bench/structured_outputs.py)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    def load(self) -> dict[str, float]:
+        """What routing needs, published every step (the executor's load in Redis)."""
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "compiling": self.compiling,
+            "waiting_max_tenant": self.waiting_max_tenant,
+            "prefill_tokens": self.prefill_tokens,
+            "kv_usage": self.kv_usage,
+            "queue_full": int(self.queue_full),
+        }
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One step: its outputs, its events, and the engine's numbers after it."""
+
+    outputs: list[StepOutput] = field(default_factory=list)
+    queue_times: list[float] = field(default_factory=list)  # seconds each request first scheduled had waited
+    cached: list[bytes] = field(default_factory=list)  # block hashes newly in the prefix cache, netted
+    evicted: list[bytes] = field(default_factory=list)  # and those no longer in it
+    stats: EngineStats | None = None
