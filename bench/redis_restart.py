@@ -27,8 +27,8 @@ import httpx
 import redis
 
 from bench.prompts import PrefixWorkload, tokenizer_counter
-from shared import redis_keys
 from kvserve.redis_server import free_port, start_redis_server
+from shared import redis_keys
 
 WINDOWS_S = ((0, 2), (2, 5), (5, 10), (10, 20), (20, 60))
 

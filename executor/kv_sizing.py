@@ -7,12 +7,12 @@ import logging
 
 import torch
 
+from executor.engine_config import EngineConfig
 from executor.kv_layout import kv_cache_shape, layer_caches
 from executor.model_runner import PROMPT_LOGITS_ROWS
 from executor.models.llama import AttentionBatch, DecoderLM
 from executor.sampler import Sampler, SamplingRow, logprobs_of
 from executor.sampling_state import SamplingState
-from executor.engine_config import EngineConfig
 from shared.sampling_params import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS, SamplingParams
 
 log = logging.getLogger("kvserve.engine")
