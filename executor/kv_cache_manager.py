@@ -9,11 +9,32 @@ out of it instead of rebuilding every request's table from Python objects each s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from executor.block_pool import Block, BlockPool
 from executor.request import Request, RequestStatus
 from shared.block_hash import hash_blocks, max_cached_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """What a prefix-cache lookup found for a request: its blocks stay the manager's business, the scheduler
+    reads how many tokens they cover and hands the handle back to allocate()."""
+
+    blocks: tuple[Block, ...] = ()
+    block_size: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+NO_PREFIX = CachedPrefix()
 
 
 class KVCacheManager:
@@ -42,10 +63,10 @@ class KVCacheManager:
     def num_blocks(self, request: Request) -> int:
         return len(self.tables.get(request.request_id, ()))
 
-    def find_cached_prefix(self, request: Request) -> list[Block]:
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """The longest run of cached blocks at the head of the request, never covering its last token."""
         if not self.pool.enable_caching:
-            return []
+            return NO_PREFIX
         self._update_hashes(request)
         limit = max_cached_blocks(request.num_tokens, self.block_size)
         if request.num_prompt_tokens_to_score:
@@ -57,18 +78,19 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        return hit
+        return CachedPrefix(tuple(hit), self.block_size)
 
     def allocate(
-        self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = (), reserve: int = 0
+        self, request: Request, num_new_tokens: int, cached: CachedPrefix = NO_PREFIX, reserve: int = 0
     ) -> bool:
         """Make room for num_new_tokens more tokens past the computed ones and the cached prefix, which joins
         the table; False if the pool is short, or would keep fewer than reserve blocks free (a group's choices
         still to fork each need one soon). The caller counts the prefix as computed. A block the new tokens
         land in that forked choices still share is first copied (copy-on-write). Whose cached blocks it may
         evict: see _may_evict_others."""
+        cached_prefix = cached.blocks
         table = self.tables.get(request.request_id, [])
-        first_written = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        first_written = request.num_computed_tokens + cached.num_tokens
         num_tokens = first_written + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - len(table) - len(cached_prefix)
         shared = [

@@ -213,7 +213,7 @@ class Scheduler:
         if len(self.running) + request.group_size > self.max_num_seqs:
             return None
         cached = self.kv.find_cached_prefix(request)
-        num_cached = len(cached) * self.kv.block_size
+        num_cached = cached.num_tokens
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.enable_chunked_prefill:
             return None

@@ -52,17 +52,21 @@ def test_shared_prefix_blocks_are_shared_and_last_token_never_hit():
     pool = BlockPool(16)
     kv = KVCacheManager(pool, 4)
     first = make_request("a", range(12))
-    assert kv.find_cached_prefix(first) == []
+    assert len(kv.find_cached_prefix(first)) == 0
     assert kv.allocate(first, 12)
     first.num_computed_tokens = 12
     kv.cache_full_blocks(first)
     second = make_request("b", list(range(12)) + [50, 51])
     hit = kv.find_cached_prefix(second)
-    assert [b.block_id for b in hit] == kv.block_ids(first).tolist()
+    assert [b.block_id for b in hit.blocks] == kv.block_ids(first).tolist()
     assert kv.allocate(second, 14 - 12, hit)
     # the hit joins the table, one new block after it; counting it as computed is the scheduler's job
-    assert kv.tables["b"][:3] == hit and len(kv.tables["b"]) == 4 and second.num_computed_tokens == 0
-    assert all(b.ref_count == 2 for b in hit)
+    assert (
+        kv.tables["b"][:3] == list(hit.blocks)
+        and len(kv.tables["b"]) == 4
+        and second.num_computed_tokens == 0
+    )
+    assert all(b.ref_count == 2 for b in hit.blocks)
     # exactly the cached prompt again: the last block is not reused, its last token must be computed
     third = make_request("c", range(12))
     assert len(kv.find_cached_prefix(third)) == 2
@@ -75,7 +79,7 @@ def test_salts_never_share_blocks():
     kv.allocate(alice, 12)
     alice.num_computed_tokens = 12
     kv.cache_full_blocks(alice)
-    assert kv.find_cached_prefix(make_request("b", range(13), salt="bob")) == []
+    assert len(kv.find_cached_prefix(make_request("b", range(13), salt="bob"))) == 0
     assert len(kv.find_cached_prefix(make_request("c", range(13), salt="alice"))) == 3
 
 
@@ -98,7 +102,7 @@ def test_prefix_caching_off_finds_nothing():
     kv.allocate(a, 9)
     a.num_computed_tokens = 9
     kv.cache_full_blocks(a)
-    assert kv.find_cached_prefix(make_request("b", range(9))) == []
+    assert len(kv.find_cached_prefix(make_request("b", range(9)))) == 0
 
 
 def test_cache_events_are_recorded_only_when_asked():
