@@ -8,9 +8,9 @@ run the parent's main script again, which an offline script without a main guard
 priority (it takes what the engine leaves), sent the tokenizer info once as the library's JSON and then one spec at
 a time, answering whether it compiled. It does not send the compiled grammar back: the library's only format is
 JSON of every token mask, 10-50x slower to write than the compile, so the parent compiles a spec again once the
-worker has shown it fits the deadline: twice the CPU of a compile, the cheaper way. It never outlives the executor: between
-compiles the pipe's closing ends it; during one, on Linux, the kernel kills it when the parent's thread that
-started it (the compile thread, which lives as long as the executor's grammars) ends, crashes included.
+worker has shown it fits the deadline. It never outlives the executor: between compiles the pipe's closing ends
+it; during one, on Linux, the kernel kills it when the parent's thread that started it (the compile thread, which
+lives as long as the executor's grammars) ends, crashes included.
 """
 
 from __future__ import annotations

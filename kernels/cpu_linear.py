@@ -1,9 +1,10 @@
 """Linear layers whose weights are packed once at load time, for float32 on CPU.
 
 Decode steps multiply a few dozen rows by every weight matrix; torch's default GEMM re-packs the weight on each
-call, which at 32 rows costs about as much as the arithmetic. Packing once removes that. Where the C++ kernels are built, the weight goes into the panels of
-kernels/csrc/small_gemm_cpu.cpp, whose GEMM streams each weight once per call at full speed (at 16 rows 30% less time than
-oneDNN's, level or ahead at 512); otherwise into oneDNN's blocked layout.
+call, which at 32 rows costs about as much as the arithmetic. Packing once removes that. Where the C++ kernels
+are built, the weight goes into the panels of kernels/csrc/small_gemm_cpu.cpp, whose GEMM streams each weight
+once per call at full speed (at 16 rows 30% less time than oneDNN's, level or ahead at 512); otherwise into
+oneDNN's blocked layout.
 """
 
 from __future__ import annotations
