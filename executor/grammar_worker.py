@@ -7,11 +7,10 @@ compiled first in one worker process, `python -m executor.grammar_worker`, under
 run the parent's main script again, which an offline script without a main guard does not survive), at a lower CPU
 priority (it takes what the engine leaves), sent the tokenizer info once as the library's JSON and then one spec at
 a time, answering whether it compiled. It does not send the compiled grammar back: the library's only format is
-JSON of every token mask, 10-50x slower to write than the compile (a 15 KB schema: 69 ms to compile, 77 MB and
-3.3 s to serialize, 1.2 s to load), so the parent compiles a spec again once the worker has shown it fits the
-deadline: twice the CPU of a compile, a small price next to that. It never outlives the executor: between
-compiles the pipe's closing ends it; during one, on Linux, the kernel kills it when the parent's thread that
-started it (the compile thread, which lives as long as the executor's grammars) ends, crashes included.
+JSON of every token mask, 10-50x slower to write than the compile, so the parent compiles a spec again once the
+worker has shown it fits the deadline. It never outlives the executor: between compiles the pipe's closing ends
+it; during one, on Linux, the kernel kills it when the parent's thread that started it (the compile thread, which
+lives as long as the executor's grammars) ends, crashes included.
 """
 
 from __future__ import annotations

@@ -1,20 +1,18 @@
 """Constrained decoding: each structured request's output held to its grammar by a token bitmask per step.
 
-The grammar library is xgrammar (vLLM's and SGLang's default): measured at the default model's 49k vocabulary it
-filled a mask in ~5 us a token (llguidance ~23 us, with 7 ms spikes) and compiled a typical schema in ~40 ms.
-A grammar's compile time is the client's to choose (a regex's grows with the square of its length), so no compile
-may stall anyone: each compiles first in a worker process (executor/grammar_worker.py), killed when it overruns
---grammar-compile-timeout, which fails only that request; one that fits is compiled again here, on the compile
-thread, both at a lower CPU priority. Specs take turns by tenant (executor/tenant_turns.py), so one tenant's burst
-of slow grammars waits behind itself. Compiled grammars are kept per tenant and spec in a bounded LRU: another
-tenant's compile is never a hit, so timing tells no tenant what another asked. A request waits in the engine, not
-the scheduler's bounded queue, until its grammar is ready, and one whose grammar fails is refused with a
-ValueError's message naming structured_outputs.<kind>. Rows without a grammar cost
-nothing: no mask exists when no row of the batch is constrained. The matcher advances only with emitted tokens,
-which survive preemption, so recompute needs nothing from here. Speculation: each verified position gets the mask
-of the state after the proposals before it (the matcher rolled back afterwards), so a proposal the grammar refuses
-is always rejected; one-hot proposals (n-gram, greedy draft) are also cut there before the step, which saves their
-verification.
+The grammar library is xgrammar (vLLM's and SGLang's default): at the default model's 49k vocabulary it fills a
+mask in ~5 us a token, several times faster than llguidance. A grammar's compile time is the client's to choose
+(a regex's grows with the square of its length), so no compile may stall anyone: each is tried first in a worker
+process under --grammar-compile-timeout (executor/grammar_worker.py), which fails only that request, and one that
+fits is compiled again here, on the compile thread. Specs take turns by tenant (executor/tenant_turns.py).
+Compiled grammars are kept per tenant and spec in a bounded LRU: another tenant's compile is never a hit, so
+timing tells no tenant what another asked. A failed compile is a ValueError naming structured_outputs.<kind>.
+
+Rows without a grammar cost nothing: no mask exists when no row of the batch is constrained. The matcher advances
+only with emitted tokens, which survive preemption, so recompute needs nothing from here. Speculation: each
+verified position gets the mask of the state after the proposals before it (the matcher rolled back afterwards),
+so a proposal the grammar refuses is always rejected; one-hot proposals (n-gram, greedy draft) are also cut there
+before the step, which saves their verification.
 """
 
 from __future__ import annotations
@@ -202,7 +200,7 @@ class Grammars:
         kind = job.spec.kind
         try:
             self._worker.try_compile(job.spec, self.timeout_s)
-            job.future.set_result(compile_spec(self._compiler, job.spec))  # as long again, no longer
+            job.future.set_result(compile_spec(self._compiler, job.spec))  # shown to fit the deadline
             return
         except ValueError as error:  # the library's word on the spec: kept in the cache like a grammar
             job.future.set_exception(error)

@@ -24,15 +24,12 @@ PROMPT_LOGITS_ROWS = 256
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros, its pages mapped now (by torch's threads), in 2 MiB pages where transparent huge
-    pages are on: anonymous memory, which the kernel fills with zeros page by page on first touch, touched once
-    per page here.
-    - The KV pool used to be torch.empty, zeroed block by block at first use. On this machine (a VM) those first
-      touches cost ~1.8 ms per MB inside the steps that happened to take fresh blocks (bench.step_profile: 43 ms
-      of a 512-token prefill step), and never-used blocks are handed out first, so that went on until the whole
-      pool had been used once. Mapping 4 GiB here costs 1.6 s in 4 KiB pages, 3-7 s in 2 MiB ones.
-    - Decode attention reads 12 KiB runs scattered over the pool; in 2 MiB pages each costs no TLB miss of its
-      own and the hardware prefetcher does not stop at 4 KiB boundaries: 5-10% faster here."""
+    """A CPU tensor of zeros, its pages mapped now (one write per page), in 2 MiB pages where transparent huge
+    pages are on.
+    - Mapped at startup, not on first touch inside a step: first touches cost ~1.8 ms per MB in whichever step
+      took fresh blocks, until the whole pool had been used once.
+    - Decode attention reads 12 KiB runs scattered over the pool; 2 MiB pages spare it TLB misses and let the
+      hardware prefetcher run past 4 KiB boundaries (5-10% faster)."""
     count = math.prod(shape)
     buffer = mmap.mmap(-1, max(1, count) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -4,16 +4,13 @@ A step has two halves here: schedule() decides what runs, and update_from_output
 it (computed tokens, accepted proposals, full blocks published, finished requests freed). The scheduler is the one
 place that moves a request's num_computed_tokens.
 
-Fair share. Every running decode goes first, each step. What the budget leaves is handed out one prefill chunk at a
-time, to the tenant with the least service so far (executor/fair_share.py), counting what this step has already
-given it and the chunk itself: that tenant's partial prefills first, oldest first, then its next waiting request.
-So a tenant's burst of long prompts waits behind itself: another tenant's prompt goes ahead of the rest of the
-burst, and the tenants' prefill tokens follow their weights while all have work. Nor does a prefill burst stall
-other tenants' streams: every running decode is scheduled first in every step, and a step computes at most
-max_num_batched_tokens tokens (512 on CPU by default, 2048 on CUDA), decodes included; so whatever any tenant
-prefills, a stream's next token waits one step at most, a step that adds at most one budget's worth of prefill to
-the decodes. With fair share off, or with one tenant, the order is first come first served: running prefills,
-oldest first, then the waiting requests in their order (a lower priority value first).
+Fair share. Every running decode goes first, each step, and a step computes at most max_num_batched_tokens
+tokens, decodes included: whatever any tenant prefills, a stream's next token waits one step at most. What the
+budget leaves is handed out one prefill chunk at a time, to the tenant with the least service so far
+(executor/fair_share.py), counting this step's chunks: that tenant's partial prefills first, oldest first, then
+its next waiting request. So a tenant's burst of long prompts waits behind itself, and the tenants' prefill
+tokens follow their weights while all have work. With fair share off, or with one tenant, the order is first
+come first served: running prefills, oldest first, then the waiting requests in their order.
 """
 
 from __future__ import annotations
@@ -197,7 +194,7 @@ class Scheduler:
     def _preemption_victim(self) -> Request:
         """The running request to preempt for blocks: the newest of the tenant whose running requests hold the
         most blocks for its weight, so a tenant's growth takes from its own newest work before another tenant's
-        (with one tenant, or fair share off, the newest of all, as before)."""
+        (with one tenant, or fair share off, the newest of all)."""
         held: dict[str | None, float] = {}  # newest first: on a tie, the tenant of the newest request
         for r in reversed(self.running):
             tenant = self.waiting.tenant_of(r)

@@ -1,14 +1,12 @@
 """The CPU kernels (kernels/csrc: decode attention and the fused per-layer operations), compiled on first use
 (cached by torch) with this CPU's instruction set into one module. Where it cannot be built, torch ops serve.
 
-The build is cached under a name of its own per source files (their place and text) and flags. With one name
-for all, two checkouts or installs on a machine rewrote each other's build file and ninja rebuilt the kernels
-(about a minute on two cores) each time the other had run, stalling the first request that needed them.
+The build is cached under a name of its own per source files (their place and text) and flags, so two checkouts
+on one machine never rebuild each other's kernels (about a minute on two cores, stalling the first request).
 
-Builds of one name take turns under an flock of their own. torch's lock is a file that a process killed while
-building (an executor stopped during its first start) leaves behind, and every later start then waited for it
-forever, never registering; the kernel releases an flock when its holder dies, and under it a torch lock file
-can only be stale."""
+Builds of one name take turns under an flock of their own, not torch's lock file alone: a process killed while
+building leaves that file behind and every later start would wait on it forever; the kernel releases an flock
+when its holder dies, so under it a torch lock file can only be stale."""
 
 from __future__ import annotations
 

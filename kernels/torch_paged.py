@@ -1,10 +1,10 @@
 """Paged attention in batched torch ops: the CPU path, and the fallback where Triton is missing.
 
-On the CPU, attention is two C++ kernels (kernels/csrc) when they are built, both reading blocks in place: one for
-decodes (a step of decodes alone is one call with no bookkeeping on the host, a query row per sequence) and one
-for the chunks of two or more tokens, all of a step's in one call. Otherwise
-decodes (one query each) are sorted by context length and attended in a few groups, one SDPA call each, so
-padding to a group's longest context wastes little. Each prefill chunk gets its own call. Blocks are gathered
+On the CPU, attention is two C++ kernels (kernels/csrc) when they are built, both reading blocks in place: one
+for decodes (a step of decodes alone is one call with no bookkeeping on the host, a query row per sequence) and
+one for the chunks of two or more tokens, all of a step's in one call. Otherwise decodes (one query each) are
+sorted by context length and attended in a few groups, one SDPA call each, so padding to a group's longest
+context wastes little. Each prefill chunk gets its own call. Blocks are gathered
 with index_select on a [num_blocks, block_bytes] view: several times faster than advanced indexing on CPU.
 """
 

@@ -1,5 +1,5 @@
 """Child processes that die with the process that started them, even when it is SIGKILLed and cleans nothing
-up (`kvserve up`'s executors and embedded valkey-server were left running so).
+up (`kvserve up`'s executors and embedded valkey-server).
 
 Linux's parent-death signal (prctl PR_SET_PDEATHSIG) does it. It is set in the child, here by a tiny Python
 wrapper that then execs the real command (the setting survives exec, so it serves valkey-server too): a

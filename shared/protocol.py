@@ -3,8 +3,8 @@
 Gateway -> executor: `GenerateRequest`, `AbortRequest`, and a `GatewayHeartbeat` every GATEWAY_HEARTBEAT_S.
 Executor -> gateway: one `StepBatch` per gateway per engine step, and `RequestError` for a request that was
 refused. Every map carries `"v"` (PROTOCOL_VERSION) and `"type"`; a peer speaking another version, or sending
-something that is not one of these messages, is refused with a `ProtocolError` that says why. Keys a message does not know are ignored, so a field can be added within
-a version without breaking older peers.
+something that is not one of these messages, is refused with a `ProtocolError` that says why. Keys a message
+does not know are ignored, so a field can be added within a version without breaking older peers.
 
 Streams are exact or fail loudly: each request's updates are numbered (`RequestUpdate.seq`), so a receiver that
 misses one knows it; and no message is larger than MAX_MESSAGE_BYTES, which every ZeroMQ socket of either side

@@ -13,12 +13,8 @@ Layout (`<id>` is an executor id):
                                       and BLOCKS_MARKER (not hex: never a hash). A set without the marker was
                                       lost (Redis restarted, failed over, evicted it): the executor's next
                                       heartbeat notices and it writes the whole set again.
-- `kvserve:executor:<id>:load`        hash: running, waiting, compiling (of waiting, those waiting for their
-                                      grammar, outside the waiting queue's places), prefill_tokens (prompt
-                                      tokens still to prefill), kv_usage (0..1), queue_full (1: its waiting
-                                      queue is at its bound, every tenant's places taken: it refuses new
-                                      requests as busy), waiting_max_tenant (the most requests one tenant has
-                                      in the waiting queue; a tenant holds at most max_waiting_seqs), updated_at.
+- `kvserve:executor:<id>:load`        hash: running, waiting, compiling, prefill_tokens, kv_usage, queue_full,
+                                      waiting_max_tenant (executor.step_result.EngineStats.load), updated_at.
 - `kvserve:executor:<id>:inflight`    counter the gateways keep: prompt tokens to prefill of requests routed there
                                       whose first update has not come back yet, so not in the executor's load (a
                                       burst of arrivals would otherwise all see the same idle executor). Its own

@@ -12,8 +12,7 @@
 MIN_ACCEPTANCE is low on purpose. Below the batch limit a step is bound by reading the weights, so verifying
 k = 4 more tokens costs about 15% more per step (CPU, default model; less on a GPU), and a request pays for its
 proposals only when fewer than about 4% are accepted. Pausing sooner costs more than it saves: a pause also
-skips the runs of good proposals that follow a few bad ones (measured: on a code rewrite a threshold of 0.25
-halved the speed-up).
+skips the runs of good proposals that follow a few bad ones.
 """
 
 from __future__ import annotations

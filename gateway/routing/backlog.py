@@ -1,9 +1,8 @@
 """Back-pressure at the gateway: a request no executor can start soon waits here, not in an executor's queue.
 
-An executor's waiting queue is bounded per tenant (--max-waiting-seqs, --max-waiting-tokens) and for all tenants
-together: at the latter it publishes `queue_full`, and at either it refuses new requests as busy before doing any
-work. The router skips executors without room for the request's tenant; when no live one has room, the request
-waits in this backlog, in its tenant's line, oldest arrival first, until one has room. Each tenant's line has one
+An executor's waiting queue is bounded per tenant and for all tenants together (executor/waiting_queue.py). The
+router skips executors without room for the request's tenant; when no live one has room, the request waits in
+this backlog, in its tenant's line, oldest arrival first, until one has room. Each tenant's line has one
 reader, its oldest request, which asks Redis (with backoff, and at once when a request of this gateway ends), so
 a long backlog costs one reader per tenant waiting, and a tenant's burst waits behind itself: another tenant's
 request, with places free for it, never queues behind it. Work then goes to whichever executor frees first,

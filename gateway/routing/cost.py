@@ -1,9 +1,8 @@
 """Which executor serves a request: the one with the least work ahead of it.
 
-Cost, in prefill-equivalent tokens of work ahead of the request's first token = the prompt tokens it would
-still have to prefill there (its cached leading run of the prompt's blocks is free) + the prompt tokens already
-queued there to prefill (published by the executor, plus those of requests on their way to it) + each running
-request's decode share of a step + a penalty as its KV pool fills (a full pool means preemptions). Equal costs
+Cost (route_cost), in prefill-equivalent tokens of work ahead of the request's first token: its own prompt
+tokens past the executor's cached prefix, the prompt tokens queued there (published, plus those on their way),
+the running requests' decodes, and a penalty as the KV pool fills (a full pool means preemptions). Equal costs
 are broken at random, so a burst of cold requests spreads instead of all taking the first executor.
 """
 

@@ -36,7 +36,7 @@ REDIS_TIMEOUT_S = 5.0
 def connect(redis_url: str) -> aioredis.Redis:
     """The gateway's Redis client, shared by the directory and tenancy. A command that meets a connection
     error is retried once on a fresh connection: after a Redis restart or failover every pooled connection is
-    stale, and without the retry each one failed one request on its first use, seconds after Redis was back.
+    stale, and each would otherwise fail one request on its first use, seconds after Redis is back.
     Timeouts are not retried: the command may have run (a rate-limit admission, an in-flight count), and a
     Redis that does not answer should cost a request one timeout, not two."""
     pool = aioredis.BlockingConnectionPool.from_url(

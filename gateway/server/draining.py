@@ -1,10 +1,10 @@
 """The gateway's HTTP server, which drains on SIGTERM (or Ctrl-C, or SIGHUP) instead of vanishing.
 
 uvicorn on its own closes its listener at the first signal, so requests that arrive while the running ones finish
-get "connection refused". Here the listener stays open: new requests get 503 + Retry-After in OpenAI's error shape
-(/health: 503 "draining"; /metrics and the liveness probe /health/live still answer), requests in flight run to their end, and the server stops
-DRAINED_LINGER_S after none is left or when the grace period is over, whichever comes first. A second signal stops
-it at once.
+get "connection refused". Here the listener stays open: new requests get 503 + Retry-After in OpenAI's error
+shape (/health: 503 "draining"; /metrics and the liveness probe /health/live still answer), requests in flight
+run to their end, and the server stops DRAINED_LINGER_S after none is left or when the grace period is over,
+whichever comes first. A second signal stops it at once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A gateway process that began to drain ends within its grace period plus EXIT_MARGIN_S, whatever it still runs.
 
 A request stuck in CPU work (in a prompt worker thread, which interpreter exit joins, or in the event loop
-itself) kept `kvserve up` alive for minutes after uvicorn had finished. Past the deadline the process exits at
+itself) could keep `kvserve up` alive for minutes after uvicorn finished. Past the deadline the process exits at
 once, with code 1; `kvserve up`'s children die with it (shared/parent_death.py).
 """
 

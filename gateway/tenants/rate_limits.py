@@ -6,9 +6,9 @@ buckets that refill continuously; concurrency is a sorted set of request ids sco
 slots of a gateway that died free themselves after LEASE_S. Every state key expires once it would read the
 same as a missing one (a full bucket, an empty set): idle keys cost nothing.
 
-A command that meets a connection error is retried (gateway.routing.index_reader.connect), and the error may have come
-after Redis ran it: each write here applies once per request id, marked in Redis by the same script
-(gateway.routing.index_reader.APPLY_ONCE), so a retry neither takes a budget twice nor counts usage twice.
+A command that meets a connection error is retried (gateway.routing.index_reader.connect), perhaps after Redis
+ran it: each write here applies once per request id (gateway.routing.index_reader.APPLY_ONCE), so a retry neither
+takes a budget twice nor counts usage twice.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Who is calling, what they may use and whether their budget allows it: the gateway's side of tenancy.
 
 A request's `Authorization: Bearer <key>` names a key record in Redis (gateway.tenants.api_keys), which names the
-tenant, its cache salt, its models and its limits. Limits are kept in Redis (gateway.tenants.rate_limits), so every gateway
-replica enforces one budget.
+tenant, its cache salt, its models and its limits. Limits are kept in Redis (gateway.tenants.rate_limits), so
+every gateway replica enforces one budget.
 
 Open (every request served as one anonymous tenant) only while this deployment has never had a key, and only
 where the operator allows it: a loopback --host, or --allow-anonymous; never with --require-api-key. It fails
-closed: once keys exist, neither revoking the last one (Redis keeps a marker, gateway.tenants.api_keys.mark_keyed) nor a
-Redis that comes back empty (this process remembers, for its life) opens it again.
+closed: once keys exist, neither revoking the last one (Redis keeps a marker, gateway.tenants.api_keys.mark_keyed)
+nor a Redis that comes back empty (this process remembers, for its life) opens it again.
 """
 
 from __future__ import annotations

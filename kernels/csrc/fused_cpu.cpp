@@ -1,5 +1,5 @@
 // The small per-layer operations of a decoder on the CPU, each one pass over its rows: the residual add fused
-// with RMSNorm, rotary embedding in place, the KV cache write, and SiLU(gate) * up. Eagerly, torch spent more
+// with RMSNorm, rotary embedding in place, the KV cache write, and SiLU(gate) * up. Eagerly, torch spends more
 // time dispatching these (~35 operations a layer) than computing them at decode batch sizes.
 //
 // The arithmetic is torch's own, operation for operation (at::vec's Vectorized<float>, whose exp is the Sleef

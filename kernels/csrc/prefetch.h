@@ -1,5 +1,5 @@
-// Software prefetch that the compiler keeps. GCC 12 at -O3 deleted a loop nest of __builtin_prefetch calls whole
-// (it has no effect the compiler must keep), so on x86 it is an instruction the compiler may not drop.
+// Software prefetch that the compiler keeps: GCC 12 at -O3 may delete a loop nest of __builtin_prefetch calls whole
+// (it has no effect the compiler must keep), so on x86 it is an asm instruction the compiler may not drop.
 #pragma once
 
 // the 64-byte line at p, towards L2

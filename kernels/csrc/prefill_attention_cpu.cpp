@@ -2,9 +2,9 @@
 // a chunk attends to its sequence's context up to and including itself (what comes before the chunk, already
 // cached, then the chunk's own tokens, causally).
 //
-// torch's flash attention for CPU (SDPA) spent ~1.3 ms a layer on two 256-token prompts of SmolLM2-135M, about a
-// third of its arithmetic's rate: its blocks of 32 queries x 64 dimensions are too small for the BLAS calls it
-// makes, and the context had to be gathered out of the cache into a copy first. Here both products are the
+// torch's flash attention for CPU (SDPA) reaches about a third of its arithmetic's rate here: its blocks of 32
+// queries x 64 dimensions are too small for the BLAS calls it makes, and the context must first be gathered out
+// of the cache into a copy. Here both products are the
 // register-blocked panel kernel small_gemm uses (panel_kernel.h):
 //   1. each (sequence, kv head)'s context is packed once: keys transposed into panels of 16 positions ([D, 16]
 //      each, so that scores come out 6 query rows x 16 positions at a time), values into panels of 16

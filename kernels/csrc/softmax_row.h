@@ -12,8 +12,8 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-// the largest of n scores, eight lanes at a time: std::max_element kept its running maximum in memory, a
-// store-to-load round trip per score that took an eighth of the kernel's time
+// the largest of n scores, eight lanes at a time: std::max_element keeps its running maximum in memory, a
+// store-to-load round trip per score (an eighth of the kernel's time)
 inline float max_of(const float* row, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
