@@ -6,8 +6,8 @@
 `executors` and `gateways` are a count, or one tuple of flags per process; `executor_flags` and `gateway_flags`
 go to every process of the kind; `env` adds to every process's environment. Keys for `tenants` are made before
 any gateway starts (a gateway with --require-api-key refuses to start without one). The read-only HTTP tests
-share the session's stacks (tests/conftest.py: `open_stack`, `keyed_stack`, `default_model_stack`); a test that
-kills, stops, drains or restarts a process, or needs flags of its own, starts one here."""
+share the gateway package's stacks (tests/gateway/conftest.py: `open_stack`, `keyed_stack`, `default_model_stack`);
+a test that kills, stops, drains or restarts a process, or needs flags of its own, starts one here."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ GATEWAY_START_S = 120.0
 
 @dataclass
 class Stack:
+    """A running stack; a module may add a gateway or executor of its own to a shared one, and remove it."""
+
     model: str
     logs: Path
     server: EmbeddedRedis
