@@ -1,19 +1,18 @@
 """Real processes for tests: free ports, waiting for a condition, executor and gateway subprocesses."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
 import redis
 
-from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,14 +73,25 @@ class ServiceProcess:
         self.log.flush()
         return PORT_TAKEN in self.log_path.read_text(errors="replace").lower()
 
-    def stop(self) -> None:
+    def restart_if_it_lost_its_port(self) -> None:
+        if self.lost_its_port():
+            self.log.close()
+            self.attempts += 1
+            self._launch()
+
+    def ask_to_stop(self) -> None:
+        """SIGTERM, continuing first a process a test stopped (SIGSTOP) and failed before continuing."""
         if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
             self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+    def stop(self) -> None:
+        self.ask_to_stop()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         self.log.close()
 
 
@@ -106,11 +116,8 @@ class ExecutorProcess(ServiceProcess):
     def wait_registered(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.lost_its_port():
-                self.log.close()
-                self.attempts += 1
-                self._launch()
-            elif self.process.poll() is not None:
+            self.restart_if_it_lost_its_port()
+            if self.process.poll() is not None:
                 raise AssertionError(
                     f"executor exited {self.process.returncode}:\n{self.log_path.read_text()}"
                 )
@@ -121,12 +128,15 @@ class ExecutorProcess(ServiceProcess):
 
 
 class GatewayProcess(ServiceProcess):
-    """`kvserve gateway` serving `model` as "tiny"; env adds to this process's environment."""
+    """`kvserve gateway` serving `model` as "tiny"; env adds to this process's environment. With --metrics-port
+    among its flags, metrics_url is that listener's page."""
 
     def __init__(
         self, model: str, redis_url: str, log_path: Path, *extra: str, env: dict | None = None
     ) -> None:
         args = ["gateway", "--model", model, "--served-model-name", "tiny", "--redis-url", redis_url]
+        if "--metrics-port" in extra:
+            self.metrics_url = f"http://127.0.0.1:{extra[extra.index('--metrics-port') + 1]}/metrics"
         self._launch = lambda: self._start_on_a_free_port(args, log_path, extra, env)
         self._launch()
 
@@ -135,46 +145,36 @@ class GatewayProcess(ServiceProcess):
         self.base = f"http://127.0.0.1:{self.port}"
         self.start([*args, "--port", str(self.port), *extra], log_path, env)
 
-    def healthy(self) -> bool:
-        if self.lost_its_port():
-            self.log.close()
-            self.attempts += 1
-            self._launch()
+    def _status(self, path: str) -> int | None:
+        """GET path's status, None while nothing answers."""
+        self.restart_if_it_lost_its_port()
         try:
-            return httpx.get(f"{self.base}/health").status_code == 200
+            return httpx.get(f"{self.base}{path}").status_code
         except httpx.HTTPError:
-            return False
+            return None
+
+    def healthy(self) -> bool:
+        return self._status("/health") == 200
+
+    def live(self) -> bool:
+        """Answering: without a live executor /health is a 503, /health/live a 200."""
+        return self._status("/health/live") == 200
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         if not eventually(self.healthy, timeout=timeout):
             raise AssertionError(f"gateway not healthy in {timeout} s:\n{self.log_path.read_text()}")
 
+    def wait_listening(self, timeout: float = 60.0) -> None:
+        if not eventually(self.live, timeout=timeout):
+            raise AssertionError(f"gateway not listening in {timeout} s:\n{self.log_path.read_text()}")
+
     def stop(self) -> None:
         """Without the drain's linger (gateway.server.draining.DRAINED_LINGER_S): the second signal, ServiceProcess.stop's,
         stops it at once."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            with suppress(subprocess.TimeoutExpired):
-                self.process.wait(0.5)
+        self.ask_to_stop()
+        with suppress(subprocess.TimeoutExpired):
+            self.process.wait(0.5)
         super().stop()
-
-
-@contextmanager
-def one_executor_stack(
-    model: str, logs: Path, gateway_class: type[GatewayProcess] = GatewayProcess
-) -> Iterator[tuple[GatewayProcess, ExecutorProcess]]:
-    """A Redis of its own (no other test's executors seen), one executor and one gateway, all serving."""
-    server = start_redis_server()
-    executor = ExecutorProcess(model, server.url, logs / "executor.log")
-    gateway = gateway_class(model, server.url, logs / "gateway.log")
-    try:
-        executor.wait_registered()
-        gateway.wait_healthy()
-        yield gateway, executor
-    finally:
-        gateway.stop()
-        executor.stop()
-        server.stop()
 
 
 def start_valkey_as_shipped(args: list[str], data_dir: Path, password: str) -> tuple[subprocess.Popen, str]:

@@ -6,16 +6,12 @@ import pytest
 import torch
 
 from executor import LLM, SamplingParams
+from tests.kv_blocks import assert_no_blocks_held
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_models) -> LLM:
     return LLM(tiny_models["llama"], kv_cache_memory="4MiB", max_num_batched_tokens=64, max_model_len=512)
-
-
-def assert_no_blocks_held(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@ requests within seconds, freeing their KV blocks, while another gateway's reques
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import threading
@@ -13,10 +12,11 @@ import httpx
 import pytest
 
 from executor.gateway_liveness import GatewayLiveness
-from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
 from shared.protocol import GATEWAY_SILENCE_S
-from tests.processes import ExecutorProcess, GatewayProcess, eventually
+from tests.gateway.answers import json_events
+from tests.processes import eventually
+from tests.stacks import serving_stack
 
 BLOCK_SIZE = 16  # the default
 ORPHAN_PROMPT_TOKENS = 300  # about: "orphan {i} story " x 75
@@ -50,35 +50,27 @@ class Stream:
     def _run(self, base: str, body: dict) -> None:
         try:
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
-                for line in response.iter_lines():
+                for event in json_events(response.iter_lines()):
                     if self.leave.is_set():
                         return
-                    if line.startswith("data: {"):
-                        self.events.append(json.loads(line.removeprefix("data: ")))
+                    self.events.append(event)
         except httpx.HTTPError as error:
             self.error = repr(error)
 
 
 @pytest.mark.slow
 def test_a_killed_gateways_requests_are_aborted_and_another_gateways_run_on(tiny_models, tmp_path):
-    model = tiny_models["llama"]
-    server = start_redis_server()
     env = {"KVSERVE_CPU_KERNELS": "0"}  # no kernel build: this is about processes
-    executor = ExecutorProcess(model, server.url, tmp_path / "executor.log", env=env)
-    doomed = GatewayProcess(model, server.url, tmp_path / "doomed.log")
-    survivor = GatewayProcess(model, server.url, tmp_path / "survivor.log")
-    r = executor.redis
+    with serving_stack(tiny_models["llama"], tmp_path, gateways=2, env=env) as stack:
+        executor, (doomed, survivor) = stack.executor, stack.gateways
+        r = executor.redis
 
-    def running() -> int:
-        return int(r.hget(keys.load_key(executor.id), "running") or -1)
+        def running() -> int:
+            return int(r.hget(keys.load_key(executor.id), "running") or -1)
 
-    def blocks_used() -> int:
-        return int(r.hget(keys.stats_key(executor.id), "kv_blocks_used") or -1)
+        def blocks_used() -> int:
+            return int(r.hget(keys.stats_key(executor.id), "kv_blocks_used") or -1)
 
-    try:
-        executor.wait_registered(timeout=180)
-        doomed.wait_healthy(timeout=120)
-        survivor.wait_healthy()
         # the orphans hold many blocks each (a long prompt of their own) and would run to about the same length
         # in all; the survivor, with a one-token prompt, runs longest
         orphans = [Stream(doomed.base, f"orphan {i} story " * 75, ORPHAN_TOKENS) for i in range(2)]
@@ -106,7 +98,3 @@ def test_a_killed_gateways_requests_are_aborted_and_another_gateways_run_on(tiny
         assert eventually(lambda: len(kept.events) > seen + 5, timeout=10)
         kept.leave.set()
         assert eventually(lambda: running() == 0 and blocks_used() == 0, timeout=5)
-    finally:
-        for process in (doomed, survivor, executor):
-            process.stop()
-        server.stop()

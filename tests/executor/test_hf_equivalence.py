@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from executor import LLM, SamplingParams
-from tests.conftest import TINY_FAMILIES, hf_greedy
+from tests.tiny_models import TINY_FAMILIES
 
 MAX_NEW = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -17,6 +18,22 @@ LONG_TEXT = (
     "program believe it owned a large contiguous address space, while the operating system mapped fixed-size "
     "pages onto whatever physical frames were free. "
 )
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The reference: HF transformers generate, float32 on CPU, one prompt at a time, EOS not stopping it."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # otherwise generate() merges the model's EOS back in
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            outs.append(generated[0, len(prompt) :].tolist())
+    return outs
 
 
 def chat(tokenizer, text: str) -> list[int]:

@@ -37,6 +37,7 @@ from executor.model_files import (
 from kvserve.cli import main
 from shared.defaults import DEFAULT_MODEL
 from shared.model_paths import ModelLoadError
+from tests.tiny_models import tiny_config
 
 CHAT = [
     {"role": "user", "content": "Explain in two sentences why a paged KV cache wastes less memory."},
@@ -132,23 +133,18 @@ def test_cli_model_pull_prints_the_directory(default_model: Path, tmp_path: Path
     assert "config.json" in capsys.readouterr().err
 
 
-def tiny_config(arch: str) -> LlamaConfig | Qwen2Config | Qwen3Config:
-    shape = dict(
-        vocab_size=261,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=arch != "llama",
-    )
-    if arch == "llama":
-        return LlamaConfig(**shape)
-    if arch == "qwen2":
-        return Qwen2Config(**shape)
-    return Qwen3Config(**shape, head_dim=32)
+# write_gguf's vocabulary (256 byte symbols, two merges, three special tokens) and plain rotary, as GGUF holds it
+GGUF_VOCAB = 261
+GGUF_SHAPE = dict(
+    intermediate_size=96,
+    max_position_embeddings=128,
+    initializer_range=0.02,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+def gguf_config(arch: str) -> LlamaConfig | Qwen2Config | Qwen3Config:
+    return tiny_config(arch, GGUF_VOCAB, **GGUF_SHAPE)
 
 
 def write_gguf(path: Path, model: PreTrainedModel, arch: str) -> Path:
@@ -209,7 +205,7 @@ def cache(tmp_path: Path, monkeypatch) -> Path:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_round_trip_gives_the_original_model(arch: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
-    config = tiny_config(arch)
+    config = gguf_config(arch)
     classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
     original = classes[arch](config).eval()
     if arch == "qwen2":  # make the q/k/v biases matter
@@ -232,7 +228,7 @@ def test_gguf_round_trip_gives_the_original_model(arch: str, tmp_path: Path) -> 
 
 
 def test_gguf_path_is_converted_once(cache: Path, tmp_path: Path, monkeypatch) -> None:
-    gguf_path = write_gguf(tmp_path / "tiny.gguf", LlamaForCausalLM(tiny_config("llama")), "llama")
+    gguf_path = write_gguf(tmp_path / "tiny.gguf", LlamaForCausalLM(gguf_config("llama")), "llama")
     first = resolve_model(str(gguf_path))
     assert first.parent == cache / "models" and first.name.startswith("gguf-")
 
@@ -244,7 +240,7 @@ def test_gguf_path_is_converted_once(cache: Path, tmp_path: Path, monkeypatch) -
 
 
 def test_failed_conversion_leaves_no_directory(tmp_path: Path, monkeypatch) -> None:
-    gguf_path = write_gguf(tmp_path / "tiny.gguf", LlamaForCausalLM(tiny_config("llama")), "llama")
+    gguf_path = write_gguf(tmp_path / "tiny.gguf", LlamaForCausalLM(gguf_config("llama")), "llama")
 
     def tokenizer_fails(*args, **kwargs):
         raise OSError("disk full")
@@ -269,7 +265,7 @@ def test_unsupported_gguf_architecture_is_named(cache: Path, tmp_path: Path) -> 
 
 @pytest.fixture
 def sharded_llama(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    model = LlamaForCausalLM(tiny_config("llama"))
+    model = LlamaForCausalLM(gguf_config("llama"))
     model.save_pretrained(tmp_path / "model", max_shard_size="100KB")
     return tmp_path / "model", model.state_dict()
 

@@ -6,6 +6,7 @@ import pytest
 
 from executor import LLM, SamplingParams
 from shared.sampling_params import MAX_N
+from tests.kv_blocks import assert_no_blocks_held
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 BLOCK = 16
@@ -25,12 +26,6 @@ def choices(llm: LLM, prompt, **params) -> list[list[int]]:
     out = llm.generate([prompt], SamplingParams(**params))[0]
     assert [c.index for c in out.outputs] == list(range(params.get("n", 1)))
     return [c.token_ids for c in out.outputs]
-
-
-def assert_no_blocks_held(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
-    assert not llm.engine.intake.requests and not llm.engine.intake.groups
 
 
 @pytest.mark.parametrize("prompt_len", [37, 48])  # a partial last block (copied) and whole blocks only

@@ -256,12 +256,10 @@ def test_bad_input_is_answered_and_the_loop_keeps_serving(executor, gateway):
     assert executor.process.poll() is None
 
 
-def test_sigterm_refuses_new_work_finishes_running_and_deregisters(tiny_models, redis_url, tmp_path):
-    proc = ExecutorProcess(tiny_models["llama"], redis_url, tmp_path / "log")
-    client = None
+def test_sigterm_refuses_new_work_finishes_running_and_deregisters(executor):
+    """The last test on the module's executor: it drains it."""
+    proc, client = executor, Gateway(executor.address)
     try:
-        proc.wait_registered()
-        client = Gateway(proc.address)
         client.generate("running", PROMPT_B, max_tokens=300, temperature=0.0, ignore_eos=True)
         tokens, _, _, _ = client.collect({"running"}, until_tokens=1)
         os.kill(proc.process.pid, signal.SIGTERM)
@@ -275,9 +273,7 @@ def test_sigterm_refuses_new_work_finishes_running_and_deregisters(tiny_models, 
         assert proc.id not in proc.redis.smembers(keys.EXECUTORS)
         assert not any(proc.redis.exists(k) for k in keys.executor_keys(proc.id))
     finally:
-        if client is not None:
-            client.close()
-        proc.stop()
+        client.close()
 
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

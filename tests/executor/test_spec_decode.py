@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from executor import LLM, SamplingParams
 from executor.scheduler import SchedulerOutput
 from executor.spec_decode import NgramProposer, SpecBackoff
 from executor.spec_decode.backoff import MIN_ACCEPTANCE, PAUSE_STEPS
-from tests.conftest import TINY_FAMILIES, _tiny_config
+from tests.kv_blocks import assert_no_blocks_held
+from tests.tiny_models import TINY_FAMILIES, save_tiny_model, tiny_config
 
 MAX_NEW = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -29,11 +29,6 @@ def perimeter(width, height):
 
 def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
-def assert_no_blocks_held(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
 
 
 # -- the default model ------------------------------------------------------------------------------------
@@ -365,10 +360,8 @@ def test_bad_speculative_config_names_the_flag(tiny, kwargs, flag):
 
 
 def test_a_draft_with_another_vocabulary_is_refused_at_start(tiny, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_tiny_config("llama", vocab_size=1000)).save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(tiny).save_pretrained(tmp_path)
+    save_tiny_model(tmp_path, tiny_config("llama", vocab_size=1000), AutoTokenizer.from_pretrained(tiny))
     with pytest.raises(ValueError, match="speculative_model: the draft's vocabulary"):
         LLM(tiny, kv_cache_memory="8MiB", speculative_model=str(tmp_path), num_speculative_tokens=2)

@@ -15,9 +15,10 @@ import time
 import httpx
 import pytest
 
-from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
-from tests.processes import ExecutorProcess, GatewayProcess, eventually
+from tests.gateway.answers import metric_samples, metric_total
+from tests.processes import ExecutorProcess, eventually
+from tests.stacks import serving_stack
 
 # one running and one waiting request fill an executor: saturation with a handful of requests
 BOUNDS = ("--max-num-seqs", "1", "--max-waiting-seqs", "1")
@@ -27,28 +28,11 @@ ENV = {"KVSERVE_CPU_KERNELS": "0"}
 @contextlib.contextmanager
 def running_stack(model: str, logs, executor_flags: tuple[str, ...], queue_timeouts: tuple[str, ...]):
     """(gateway base urls, executors): two executors and a gateway per queue timeout, on a Redis of their own."""
-    server = start_redis_server()
-    executors = [
-        ExecutorProcess(model, server.url, logs / f"executor-{i}.log", *executor_flags, env=ENV)
-        for i in range(2)
-    ]
-    gateways = [
-        GatewayProcess(model, server.url, logs / f"gateway-{i}.log", "--queue-timeout", timeout, env=ENV)
-        for i, timeout in enumerate(queue_timeouts)
-    ]
-    try:
-        for executor in executors:  # a loaded 2-core machine takes its time to import torch
-            executor.wait_registered(timeout=180)
-        for gateway in gateways:
-            gateway.wait_healthy(timeout=120)
-        yield [g.base for g in gateways], executors
-    finally:
-        for executor in executors:  # a test that failed while one was stopped must not leave it stopped
-            if executor.process.poll() is None:
-                os.kill(executor.process.pid, signal.SIGCONT)
-        for process in (*gateways, *executors):
-            process.stop()
-        server.stop()
+    gateways = [("--queue-timeout", timeout) for timeout in queue_timeouts]
+    with serving_stack(
+        model, logs, executors=2, gateways=gateways, executor_flags=executor_flags, env=ENV
+    ) as stack:
+        yield [g.base for g in stack.gateways], stack.executors
 
 
 @pytest.fixture(scope="module")
@@ -100,17 +84,12 @@ class LoadSampler:
 
 def disconnected(base: str) -> float:
     """Requests the gateway counted as ended by their client (status 499)."""
-    lines = httpx.get(f"{base}/metrics").text.splitlines()
-    counts = [line for line in lines if line.startswith("kvserve_requests_total{") and 'status="499"' in line]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in counts)
+    return metric_total(metric_samples(f"{base}/metrics"), "kvserve_requests_total", status="499")
 
 
 def series(base: str, name: str) -> float:
     """One unlabelled series' value on the gateway's /metrics page."""
-    line = next(
-        line for line in httpx.get(f"{base}/metrics").text.splitlines() if line.startswith(f"{name} ")
-    )
-    return float(line.rsplit(" ", 1)[1])
+    return metric_samples(f"{base}/metrics")[(name, ())]
 
 
 def full(executors: list[ExecutorProcess]) -> bool:

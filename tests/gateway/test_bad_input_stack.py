@@ -1,8 +1,9 @@
-"""Bad input over real HTTP (Redis, one executor on a tiny model, one gateway): each refusal is a counted 4xx in
-OpenAI's shape naming what was wrong, and the requests behind it on the same keep-alive connection are still served.
+"""Bad input over real HTTP (the shared open_stack: Redis, executors on a tiny model, a gateway): each refusal is a
+counted 4xx in OpenAI's shape naming what was wrong, and the requests behind it on the same keep-alive connection
+are still served.
 
 And the fuzz target: bench/bad_requests.py's seeded bad requests over both endpoints, sent and checked by
-bench/fuzz.py, get 4xx or whole 200s, never a 5xx or a dropped connection; afterwards the executor holds no KV blocks
+bench/fuzz.py, get 4xx or whole 200s, never a 5xx or a dropped connection; afterwards no executor holds KV blocks
 and a plain request is served. CI sends a few hundred; the issue's 2,000: `python -m bench.fuzz --url URL --requests
 2000`."""
 
@@ -19,9 +20,9 @@ import pytest
 from bench import fuzz
 from bench.bad_requests import BODY_MUTATIONS, ENDPOINTS, bad_requests
 from gateway.openai.body import MAX_BODY_BYTES
+from tests.gateway.answers import OPENAI_ERROR_FIELDS, metric_samples, metric_total
 from tests.gateway.http_wire import pipelined, request
-from tests.gateway.test_http_stack import _samples
-from tests.processes import GatewayProcess, eventually, one_executor_stack
+from tests.processes import GatewayProcess, eventually
 
 GOOD = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
 PROMPT = b'{"model": "tiny", "max_tokens": 2, "prompt": '
@@ -29,25 +30,30 @@ FUZZ_REQUESTS = 400
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    with one_executor_stack(tiny_models["llama"], tmp_path_factory.mktemp("bad-input-logs")) as stack:
-        yield stack
+def stack(open_stack):
+    """The shared stack, and where each of its processes' logs stood when this module began."""
+    logged = {p.log_path: p.log_path.stat().st_size for p in (*open_stack.gateways, *open_stack.executors)}
+    return open_stack, logged
 
 
 @pytest.fixture(scope="module")
 def gateway(stack) -> GatewayProcess:
-    return stack[0]
+    return stack[0].gateway
 
 
 def _requests_counted(gateway: GatewayProcess, endpoint: str, status: int) -> float:
-    samples = _samples(httpx.get(f"{gateway.base}/metrics").text)
-    labels = (("endpoint", endpoint), ("status", str(status)), ("tenant", "anonymous"))
-    return samples.get(("kvserve_requests_total", labels), 0)
+    samples = metric_samples(f"{gateway.base}/metrics")
+    labels = {"endpoint": endpoint, "status": str(status), "tenant": "anonymous"}
+    return metric_total(samples, "kvserve_requests_total", **labels)
+
+
+def _logged_in_this_module(stack, process) -> bytes:
+    return process.log_path.read_bytes()[stack[1][process.log_path] :]
 
 
 def _openai_error(body: bytes) -> dict:
     error = json.loads(body)["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert set(error) == OPENAI_ERROR_FIELDS and error["message"]
     return error
 
 
@@ -132,7 +138,7 @@ def test_a_body_without_a_length_is_refused_once_it_outgrows_the_limit(gateway):
     assert b'"code":"request_too_large"' in answer
 
 
-def test_a_client_leaving_mid_body_is_one_log_line_and_a_499(gateway):
+def test_a_client_leaving_mid_body_is_one_log_line_and_a_499(stack, gateway):
     before = _requests_counted(gateway, "completion", 499)
     logged = gateway.log_path.stat().st_size
     with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
@@ -145,7 +151,7 @@ def test_a_client_leaving_mid_body_is_one_log_line_and_a_499(gateway):
         lines
     )
     assert not [line for line in lines if line["level"] not in ("INFO", "WARNING")], lines
-    assert "Traceback" not in gateway.log_path.read_text()
+    assert b"Traceback" not in _logged_in_this_module(stack, gateway)
 
 
 def test_the_generator_is_seeded_and_covers_both_endpoints():
@@ -157,7 +163,7 @@ def test_the_generator_is_seeded_and_covers_both_endpoints():
 
 
 def test_fuzzed_bad_requests_get_4xx_never_5xx_and_leak_no_blocks(stack):
-    gateway, executor = stack
+    gateway, executors = stack[0].gateway, stack[0].executors
     requests = bad_requests(seed=13, count=FUZZ_REQUESTS, model="tiny")
     report = asyncio.run(fuzz.run(gateway.base, requests, concurrency=4))
     assert report.problems == []
@@ -167,9 +173,9 @@ def test_fuzzed_bad_requests_get_4xx_never_5xx_and_leak_no_blocks(stack):
 
     def idle() -> bool:
         load = fuzz.executor_load(httpx.get(f"{gateway.base}/metrics").text)
-        return fuzz.idle(load) and executor.id in load
+        return fuzz.idle(load) and all(executor.id in load for executor in executors)
 
     assert eventually(idle, timeout=10)
     assert asyncio.run(fuzz.still_serves(gateway.base, "tiny"))
-    for service in (gateway, executor):
-        assert "Traceback" not in service.log_path.read_text()
+    for service in (gateway, *executors):
+        assert b"Traceback" not in _logged_in_this_module(stack, service)

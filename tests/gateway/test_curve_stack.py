@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -12,8 +13,8 @@ import zmq
 import zmq.auth
 
 from kvserve.curve_keys_cli import write_keys
-from kvserve.redis_server import start_redis_server
 from tests.processes import ExecutorProcess, GatewayProcess, eventually, free_port, raw_generate
+from tests.stacks import serving_stack
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 NOTHING_WITHIN_S = 3.0  # a served request answers in well under a second here
@@ -21,25 +22,14 @@ NOTHING_WITHIN_S = 3.0  # a served request answers in well under a second here
 
 @pytest.fixture(scope="module")
 def keyed(tiny_models, tmp_path_factory):
-    """One Redis, one executor started with --curve-keys: (redis url, executor, its keys directory, logs)."""
+    """A stack of one executor started with --curve-keys and no gateway: (stack, executor, its keys directory).
+    Each test starts its gateway in it."""
     logs = tmp_path_factory.mktemp("curve")
     keys = logs / "keys"
     write_keys(keys)
-    server = start_redis_server()
-    executor = ExecutorProcess(
-        tiny_models["llama"], server.url, logs / "executor.log", "--curve-keys", str(keys)
-    )
-    try:
-        executor.wait_registered()
-        yield server.url, executor, keys, logs
-    finally:
-        executor.stop()
-        server.stop()
-
-
-def _gateway(model: str, keyed, name: str, *extra: str) -> GatewayProcess:
-    redis_url, _, _, logs = keyed
-    return GatewayProcess(model, redis_url, logs / f"{name}.log", *extra)
+    curve = ("--curve-keys", str(keys))
+    with serving_stack(tiny_models["llama"], logs, executor_flags=curve, gateways=0) as stack:
+        yield stack, stack.executor, keys
 
 
 def _refusal(gateway: GatewayProcess) -> dict | None:
@@ -52,11 +42,10 @@ def _refusal(gateway: GatewayProcess) -> dict | None:
     return body if response.status_code == 503 and body.get("refused") else None
 
 
-def test_gateway_with_the_keys_serves_a_chat_streamed_and_whole(tiny_models, keyed):
-    _, executor, keys, _ = keyed
-    gateway = _gateway(tiny_models["llama"], keyed, "gateway-ok", "--curve-keys", str(keys))
+def test_gateway_with_the_keys_serves_a_chat_streamed_and_whole(keyed):
+    stack, executor, keys = keyed
+    gateway = stack.add_gateway("--curve-keys", str(keys), name="gateway-ok")
     try:
-        gateway.wait_healthy()
         assert httpx.get(f"{gateway.base}/health").json()["executors"] == [executor.id]
         whole = httpx.post(f"{gateway.base}/v1/chat/completions", json=CHAT, timeout=60)
         assert whole.status_code == 200, whole.text
@@ -68,15 +57,19 @@ def test_gateway_with_the_keys_serves_a_chat_streamed_and_whole(tiny_models, key
         assert streamed.status_code == 200 and lines[-1] == "data: [DONE]"
         assert len(lines) >= 3  # role, tokens, [DONE]
     finally:
-        gateway.stop()
+        stack.remove(gateway)
 
 
 def test_raw_dealer_without_an_authorized_key_gets_nothing(keyed):
-    _, executor, keys, logs = keyed
-    assert raw_generate(executor.address, NOTHING_WITHIN_S) is None
+    _, executor, keys = keyed
     public, secret = zmq.curve_keypair()
     server_public, _ = zmq.auth.load_certificate(keys / "executor.key")
-    assert raw_generate(executor.address, NOTHING_WITHIN_S, (public, secret, server_public)) is None
+    with ThreadPoolExecutor(2) as pool:  # both wait out the silence at once
+        plain = pool.submit(raw_generate, executor.address, NOTHING_WITHIN_S)
+        unknown = pool.submit(
+            raw_generate, executor.address, NOTHING_WITHIN_S, (public, secret, server_public)
+        )
+        assert plain.result() is None and unknown.result() is None
     # the executor says what it refused
     assert eventually(lambda: public.decode() in executor.log_path.read_text(errors="replace"), timeout=5)
     # and the authorized key does get an answer over the same path: the silence above is the keys' doing
@@ -92,10 +85,8 @@ def test_raw_dealer_without_an_authorized_key_gets_nothing(keyed):
         ("unauthorized gateway key", "refused this gateway's CURVE key"),
     ],
 )
-def test_gateway_with_wrong_keys_never_counts_the_executor_live_and_says_why(
-    tiny_models, keyed, tmp_path, case, cause
-):
-    _, executor, keys, _ = keyed
+def test_gateway_with_wrong_keys_never_counts_the_executor_live_and_says_why(keyed, tmp_path, case, cause):
+    stack, executor, keys = keyed
     other = tmp_path / "other"
     write_keys(other)
     extra: list[str] = []
@@ -108,11 +99,11 @@ def test_gateway_with_wrong_keys_never_counts_the_executor_live_and_says_why(
     elif case == "unauthorized gateway key":  # the right executor.key, a gateway pair it never heard of
         shutil.copy(keys / "executor.key", other / "executor.key")
         extra = ["--curve-keys", str(other)]
-    gateway = _gateway(tiny_models["llama"], keyed, f"gateway-{case.replace(' ', '-')}", *extra)
+    gateway = stack.start_gateway(*extra, name=f"gateway-{case.replace(' ', '-')}")
     try:
         _assert_refused(gateway, executor, cause)
     finally:
-        gateway.stop()
+        stack.remove(gateway)
 
 
 def _assert_refused(gateway: GatewayProcess, executor: ExecutorProcess, cause: str) -> None:
@@ -144,27 +135,12 @@ def test_plain_executor_warns_on_an_open_address_and_a_keyed_gateway_says_it_has
 ):
     keys = tmp_path / "keys"
     write_keys(keys)
-    server = start_redis_server()
     port = free_port()
-    executor = ExecutorProcess(
-        tiny_models["llama"],
-        server.url,
-        tmp_path / "executor.log",
-        "--bind",  # the last --bind wins: every interface, as a container would
-        f"tcp://0.0.0.0:{port}",
-        "--advertise-address",
-        f"tcp://127.0.0.1:{port}",
-    )
-    gateway = GatewayProcess(
-        tiny_models["llama"], server.url, tmp_path / "gateway.log", "--curve-keys", str(keys)
-    )
-    try:
-        executor.wait_registered()
-        log = executor.log_path.read_text()
+    # the last --bind wins: every interface, as a container would
+    everywhere = ("--bind", f"tcp://0.0.0.0:{port}", "--advertise-address", f"tcp://127.0.0.1:{port}")
+    with serving_stack(tiny_models["llama"], tmp_path, executors=[everywhere], gateways=0) as stack:
+        gateway = stack.start_gateway("--curve-keys", str(keys))
+        log = stack.executor.log_path.read_text()
         assert "without --curve-keys: anyone who reaches this port can run requests" in log
         assert "no CURVE keys: open to any peer" in log
-        _assert_refused(gateway, executor, "the executor has no CURVE keys and this gateway has")
-    finally:
-        gateway.stop()
-        executor.stop()
-        server.stop()
+        _assert_refused(gateway, stack.executor, "the executor has no CURVE keys and this gateway has")

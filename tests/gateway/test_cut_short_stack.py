@@ -3,28 +3,23 @@ reports that as the failure it is, never as a 200 with truncated text, and bills
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 
 import httpx
 
-from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
-from tests.processes import ExecutorProcess, GatewayProcess, eventually
+from tests.gateway.answers import json_events
+from tests.processes import eventually
+from tests.stacks import serving_stack
 
 
 def test_requests_cut_short_by_a_draining_executor_end_in_an_error(tiny_models, tmp_path):
-    model = tiny_models["llama"]
     body = {"model": "tiny", "prompt": "a long story", "max_tokens": 900, "ignore_eos": True}
-    server = start_redis_server()
     grace = ("--shutdown-grace-period", "1")
     env = {"KVSERVE_CPU_KERNELS": "0"}  # no kernel build: this is about processes
-    executor = ExecutorProcess(model, server.url, tmp_path / "executor.log", *grace, env=env)
-    gateway = GatewayProcess(model, server.url, tmp_path / "gateway.log")
-    try:
-        executor.wait_registered(timeout=180)
-        gateway.wait_healthy(timeout=120)
+    with serving_stack(tiny_models["llama"], tmp_path, executor_flags=grace, env=env) as stack:
+        gateway, executor = stack.gateway, stack.executor
         events: list[dict] = []
         whole: list[httpx.Response] = []
 
@@ -33,9 +28,8 @@ def test_requests_cut_short_by_a_draining_executor_end_in_an_error(tiny_models, 
                 "POST", f"{gateway.base}/v1/completions", json={**body, "stream": True}, timeout=120
             ) as response:
                 assert response.status_code == 200
-                for line in response.iter_lines():
-                    if line.startswith("data: {"):
-                        events.append(json.loads(line.removeprefix("data: ")))
+                for event in json_events(response.iter_lines()):  # seen by the main thread as they come
+                    events.append(event)
 
         def complete() -> None:
             whole.append(httpx.post(f"{gateway.base}/v1/completions", json=body, timeout=120))
@@ -56,7 +50,3 @@ def test_requests_cut_short_by_a_draining_executor_end_in_an_error(tiny_models, 
         assert "error" in events[-1], events[-1]
         assert not any(c.get("finish_reason") for e in events[:-1] for c in e.get("choices", []))
         assert "cut the request short" in gateway.log_path.read_text()
-    finally:
-        for process in (gateway, executor):
-            process.stop()
-        server.stop()

@@ -16,12 +16,12 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
+from tests.gateway.answers import metric_samples
 from tests.gateway.http_wire import request
 from tests.processes import ExecutorProcess, GatewayProcess, eventually
+from tests.stacks import serving_stack
 
 CLIENTS = 40
 SEED = 13
@@ -32,24 +32,16 @@ DRAIN_S = 15  # every executor holds nothing this long after the last client lef
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("storm-logs")
-    model = tiny_models["llama"]
-    server = start_redis_server()
     bounds = ("--max-num-seqs", "2", "--max-waiting-seqs", "1")  # six slots: most of the storm is held
-    env = {"KVSERVE_CPU_KERNELS": "0"}
-    executors = [
-        ExecutorProcess(model, server.url, logs / f"executor-{i}.log", *bounds, env=env) for i in range(2)
-    ]
-    gateway = GatewayProcess(model, server.url, logs / "gateway.log", "--queue-timeout", "60", env=env)
-    try:
-        for executor in executors:
-            executor.wait_registered(timeout=180)
-        gateway.wait_healthy(timeout=120)
-        yield gateway, executors
-    finally:
-        for process in (gateway, *executors):
-            process.stop()
-        server.stop()
+    with serving_stack(
+        tiny_models["llama"],
+        tmp_path_factory.mktemp("storm-logs"),
+        executors=2,
+        executor_flags=bounds,
+        gateway_flags=("--queue-timeout", "60"),
+        env={"KVSERVE_CPU_KERNELS": "0"},
+    ) as stack:
+        yield stack.gateway, stack.executors
 
 
 def _body(i: int, stream: bool) -> bytes:
@@ -107,11 +99,10 @@ async def _storm(port: int) -> list[tuple[str, bytes]]:
 
 def _requests_by_status(gateway: GatewayProcess) -> dict[str, float]:
     counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{gateway.base}/metrics").text):
-        for sample in family.samples:
-            if sample.name == "kvserve_requests_total":
-                status = sample.labels["status"]
-                counts[status] = counts.get(status, 0) + sample.value
+    for (name, labels), value in metric_samples(f"{gateway.base}/metrics").items():
+        if name == "kvserve_requests_total":
+            status = dict(labels)["status"]
+            counts[status] = counts.get(status, 0) + value
     return counts
 
 

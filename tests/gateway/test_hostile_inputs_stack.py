@@ -12,11 +12,9 @@ import time
 
 import httpx
 import pytest
-import redis
 
-from gateway.tenants.api_keys import KeyStore
-from kvserve.redis_server import start_redis_server
-from tests.processes import ExecutorProcess, GatewayProcess
+from tests.gateway.answers import openai_error
+from tests.stacks import serving_stack
 
 VOCAB = 49152  # the default model's tokenizer, which the tiny models share
 EVIL_REGEX = "".join(f"[^{chr(97 + i % 26)}]*" for i in range(160))  # 800 bytes; compiles in seconds
@@ -28,25 +26,14 @@ BIG_BODY = (
 
 @pytest.fixture(scope="module")
 def tenants(tiny_models, tmp_path_factory):
-    """(gateway base url, alpha's key, beta's key) over a Redis, executor and gateway of their own."""
+    """(gateway base url, alpha's key, beta's key) over a stack of their own: its executor's compile deadline is
+    short, and beta's times are measured against an otherwise idle executor."""
+    timeout = ("--grammar-compile-timeout", str(COMPILE_TIMEOUT_S))
     logs = tmp_path_factory.mktemp("hostile-logs")
-    server = start_redis_server()
-    store = KeyStore(redis.Redis.from_url(server.url))
-    alpha, _ = store.create("alpha")
-    beta, _ = store.create("beta")
-    model = tiny_models["llama"]
-    executor = ExecutorProcess(
-        model, server.url, logs / "executor.log", "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S)
-    )
-    gateway = GatewayProcess(model, server.url, logs / "gateway.log")
-    try:
-        executor.wait_registered()
-        gateway.wait_healthy()
-        yield gateway.base, alpha, beta
-    finally:
-        gateway.stop()
-        executor.stop()
-        server.stop()
+    with serving_stack(
+        tiny_models["llama"], logs, executor_flags=timeout, tenants=("alpha", "beta")
+    ) as stack:
+        yield stack.base, stack.keys["alpha"], stack.keys["beta"]
 
 
 def _headers(key: str | None) -> dict[str, str]:
@@ -100,9 +87,7 @@ def _beside(tenants, alone: float, attack, bound: float | None = None) -> list:
 
 
 def _refused(response: httpx.Response, status: int, param: str | None) -> str:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    error = openai_error(response, status)
     assert error["param"] == param
     return error["message"]
 

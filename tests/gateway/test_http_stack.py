@@ -1,44 +1,27 @@
-"""The serving stack as plain processes, the topology compose.yaml runs: Redis, two executors, one gateway,
-talked to over real HTTP."""
+"""The serving stack as plain processes, the topology compose.yaml runs: Redis, two executors, gateways, talked to
+over real HTTP (the gateway tests' shared open_stack; the test that kills an executor starts a stack of its own)."""
 
 from __future__ import annotations
 
 import functools
-import json
 
 import httpx
 import pytest
 
 from executor import LLM, SamplingParams
-from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
-from tests.processes import ExecutorProcess, GatewayProcess, eventually
+from tests.gateway.answers import DONE, json_events, metric_samples, sse_events
+from tests.processes import eventually
+from tests.stacks import serving_stack
 
 # the default 5 s is too short for a first request on a busy 2-core machine
 post = functools.partial(httpx.post, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    """(base url of gateway 1, executors, base url of gateway 2), with a Redis of its own, so no other test's
-    executors are seen."""
-    logs = tmp_path_factory.mktemp("stack-logs")
-    server = start_redis_server()
-    model = tiny_models["llama"]
-    executors = [ExecutorProcess(model, server.url, logs / f"executor-{i}.log") for i in range(2)]
-    gateways = [GatewayProcess(model, server.url, logs / f"gateway-{i}.log") for i in range(2)]
-    try:
-        for executor in executors:
-            executor.wait_registered()
-        for gateway in gateways:
-            assert eventually(gateway.healthy, timeout=60), gateway.log_path.read_text()
-        yield gateways[0].base, executors, gateways[1].base
-    finally:
-        for gateway in gateways:
-            gateway.stop()
-        for executor in executors:
-            executor.stop()
-        server.stop()
+def stack(open_stack):
+    """(base url of gateway 1, executors, base url of gateway 2)."""
+    return open_stack.gateways[0].base, open_stack.executors, open_stack.gateways[1].base
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +31,6 @@ def offline(tiny_models) -> LLM:
 
 def chat_body(content: str, **extra) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
-
-
-def sse_events(response: httpx.Response) -> list:
-    events = []
-    for block in response.text.split("\n\n"):
-        if block:
-            assert block.startswith("data: ")
-            payload = block[len("data: ") :]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 def test_completion_equals_the_offline_api_and_names_its_executor(stack, offline):
@@ -85,12 +58,10 @@ def test_streaming_chat_is_framed_as_openai_and_matches_the_whole_answer(stack):
         ),
     )
     assert streamed.headers["content-type"].startswith("text/event-stream")
-    events = sse_events(streamed)
+    events = sse_events(streamed.text)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert (
-        events[-1] == "[DONE]"
-        and events[-2]["choices"] == []
-        and events[-2]["usage"]["completion_tokens"] == 12
+        events[-1] == DONE and events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 12
     )
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2] if e["choices"])
     assert text == whole.json()["choices"][0]["message"]["content"]
@@ -219,14 +190,13 @@ def test_health_models_and_metrics(stack):
     base, executors, _ = stack
     assert sorted(httpx.get(f"{base}/health").json()["executors"]) == sorted(e.id for e in executors)
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
-    before = _samples(httpx.get(f"{base}/metrics").text)
+    before = metric_samples(f"{base}/metrics")
     body = {"model": "tiny", "prompt": "count", "max_tokens": 3, "ignore_eos": True, "stream": True}
     body["stream_options"] = {"include_usage": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body) as response:
         lines = list(response.iter_lines())
         assert response.status_code == 200 and "data: [DONE]" in lines
-    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
-    usage = events[-1]["usage"]
+    usage = list(json_events(lines))[-1]["usage"]
     # counted in flight from routing to its first update, then no longer
     assert eventually(lambda: all(int(e.redis.get(keys.inflight_key(e.id)) or 0) == 0 for e in executors))
 
@@ -238,7 +208,7 @@ def test_health_models_and_metrics(stack):
 
     def executor_stats_published() -> bool:
         nonlocal after
-        after = _samples(httpx.get(f"{base}/metrics").text)
+        after = metric_samples(f"{base}/metrics")
         return moved_on_executors("kvserve_queue_time_seconds_count") == 1
 
     after = {}
@@ -266,16 +236,6 @@ def test_health_models_and_metrics(stack):
     added = "kvserve_gateway_added_latency_seconds"
     assert moved(f"{added}_count") == 1
     assert 0 <= moved(f"{added}_sum") <= moved("kvserve_time_to_first_token_seconds_sum")
-
-
-def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_the_openai_client_gets_the_offline_answer(stack, offline):
@@ -322,24 +282,24 @@ def test_prefix_families_return_to_the_executor_holding_them_through_either_gate
                 assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
 
 
-def test_a_killed_executor_is_routed_around_and_its_entries_expire(stack):
-    """Last in this module: it kills an executor."""
-    base, executors, _ = stack
-    prefix = list(range(9000, 9064))
-    victim_id = _complete(base, prefix + [1]).headers["x-kvserve-executor"]
-    victim = next(e for e in executors if e.id == victim_id)
-    survivor = next(e for e in executors if e.id != victim_id)
-    victim.process.kill()
-    victim.process.wait()
-    # routed to the dead one first (its prefix, its heartbeat not yet expired), then retried on the survivor
-    response = _complete(base, prefix + [2])
-    assert response.headers["x-kvserve-executor"] == survivor.id
-    streamed = post(
-        f"{base}/v1/completions",
-        json={"model": "tiny", "prompt": prefix + [3], "max_tokens": 3, "stream": True},
-        timeout=60,
-    )
-    assert sse_events(streamed)[-1] == "[DONE]"
-    gone = [keys.executor_key(victim_id), keys.blocks_key(victim_id), keys.load_key(victim_id)]
-    assert eventually(lambda: not any(survivor.redis.exists(k) for k in gone), timeout=10)
-    assert httpx.get(f"{base}/health").json()["executors"] == [survivor.id]
+def test_a_killed_executor_is_routed_around_and_its_entries_expire(tiny_models, tmp_path):
+    with serving_stack(tiny_models["llama"], tmp_path, executors=2) as own:  # it kills an executor
+        base, executors = own.base, own.executors
+        prefix = list(range(9000, 9064))
+        victim_id = _complete(base, prefix + [1]).headers["x-kvserve-executor"]
+        victim = next(e for e in executors if e.id == victim_id)
+        survivor = next(e for e in executors if e.id != victim_id)
+        victim.process.kill()
+        victim.process.wait()
+        # routed to the dead one first (its prefix, its heartbeat not yet expired), then retried on the survivor
+        response = _complete(base, prefix + [2])
+        assert response.headers["x-kvserve-executor"] == survivor.id
+        streamed = post(
+            f"{base}/v1/completions",
+            json={"model": "tiny", "prompt": prefix + [3], "max_tokens": 3, "stream": True},
+            timeout=60,
+        )
+        assert sse_events(streamed.text)[-1] == DONE
+        gone = [keys.executor_key(victim_id), keys.blocks_key(victim_id), keys.load_key(victim_id)]
+        assert eventually(lambda: not any(survivor.redis.exists(k) for k in gone), timeout=10)
+        assert httpx.get(f"{base}/health").json()["executors"] == [survivor.id]

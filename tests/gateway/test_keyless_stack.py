@@ -1,4 +1,5 @@
-"""Requests without a valid key, over real processes (Redis, an executor on a tiny model, gateways): refused from
+"""Requests without a valid key, over real processes (the shared keyed_stack, and a gateway of this module's own in
+it with a short body deadline): refused from
 the headers alone, before a byte of the body is read, so a flood of them costs the gateway next to nothing; large
 prompts are worked through off the event loop; slow bodies get 408; and once a deployment has had keys, neither
 revoking the last one nor a Redis flushed empty opens it again. A gateway open to other machines is an operator's
@@ -20,9 +21,10 @@ from gateway.cli import is_loopback
 from gateway.openai.body import MAX_BODY_BYTES
 from gateway.tenants.api_keys import KeyStore
 from kvserve.cli import build_parser
-from kvserve.redis_server import start_redis_server
+from tests.gateway.answers import openai_error
 from tests.gateway.http_wire import pipelined, request
-from tests.processes import ExecutorProcess, GatewayProcess, eventually, run_kvserve
+from tests.processes import GatewayProcess, run_kvserve
+from tests.stacks import serving_stack
 
 BODY_TIMEOUT_S = 2.0
 FLOOD = 20
@@ -56,31 +58,14 @@ def _post(base: str, body: bytes, headers: dict[str, str], path: str = "/v1/comp
     return httpx.post(f"{base}{path}", content=body, headers=headers, timeout=120)
 
 
-def _error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
-
-
 @pytest.fixture(scope="module")
-def keyed(tiny_models, tmp_path_factory):
-    """(gateway, its Redis url, a valid key): a deployment with a key, its gateway on loopback without
+def keyed(keyed_stack):
+    """(gateway, its Redis url, a valid key): a deployment with keys, a gateway on loopback without
     --require-api-key, and a short body deadline."""
-    logs = tmp_path_factory.mktemp("keyless-logs")
-    server = start_redis_server()
-    key, _ = KeyStore(redis.Redis.from_url(server.url)).create("victim")
-    model = tiny_models["llama"]
-    executor = ExecutorProcess(model, server.url, logs / "executor.log")
-    gateway = GatewayProcess(model, server.url, logs / "gateway.log", "--body-timeout", str(BODY_TIMEOUT_S))
-    try:
-        executor.wait_registered()
-        gateway.wait_healthy()
-        yield gateway, server.url, key
-    finally:
-        gateway.stop()
-        executor.stop()
-        server.stop()
+    key, _ = keyed_stack.key_store().create("victim")
+    gateway = keyed_stack.add_gateway("--body-timeout", str(BODY_TIMEOUT_S), name="keyless-gateway")
+    yield gateway, keyed_stack.url, key
+    keyed_stack.remove(gateway)
 
 
 def test_without_a_valid_key_the_body_is_never_read(keyed):
@@ -94,13 +79,13 @@ def test_without_a_valid_key_the_body_is_never_read(keyed):
         _bearer(revoked),
         {"authorization": key},
     ):
-        assert _error(_post(gateway.base, REFUSED_IF_PARSED, headers), 401)["code"] == "invalid_api_key"
+        assert openai_error(_post(gateway.base, REFUSED_IF_PARSED, headers), 401)["code"] == "invalid_api_key"
     # a body over the limit, too: who calls comes before what the body did wrong
     too_large = REFUSED_IF_PARSED + b" " * (MAX_BODY_BYTES - len(REFUSED_IF_PARSED) + 1)
-    _error(_post(gateway.base, too_large, {}), 401)
+    openai_error(_post(gateway.base, too_large, {}), 401)
     # with the key, the same bodies are read and refused for what they are
-    assert _error(_post(gateway.base, REFUSED_IF_PARSED, _bearer(key)), 400)["param"] == "temperature"
-    assert _error(_post(gateway.base, too_large, _bearer(key)), 413)["code"] == "request_too_large"
+    assert openai_error(_post(gateway.base, REFUSED_IF_PARSED, _bearer(key)), 400)["param"] == "temperature"
+    assert openai_error(_post(gateway.base, too_large, _bearer(key)), 413)["code"] == "request_too_large"
 
 
 def test_a_401_keeps_the_connection_for_a_small_body_and_closes_it_for_a_large_one(keyed):
@@ -193,86 +178,51 @@ def test_a_slow_body_gets_408_at_its_deadline_and_the_connection_closes(keyed):
 
 def test_once_keys_existed_the_gateway_never_runs_open_again(tiny_models, tmp_path):
     """No executor: every answer here comes from the gateway's reading of the caller."""
-    server = start_redis_server()
-    client = redis.Redis.from_url(server.url)
-    model = tiny_models["llama"]
-    gateways = [GatewayProcess(model, server.url, tmp_path / "open.log")]
-    try:
-        gateway = gateways[0]
-        assert eventually(lambda: _live(gateway), timeout=60), gateway.log_path.read_text()
+    with serving_stack(tiny_models["llama"], tmp_path, executors=0) as own:
+        gateway = own.gateway
         assert httpx.get(f"{gateway.base}/v1/models").status_code == 200  # open: no key ever existed
         assert httpx.get(f"{gateway.base}/metrics").status_code == 200  # every request is the anonymous one's
-        store = KeyStore(client)
+        store = own.key_store()
         key, record = store.create("acme-corp")
         assert httpx.get(f"{gateway.base}/v1/models", headers=_bearer(key)).status_code == 200
         _assert_closed(gateway)
 
         store.revoke(record.key_id)  # the last key
         _assert_closed(gateway)
-        restarted = GatewayProcess(model, server.url, tmp_path / "restarted.log")
-        gateways.append(restarted)
-        assert eventually(lambda: _live(restarted), timeout=60), restarted.log_path.read_text()
+        restarted = own.add_gateway(name="restarted")
         _assert_closed(restarted)  # a new process too: Redis remembers that keys existed
 
-        client.flushall()  # Redis restarted empty, or failed over to an empty replica
-        for running in gateways:
+        redis.Redis.from_url(own.url).flushall()  # Redis restarted empty, or failed over to an empty replica
+        for running in own.gateways:
             _assert_closed(running)  # each process remembers, for its life
-    finally:
-        for gateway in gateways:
-            gateway.stop()
-        server.stop()
-
-
-def _live(gateway: GatewayProcess) -> bool:
-    try:
-        return httpx.get(f"{gateway.base}/health/live").status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _assert_closed(gateway: GatewayProcess) -> None:
     """Requests without a key get 401 and the public port names no tenant."""
-    assert "API keys" in _error(httpx.get(f"{gateway.base}/v1/models"), 401)["message"]
-    _error(_post(gateway.base, b'{"model": "tiny", "prompt": "hi"}', {}), 401)
+    assert "API keys" in openai_error(httpx.get(f"{gateway.base}/v1/models"), 401)["message"]
+    openai_error(_post(gateway.base, b'{"model": "tiny", "prompt": "hi"}', {}), 401)
     metrics = httpx.get(f"{gateway.base}/metrics")
-    assert "--metrics-port" in _error(metrics, 404)["message"] and "acme" not in metrics.text
+    assert "--metrics-port" in openai_error(metrics, 404)["message"] and "acme" not in metrics.text
 
 
 def test_an_open_gateway_on_a_non_loopback_address_is_an_explicit_choice(tiny_models, tmp_path):
-    server = start_redis_server()
     env = {k: v for k, v in os.environ.items() if k != "KVSERVE_REDIS_URL"}
-    gateways = []
-    try:
-        refused = run_kvserve("gateway", "--host", "0.0.0.0", "--redis-url", server.url, env=env)
+    with serving_stack(tiny_models["llama"], tmp_path, executors=0, gateways=0) as own:
+        refused = run_kvserve("gateway", "--host", "0.0.0.0", "--redis-url", own.url, env=env)
         assert refused.returncode == 2, refused.stderr
         (line,) = refused.stderr.strip().splitlines()
         assert "0.0.0.0" in line and "kvserve keys create" in line and "--allow-anonymous" in line
-        both = ["--host", "0.0.0.0", "--allow-anonymous", "--require-api-key", "--redis-url", server.url]
+        both = ["--host", "0.0.0.0", "--allow-anonymous", "--require-api-key", "--redis-url", own.url]
         contradiction = run_kvserve("gateway", *both, env=env)
         assert contradiction.returncode == 2 and "contradict" in contradiction.stderr
 
-        gateway = GatewayProcess(
-            tiny_models["llama"],
-            server.url,
-            tmp_path / "anonymous.log",
-            "--host",
-            "0.0.0.0",
-            "--allow-anonymous",
-        )
-        gateways.append(gateway)
-        assert eventually(lambda: _live(gateway), timeout=60), gateway.log_path.read_text()
+        gateway = own.add_gateway("--host", "0.0.0.0", "--allow-anonymous", name="anonymous")
         assert httpx.get(f"{gateway.base}/v1/models").status_code == 200  # open, as asked
         assert "WITHOUT API KEYS" in gateway.log_path.read_text()
 
-        KeyStore(redis.Redis.from_url(server.url)).create("someone")  # a keyed deployment needs no flag
-        keyed = GatewayProcess(tiny_models["llama"], server.url, tmp_path / "keyed.log", "--host", "0.0.0.0")
-        gateways.append(keyed)
-        assert eventually(lambda: _live(keyed), timeout=60), keyed.log_path.read_text()
-        _error(httpx.get(f"{keyed.base}/v1/models"), 401)
-    finally:
-        for gateway in gateways:
-            gateway.stop()
-        server.stop()
+        own.key_store().create("someone")  # a keyed deployment needs no flag
+        keyed = own.add_gateway("--host", "0.0.0.0", name="keyed")
+        openai_error(httpx.get(f"{keyed.base}/v1/models"), 401)
 
 
 def test_loopback_hosts_and_the_flags_of_up():

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import redis
 
-from gateway.tenants.api_keys import KeyStore
 from kvserve.cli import build_parser
-from kvserve.redis_server import start_redis_server
-from tests.processes import GatewayProcess, eventually, free_port
+from tests.gateway.answers import openai_error
+from tests.processes import eventually, free_port
+from tests.stacks import serving_stack
 
 
 def _answers(url: str) -> bool:
-    """Any HTTP answer: without executors /health is a 503, but the gateway is up."""
     try:
         httpx.get(url)
     except httpx.HTTPError:
@@ -26,41 +24,24 @@ def _answers(url: str) -> bool:
 def gateways(tiny_models, tmp_path_factory):
     """(gateway requiring keys with --metrics-port, its metrics url, one without, their Redis, a key). The last
     test stops that Redis."""
+    flags = [("--metrics-port", str(free_port())), ()]
     logs = tmp_path_factory.mktemp("metrics-logs")
-    server = start_redis_server()
-    key, _ = KeyStore(redis.Redis.from_url(server.url)).create("acme-corp")
-    model = tiny_models["llama"]
-    metrics_port = free_port()
-    started = []
-    try:
-        started.append(
-            GatewayProcess(
-                model,
-                server.url,
-                logs / "with-port.log",
-                "--require-api-key",
-                "--metrics-port",
-                str(metrics_port),
-            )
-        )
-        started.append(GatewayProcess(model, server.url, logs / "without.log", "--require-api-key"))
-        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        # the metrics listener starts with the app, before the public port listens: wait for both
-        assert eventually(lambda: _answers(metrics_url), timeout=60), started[0].log_path.read_text()
-        for gateway in started:
-            health = f"{gateway.base}/health"
-            assert eventually(lambda url=health: _answers(url), 60), gateway.log_path.read_text()
-        yield started[0], metrics_url, started[1], server, key
-    finally:
-        for gateway in started:
-            gateway.stop()
-        server.stop()
+    with serving_stack(
+        tiny_models["llama"],
+        logs,
+        executors=0,
+        gateways=flags,
+        gateway_flags=("--require-api-key",),
+        tenants=("acme-corp",),
+    ) as stack:
+        with_port, without = stack.gateways
+        assert eventually(lambda: _answers(with_port.metrics_url), timeout=60), with_port.log_path.read_text()
+        yield with_port, with_port.metrics_url, without, stack.server, stack.keys["acme-corp"]
 
 
 def _not_served(response: httpx.Response) -> str:
-    assert response.status_code == 404, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and "acme" not in response.text
+    error = openai_error(response, 404)
+    assert "acme" not in response.text
     return error["message"]
 
 

@@ -1,4 +1,5 @@
-"""n > 1 over real HTTP: Redis, one executor, a gateway that wants API keys; the openai client streams n = 8."""
+"""n > 1 over real HTTP (the shared keyed_stack: Redis, one executor, gateways that want API keys); the openai
+client streams n = 8."""
 
 from __future__ import annotations
 
@@ -7,35 +8,21 @@ import functools
 import httpx
 import openai
 import pytest
-import redis
 
-from gateway.tenants.api_keys import KeyStore
-from kvserve.redis_server import start_redis_server
 from shared import redis_keys as keys
 from shared.sampling_params import MAX_N
-from tests.processes import ExecutorProcess, GatewayProcess, eventually
+from tests.gateway.answers import json_events
+from tests.processes import ExecutorProcess, eventually
 
 post = functools.partial(httpx.post, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    """(gateway base url, executor, key store, an API key without limits)."""
-    logs = tmp_path_factory.mktemp("nsamp-logs")
-    server = start_redis_server()
-    store = KeyStore(redis.Redis.from_url(server.url))
-    key, _ = store.create("open")
-    model = tiny_models["llama"]
-    executor = ExecutorProcess(model, server.url, logs / "executor.log")
-    gateway = GatewayProcess(model, server.url, logs / "gateway.log", "--require-api-key")
-    try:
-        executor.wait_registered()
-        gateway.wait_healthy()
-        yield gateway.base, executor, store, key
-    finally:
-        gateway.stop()
-        executor.stop()
-        server.stop()
+def stack(keyed_stack):
+    """(gateway base url, executor, key store, an API key without limits of this module's own tenant)."""
+    store = keyed_stack.key_store()
+    key, _ = store.create("nsamp-open")
+    return keyed_stack.base, keyed_stack.executor, store, key
 
 
 def complete(stack, key: str | None = None, **body) -> httpx.Response:
@@ -137,11 +124,9 @@ def test_a_disconnect_mid_stream_frees_every_choice_and_its_blocks(stack):
     body = {"model": "tiny", "prompt": "abc", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 4}
     headers = {"authorization": f"Bearer {key}"}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers, timeout=60) as response:
-        lines = response.iter_lines()
         seen = set()
-        for line in lines:  # until every choice has streamed something: all four run on the executor
-            if line.startswith("data: {"):
-                seen.add(httpx.Response(200, content=line[6:]).json()["choices"][0]["index"])
+        for event in json_events(response.iter_lines()):  # until every choice has streamed: all four run
+            seen.add(event["choices"][0]["index"])
             if len(seen) == 4:
                 break
 

@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from kvserve.redis_server import start_redis_server
-from tests.processes import ExecutorProcess, GatewayProcess, eventually
+from tests.processes import eventually
+from tests.stacks import serving_stack
 
 ENV = {"KVSERVE_CPU_KERNELS": "0"}
 # step messages queued per gateway in ZeroMQ, and as many more held by the executor (env: to measure others)
@@ -33,24 +33,10 @@ CHOICES = 16
 def stack(tiny_models, tmp_path_factory):
     """(gateway to pause, gateway left running, executor)."""
     logs = tmp_path_factory.mktemp("paused-gateway-logs")
-    server = start_redis_server()
-    model = tiny_models["llama"]
     # over ipc the kernel holds about 200 KB for a stopped reader; over loopback TCP, megabytes
     flags = ("--zmq-sndhwm", SNDHWM, "--bind", f"ipc://{logs}/executor.sock")  # the last --bind counts
-    executor = ExecutorProcess(model, server.url, logs / "executor.log", *flags, env=ENV)
-    gateways = [GatewayProcess(model, server.url, logs / f"gateway-{i}.log", env=ENV) for i in range(2)]
-    try:
-        executor.wait_registered(timeout=180)
-        for gateway in gateways:
-            gateway.wait_healthy(timeout=120)
-        yield (*gateways, executor)
-    finally:
-        for gateway in gateways:  # a test that failed while one was paused must not leave it stopped
-            if gateway.process.poll() is None:
-                os.kill(gateway.process.pid, signal.SIGCONT)
-        for process in (*gateways, executor):
-            process.stop()
-        server.stop()
+    with serving_stack(tiny_models["llama"], logs, executors=[flags], gateways=2, env=ENV) as stack:
+        yield (*stack.gateways, stack.executor)
 
 
 def body(i: int, n: int) -> dict:

@@ -1,4 +1,4 @@
-"""echo and prompt_logprobs over HTTP, on a real stack (Redis, one executor, one gateway): the prompt's text exactly
+"""echo and prompt_logprobs over HTTP, on a real stack (the shared open_stack): the prompt's text exactly
 as sent, offsets into it, and the engine's prompt logprobs (which tests/executor/test_prompt_logprobs.py holds to
 HF's) as OpenAI's legacy columns and as vLLM's list."""
 
@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from executor import LLM, SamplingParams
-from tests.gateway.test_http_stack import chat_body, sse_events
-from tests.processes import one_executor_stack
+from tests.gateway.answers import DONE, sse_events
+from tests.gateway.test_http_stack import chat_body
 
 post = functools.partial(httpx.post, timeout=60)
 
@@ -21,9 +21,8 @@ PROMPT = "Grüße aus Köln — 日本語のテキスト 🚀 and plain words af
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    with one_executor_stack(tiny_models["llama"], tmp_path_factory.mktemp("plogp-logs")) as (gateway, _):
-        yield gateway.base
+def stack(open_stack) -> str:
+    return open_stack.base
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +93,9 @@ def test_echo_without_logprobs_and_the_prompt_first_when_streaming(stack):
         f"{stack}/v1/completions",
         json={"model": "tiny", "prompt": PROMPT, "echo": True, "max_tokens": 3, "stream": True},
     )
-    events = sse_events(response)
+    events = sse_events(response.text)
     assert events[0]["choices"][0]["text"] == PROMPT
-    assert events[-1] == "[DONE]"
+    assert events[-1] == DONE
     streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert streamed.startswith(PROMPT) and len(streamed) > len(PROMPT)
 

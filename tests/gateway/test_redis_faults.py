@@ -12,55 +12,22 @@ import time
 
 import httpx
 import pytest
-import redis
 
 from gateway.tenants.api_keys import KeyStore
-from kvserve.redis_server import EmbeddedRedis, start_redis_server
 from shared import redis_keys as keys
 from shared.block_hash import hash_blocks
-from tests.processes import ExecutorProcess, GatewayProcess, eventually
+from tests.processes import ExecutorProcess, eventually
+from tests.stacks import Stack, serving_stack
 
 FAMILIES = {name: list(range(start, start + 96)) for name, start in (("a", 3000), ("b", 7000))}  # 6 blocks
 
 
-class Stack:
-    def __init__(self, server: EmbeddedRedis, executors: list[ExecutorProcess], gateway: GatewayProcess):
-        self.server = server
-        self.executors = executors
-        self.gateway = gateway
-
-    @property
-    def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.server.url, decode_responses=True)
-
-    def restart_redis(self, down_s: float) -> float:
-        """Stop Redis (its keys are lost: no persistence), wait down_s, start it again on the same port;
-        returns time.monotonic() when it answers again."""
-        self.server.kill()
-        time.sleep(down_s)
-        self.server.restart()
-        return time.monotonic()
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("redis-fault-logs")
-    model = tiny_models["llama"]
-    stack = Stack(start_redis_server(), [], None)
-    url = stack.server.url
-    try:
-        stack.executors = [ExecutorProcess(model, url, logs / f"executor-{i}.log") for i in range(2)]
-        stack.gateway = GatewayProcess(model, url, logs / "gateway.log")
-        for executor in stack.executors:
-            executor.wait_registered()
-        stack.gateway.wait_healthy()
+    with serving_stack(
+        tiny_models["llama"], tmp_path_factory.mktemp("redis-fault-logs"), executors=2
+    ) as stack:
         yield stack
-    finally:
-        if stack.gateway is not None:
-            stack.gateway.stop()
-        for executor in stack.executors:
-            executor.stop()
-        stack.server.stop()
 
 
 def _complete(base: str, prompt, key: str | None = None, max_tokens: int = 2) -> httpx.Response:

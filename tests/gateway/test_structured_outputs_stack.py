@@ -1,4 +1,4 @@
-"""Structured outputs through the real stack (Redis, an executor, the gateway, HTTP): the openai client's
+"""Structured outputs through the real stack (the shared default_model_stack, over HTTP): the openai client's
 parse() gets objects, JSON mode parses, and a schema the executor cannot compile is a 400 that stops nothing."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from kvserve.redis_server import start_redis_server
-from tests.processes import ExecutorProcess, GatewayProcess
+from tests.gateway.answers import DONE, sse_events
 
 TIMEOUT = 600  # twenty constrained streams on a busy 2-core machine
 
@@ -49,21 +48,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def stack(default_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("structured-stack")
-    server = start_redis_server()
-    executor = ExecutorProcess(
-        default_model, server.url, logs / "executor.log", "--kv-cache-memory", "256MiB"
-    )
-    gateway = GatewayProcess(default_model, server.url, logs / "gateway.log")
-    try:
-        executor.wait_registered()
-        gateway.wait_healthy()
-        yield gateway.base
-    finally:
-        gateway.stop()
-        executor.stop()
-        server.stop()
+def stack(default_model_stack) -> str:
+    return default_model_stack.base
 
 
 def chat(base: str, **body) -> httpx.Response:
@@ -105,7 +91,7 @@ def test_json_mode_outputs_parse_streamed_or_not(stack):
     text = plain.json()["choices"][0]["message"]["content"]
     assert isinstance(json.loads(text), dict)
     streamed = chat(stack, stream=True, **fields)
-    events = [json.loads(b[6:]) for b in streamed.text.split("\n\n") if b.startswith("data: {")]
+    events = [e for e in sse_events(streamed.text) if e != DONE]
     pieces = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
     assert pieces == text
 

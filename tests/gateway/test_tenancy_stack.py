@@ -1,24 +1,22 @@
-"""Tenants over real HTTP: keys, 401 and 429, one budget shared by two gateway processes, cache isolation,
-usage billed, a burst waiting behind itself."""
+"""Tenants over real HTTP (the shared keyed_stack, each test's tenants its own): keys, 401 and 429, one budget
+shared by two gateway processes, cache isolation, usage billed, a burst waiting behind itself."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-import redis
 
-from gateway.tenants.api_keys import KeyStore
 from kvserve.redis_server import start_redis_server
+from tests.gateway.answers import metric_samples, openai_error
 from tests.gateway.http_wire import request
-from tests.processes import REPO, ExecutorProcess, GatewayProcess, eventually, free_port
+from tests.processes import eventually, run_kvserve
 
 post = functools.partial(httpx.post, timeout=60)
 
@@ -29,39 +27,19 @@ LONG_PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def tenancy_stack(tiny_models, tmp_path_factory):
-    """(gateway base urls, key store, the first one's metrics url) over a Redis of its own, gateways started
-    with --require-api-key."""
-    logs = tmp_path_factory.mktemp("tenancy-logs")
+def tenancy_stack(keyed_stack):
+    """(gateway base urls, key store, the first one's metrics url)."""
+    gateways = keyed_stack.gateways[:2]
+    return [g.base for g in gateways], keyed_stack.key_store(), gateways[0].metrics_url
+
+
+def test_a_gateway_that_requires_keys_refuses_to_start_while_none_exists():
     server = start_redis_server()
-    store = KeyStore(redis.Redis.from_url(server.url))
-    model = tiny_models["llama"]
-    executor = ExecutorProcess(model, server.url, logs / "executor.log")
-    gateways = []
     try:
-        # a gateway that must not run open refuses to start while no key exists
-        refused = subprocess.run(
-            [sys.executable, "-m", "kvserve.cli", "gateway", "--require-api-key", "--redis-url", server.url],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        args = ("gateway", "--require-api-key", "--redis-url", server.url)
+        refused = run_kvserve(*args, env=dict(os.environ), timeout=120)
         assert refused.returncode == 2 and "no API key exists" in refused.stderr
-        store.create("bootstrap")
-        metrics_port = free_port()
-        gateways = [
-            GatewayProcess(model, server.url, logs / f"gateway-{i}.log", "--require-api-key", *extra)
-            for i, extra in enumerate([("--metrics-port", str(metrics_port)), ()])
-        ]
-        executor.wait_registered()
-        for gateway in gateways:
-            gateway.wait_healthy()
-        yield [g.base for g in gateways], store, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
-        for gateway in gateways:
-            gateway.stop()
-        executor.stop()
         server.stop()
 
 
@@ -72,9 +50,7 @@ def _complete(base: str, key: str | None, **body) -> httpx.Response:
 
 
 def _assert_openai_error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    error = openai_error(response, status)
     if status == 429:
         assert error["code"] == "rate_limit_exceeded"
     return error
@@ -185,11 +161,8 @@ def test_tenants_never_share_cached_prefixes(tenancy_stack):
 
 def _tenant_series(metrics_url: str, tenant: str) -> dict[str, float]:
     """The metrics port's series labelled with only this tenant, by name."""
-    suffix = f'{{tenant="{tenant}"}}'
-    lines = httpx.get(metrics_url).text.splitlines()
-    return {
-        line.split()[0].removesuffix(suffix): float(line.split()[1]) for line in lines if suffix + " " in line
-    }
+    samples = metric_samples(metrics_url)
+    return {name: value for (name, labels), value in samples.items() if labels == (("tenant", tenant),)}
 
 
 def test_usage_bills_cached_and_computed_prompt_tokens_and_kv_block_seconds(tenancy_stack):

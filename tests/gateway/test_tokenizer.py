@@ -107,10 +107,10 @@ def gguf_model(tmp_path_factory) -> str:
     from transformers import LlamaForCausalLM
 
     from executor.gguf_convert import convert_gguf
-    from tests.executor.test_model_files import tiny_config, write_gguf
+    from tests.executor.test_model_files import gguf_config, write_gguf
 
     path = tmp_path_factory.mktemp("gguf")
-    gguf_path = write_gguf(path / "tiny.gguf", LlamaForCausalLM(tiny_config("llama")), "llama")
+    gguf_path = write_gguf(path / "tiny.gguf", LlamaForCausalLM(gguf_config("llama")), "llama")
     return str(convert_gguf(gguf_path, path / "converted"))
 
 

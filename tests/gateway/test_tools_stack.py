@@ -1,5 +1,5 @@
-"""Tool calling through the real stack (Redis, an executor with the default model, gateways) with the `openai`
-client."""
+"""Tool calling through the real stack (the shared default_model_stack: Redis, an executor with the default model,
+gateways) with the `openai` client."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import pytest
 from gateway.openai.messages import parse_messages
 from gateway.prompt.chat_template import chat_prompt_token_ids
 from gateway.prompt.tokenizer import Tokenizer
-from kvserve.redis_server import start_redis_server
 from tests.gateway.tool_examples import ADOPT, TIME, WEATHER
-from tests.processes import ExecutorProcess, GatewayProcess
 
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -27,32 +25,17 @@ OWN_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def servers(default_model, tmp_path_factory):
-    """(a client of a gateway with --tool-call-parser hermes, a client of one without it, with --chat-template
-    OWN_TEMPLATE), one executor."""
-    logs = tmp_path_factory.mktemp("tools-stack")
-    (logs / "own.jinja").write_text(OWN_TEMPLATE)
-    server = start_redis_server()
-    executor = ExecutorProcess(default_model, server.url, logs / "executor.log", "--kv-cache-memory", "64MiB")
-    gateways = [
-        GatewayProcess(default_model, server.url, logs / "gateway.log", "--tool-call-parser", "hermes"),
-        GatewayProcess(
-            default_model, server.url, logs / "gateway-own.log", "--chat-template", str(logs / "own.jinja")
-        ),
+def servers(default_model_stack, tmp_path_factory):
+    """(a client of the gateway with --tool-call-parser hermes, a client of one without it, with --chat-template
+    OWN_TEMPLATE, started for this module)."""
+    template = tmp_path_factory.mktemp("tools-stack") / "own.jinja"
+    template.write_text(OWN_TEMPLATE)
+    own = default_model_stack.add_gateway("--chat-template", str(template), name="gateway-own-template")
+    yield [
+        openai.OpenAI(base_url=f"{g.base}/v1", api_key="none", timeout=120, max_retries=0)
+        for g in (default_model_stack.gateways[1], own)
     ]
-    try:
-        executor.wait_registered()
-        for gateway in gateways:
-            gateway.wait_healthy()
-        yield [
-            openai.OpenAI(base_url=f"{g.base}/v1", api_key="none", timeout=120, max_retries=0)
-            for g in gateways
-        ]
-    finally:
-        for gateway in gateways:
-            gateway.stop()
-        executor.stop()
-        server.stop()
+    default_model_stack.remove(own)
 
 
 @pytest.fixture

@@ -8,9 +8,8 @@ import functools
 from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.processes import REPO, GatewayProcess, one_executor_stack
+from tests.processes import REPO, GatewayProcess
 
 post = functools.partial(httpx.post, timeout=60)
 
@@ -30,18 +29,17 @@ def resident_mib(pid: int) -> float:
     raise AssertionError(f"no VmRSS in /proc/{pid}/status")
 
 
-@pytest.mark.slow
-def test_gateway_serves_a_chat_without_loading_torch(tiny_models, tmp_path):
-    with one_executor_stack(tiny_models["llama"], tmp_path, GatewayProcess) as (gateway, executor):
-        chat = [{"role": "user", "content": "Hi 😀"}]
-        body = {"model": "tiny", "messages": chat, "max_tokens": 4, "ignore_eos": True}
-        response = post(f"{gateway.base}/v1/chat/completions", json=body)
-        assert response.status_code == 200, response.text
-        assert response.json()["usage"]["completion_tokens"] == 4
-        pid = gateway.process.pid
-        assert torch_mappings(pid) == [], f"torch loaded in the gateway (RSS {resident_mib(pid):.0f} MiB)"
-        assert resident_mib(pid) < GATEWAY_RSS_LIMIT_MIB  # 82 MiB measured; with transformers and torch, 367
-        assert torch_mappings(executor.process.pid)  # the check sees torch where it is loaded
+def test_gateway_serves_a_chat_without_loading_torch(open_stack):
+    gateway, executor = open_stack.gateways[-1], open_stack.executor
+    chat = [{"role": "user", "content": "Hi 😀"}]
+    body = {"model": "tiny", "messages": chat, "max_tokens": 4, "ignore_eos": True}
+    response = post(f"{gateway.base}/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+    pid = gateway.process.pid
+    assert torch_mappings(pid) == [], f"torch loaded in the gateway (RSS {resident_mib(pid):.0f} MiB)"
+    assert resident_mib(pid) < GATEWAY_RSS_LIMIT_MIB  # 82 MiB measured; with transformers and torch, 367
+    assert torch_mappings(executor.process.pid)  # the check sees torch where it is loaded
 
 
 def test_bad_model_directory_is_refused_at_start_naming_the_file(tmp_path):

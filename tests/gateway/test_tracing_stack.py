@@ -1,5 +1,6 @@
-"""One trace across processes: a client's traceparent, the gateway's spans and the executor's, collected by a real
-OTLP/HTTP receiver; and the JSON log lines that carry the same request and trace ids."""
+"""One trace across processes (the shared keyed_stack, which exports to the package's OTLP receiver): a client's
+traceparent, the gateway's spans and the executor's, collected by a real OTLP/HTTP receiver; and the JSON log lines
+that carry the same request and trace ids."""
 
 from __future__ import annotations
 
@@ -7,12 +8,6 @@ import json
 
 import httpx
 import pytest
-import redis
-
-from gateway.tenants.api_keys import KeyStore
-from kvserve.redis_server import start_redis_server
-from tests.otlp_receiver import OtlpReceiver
-from tests.processes import ExecutorProcess, GatewayProcess
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_PARENT = "00f067aa0ba902b7"
@@ -20,22 +15,9 @@ EXECUTOR_SPANS = {"executor.request", "executor.queue", "executor.prefill", "exe
 
 
 @pytest.fixture(scope="module")
-def traced_stack(tiny_models, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("tracing-logs")
-    server = start_redis_server()
-    with OtlpReceiver() as receiver:
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-        executor = ExecutorProcess(tiny_models["llama"], server.url, logs / "executor.log", env=env)
-        gateway = GatewayProcess(tiny_models["llama"], server.url, logs / "gateway.log", env=env)
-        try:
-            key, _ = KeyStore(redis.Redis.from_url(server.url)).create("traced-tenant")
-            executor.wait_registered()
-            gateway.wait_healthy()
-            yield gateway, executor, receiver, key
-        finally:
-            gateway.stop()
-            executor.stop()
-            server.stop()
+def traced_stack(keyed_stack, otlp_receiver):
+    key, _ = keyed_stack.key_store().create("traced-tenant")
+    return keyed_stack.gateway, keyed_stack.executor, otlp_receiver, key
 
 
 def test_one_trace_spans_gateway_and_executor(traced_stack):

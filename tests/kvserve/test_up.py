@@ -3,7 +3,6 @@ and nothing is left behind."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ import redis
 from gateway.server.exit_deadline import EXIT_MARGIN_S
 from kvserve.supervisor import RESTART_LIMIT
 from shared import redis_keys
+from tests.gateway.answers import json_events
 from tests.processes import REPO, eventually, free_port, raw_generate
 
 
@@ -264,10 +264,9 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones_with_503(stack):
         body["stream_options"] = {"include_usage": True}
         try:
             with httpx.stream("POST", f"{stack.base}/v1/completions", json=body, timeout=120) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: {"):
-                        events.append(json.loads(line.removeprefix("data: ")))
-                        first_event.set()
+                for event in json_events(response.iter_lines()):
+                    events.append(event)
+                    first_event.set()
         finally:
             done.set()
 
