@@ -125,7 +125,9 @@ def test_a_disconnect_mid_stream_frees_every_choice_and_its_blocks(stack):
     headers = {"authorization": f"Bearer {key}"}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers, timeout=60) as response:
         seen = set()
-        for event in json_events(response.iter_lines()):  # until every choice has streamed: all four run
+        # held until the stream is left: an iterator dropped at the break would close the connection with it
+        events = json_events(response.iter_lines())
+        for event in events:  # until every choice has streamed: all four run
             seen.add(event["choices"][0]["index"])
             if len(seen) == 4:
                 break
