@@ -201,7 +201,6 @@ class Engine:
         elif self.scheduler.num_unfinished:
             raise RuntimeError("scheduler made no progress with requests waiting")  # admission forbids this
         result.cached, result.evicted = self.kv.pool.drain_events()
-        result.stats = self.stats()
         return result
 
     def _output(self, new: NewTokens, logprobs: list[TokenLogprobs | None], now: int) -> StepOutput:

@@ -1,4 +1,4 @@
-"""What a step hands out: each request's new tokens, the step's events, and one snapshot of the engine's numbers.
+"""What a step hands out: each request's new tokens and the step's events; and the snapshot of the engine's numbers.
 
 The snapshot's names are the ones published: its routing fields are the executor's load in Redis
 (EngineStats.load), its counters and gauges the stats hash behind /metrics (shared/executor_stats.py).
@@ -76,10 +76,10 @@ class EngineStats:
 
 @dataclass(slots=True)
 class StepResult:
-    """One step: its outputs, its events, and the engine's numbers after it."""
+    """One step: its outputs and its events. The engine's numbers are Engine.stats(), taken when they are
+    published (aborts after the step change them)."""
 
     outputs: list[StepOutput] = field(default_factory=list)
     queue_times: list[float] = field(default_factory=list)  # seconds each request first scheduled had waited
     cached: list[bytes] = field(default_factory=list)  # block hashes newly in the prefix cache, netted
     evicted: list[bytes] = field(default_factory=list)  # and those no longer in it
-    stats: EngineStats | None = None
