@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PORT ?= 8000
 
-.PHONY: install image-triton run test test-fast lint format bench clean
+.PHONY: install image-triton kernels run test test-fast lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,11 +27,16 @@ run: install
 	@echo "    -d '{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
 	$(VENV)/bin/kvserve up --host 127.0.0.1 --port $(PORT)
 
-test: install image-triton
+# the CPU kernels compiled for this checkout (a minute, once; later starts load that build), before the tests
+# time anything; where they cannot be built, everything runs on torch's ops and this says why
+kernels: install
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); from kernels.cpu_extension import cpu_kernels; cpu_kernels()"
+
+test: install image-triton kernels
 	$(VENV)/bin/kvserve model pull
 	$(PY) -m pytest -q
 
-test-fast: install image-triton
+test-fast: install image-triton kernels
 	$(PY) -m pytest -q -m "not slow"
 
 lint: install

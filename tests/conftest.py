@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.tiny_models import TINY_FAMILIES, save_tiny_model, tiny_config
 
-torch.set_num_threads(2)
+# two cores: one thread per xdist worker (two workers), both threads for a serial run
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session")
