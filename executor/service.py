@@ -40,6 +40,10 @@ log = logging.getLogger("kvserve.executor")
 IDLE_POLL_MS = 20
 STATS_INTERVAL_S = 0.25  # the stats hash goes out at most this often while the engine is busy
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# stats counters this loop counts (as vLLM's engine does); the engine's EngineStats has the others
+COUNTED_HERE = frozenset({"prompt_tokens", "generation_tokens"})
+# ends of requests this executor never ran: another executor serves them, or none does
+NOT_RUN_HERE = frozenset({"refused", "handed back"})
 
 
 @dataclass(slots=True)
@@ -52,6 +56,7 @@ class Owned:
     trace_id: str | None  # from the gateway's traceparent, for log lines, with tracing on or off
     parent: Context | None  # the gateway's span, only while tracing is on: its spans go out when it ends
     next_seq: int = 0  # the seq of its next update (protocol.RequestUpdate.seq)
+    prefilled: bool = False  # its first token went out: its prompt and time to first token are counted
 
 
 class ExecutorService:
@@ -72,7 +77,8 @@ class ExecutorService:
         self.outbox: dict[bytes, list[protocol.RequestUpdate]] = defaultdict(list)
         self.drain_deadline: float | None = None
         self.gateways = GatewayLiveness()
-        self.stats = ExecutorStats()  # its queue-time histogram lives here; counters are the engine's
+        # its histograms and token counters are counted here; the other counters are the engine's
+        self.stats = ExecutorStats()
         self.stats_pending = True  # changed since last published
         self.next_stats_at = 0.0
 
@@ -247,6 +253,7 @@ class ExecutorService:
             self._send_error(owned.identity, out.request_id, out.error, out.error_code, owned.trace_id)
             return
         logprobs = None
+        self._count_tokens(owned, out)
         if any(lp is not None for lp in out.new_logprobs):
             logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]
         prompt_logprobs = None
@@ -268,6 +275,17 @@ class ExecutorService:
         if out.group_finished:
             self._release(out.request_id, out.finish_reason)
 
+    def _count_tokens(self, owned: Owned, out: StepOutput) -> None:
+        """vLLM's engine-side counts: prompt tokens and time to first token when the request's first token
+        comes (its choices share one prompt), every generated token as it comes."""
+        self.stats.counters["generation_tokens"] += len(out.new_token_ids)
+        r = owned.choices[0]
+        if owned.prefilled or not out.new_token_ids or not r.first_token_ns:
+            return
+        owned.prefilled = True
+        self.stats.counters["prompt_tokens"] += r.num_prompt_tokens
+        self.stats.histograms["time_to_first_token"].observe(max(0, r.first_token_ns - r.arrival_ns) / 1e9)
+
     def _finished(self, request_id: str, indexes: list[int]) -> None:
         """Aborted choices end with an update each; the request is released once none of it runs, and the
         first of its last updates says what its KV held."""
@@ -288,6 +306,9 @@ class ExecutorService:
         """Forget a request that ended, for whatever reason; a traced one's spans go out now its life is known."""
         owned = self.owners.pop(request_id)
         r = owned.choices[0]
+        if reason not in NOT_RUN_HERE:
+            end = max(c.finished_ns for c in owned.choices) or time.time_ns()
+            self.stats.histograms["e2e_request_latency"].observe(max(0, end - r.arrival_ns) / 1e9)
         log.info(
             "request %s ended (%s): %d prompt tokens (%d cached), %d choices, %d output tokens, %d preemptions, "
             "%.3f KV block-seconds",
@@ -410,7 +431,7 @@ class ExecutorService:
             return None
         self.stats_pending, self.next_stats_at = False, now + STATS_INTERVAL_S
         for numbers in (self.stats.counters, self.stats.gauges):
-            numbers.update({name: getattr(stats, name) for name in numbers})
+            numbers.update({name: getattr(stats, name) for name in numbers if name not in COUNTED_HERE})
         return self.stats.to_hash()
 
 

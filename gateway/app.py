@@ -69,7 +69,7 @@ class Gateway:
         self.router: Router | None = None
         self.tenancy = Tenancy(self.index.redis, config.require_api_key, config.anonymous_allowed)
         self.client: ExecutorClient | None = None
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.model_name)
         self.completions: Completions | None = None
         self.metrics_listener: MetricsListener | None = None
 

@@ -1,7 +1,7 @@
 """What an executor publishes about itself for /metrics, and how it reads back: one Redis hash of numbers.
 
-The executor writes its cumulative counters, gauges and queue-time histogram to `redis_keys.stats_key(id)`;
-every gateway reads all live executors' hashes at scrape time, so one scrape of any gateway shows the stack.
+The executor writes its cumulative counters, gauges and histograms to `redis_keys.stats_key(id)`; every gateway
+reads all live executors' hashes at scrape time, so one scrape of any gateway shows the stack.
 """
 
 from __future__ import annotations
@@ -10,6 +10,27 @@ from dataclasses import dataclass, field
 
 # seconds a request waits between arriving at the executor and its first scheduled step
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# seconds from arriving at the executor to its first token, and to its end (vLLM's engine-side measures)
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+E2E_REQUEST_LATENCY_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 COUNTERS = (
     "prefix_cache_queried_tokens",
@@ -18,44 +39,71 @@ COUNTERS = (
     "spec_draft_tokens",
     "spec_accepted_tokens",
     "block_hash_mismatches",  # requests whose gateway's block hashes differ from the executor's own
+    "prompt_tokens",  # of requests prefilled here (counted at their first token)
+    "generation_tokens",
 )
 GAUGES = ("kv_blocks_used", "kv_blocks_total", "running", "waiting")
+# name -> upper bounds; the hash holds f"{name}_bucket_{i}" (cumulative, the last for +Inf) and f"{name}_sum"
+HISTOGRAMS = {
+    "queue_time": QUEUE_TIME_BUCKETS,
+    "time_to_first_token": TIME_TO_FIRST_TOKEN_BUCKETS,
+    "e2e_request_latency": E2E_REQUEST_LATENCY_BUCKETS,
+}
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Cumulative counts per bucket bound, the last for +Inf, as Prometheus histograms keep them."""
+
+    bounds: tuple[float, ...]
+    buckets: list[int] = field(default_factory=list)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.buckets = self.buckets or [0] * (len(self.bounds) + 1)
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.buckets[i] += 1
+        self.buckets[-1] += 1
+        self.sum += seconds
 
 
 @dataclass(slots=True)
 class ExecutorStats:
     counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
     gauges: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GAUGES, 0.0))
-    # cumulative counts per bucket bound, the last for +Inf, as Prometheus histograms keep them
-    queue_time_buckets: list[int] = field(default_factory=lambda: [0] * (len(QUEUE_TIME_BUCKETS) + 1))
-    queue_time_sum: float = 0.0
+    histograms: dict[str, Histogram] = field(
+        default_factory=lambda: {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
+    )
 
     def observe_queue_time(self, seconds: float) -> None:
-        for i, bound in enumerate(QUEUE_TIME_BUCKETS):
-            if seconds <= bound:
-                self.queue_time_buckets[i] += 1
-        self.queue_time_buckets[-1] += 1
-        self.queue_time_sum += seconds
+        self.histograms["queue_time"].observe(seconds)
 
     def to_hash(self) -> dict[str, float]:
-        out: dict[str, float] = {**self.counters, **self.gauges, "queue_time_sum": self.queue_time_sum}
-        for i, count in enumerate(self.queue_time_buckets):
-            out[f"queue_time_bucket_{i}"] = count
+        out: dict[str, float] = {**self.counters, **self.gauges}
+        for name, histogram in self.histograms.items():
+            out[f"{name}_sum"] = histogram.sum
+            for i, count in enumerate(histogram.buckets):
+                out[f"{name}_bucket_{i}"] = count
         return out
 
     @classmethod
     def from_hash(cls, raw: dict) -> ExecutorStats:
-        """Parse what Redis returns (bytes or str keys and values); missing fields read as 0."""
+        """Parse what Redis returns (bytes or str keys and values); missing fields read as 0 (an executor of an
+        older version publishes fewer)."""
         values = {_text(k): float(v) for k, v in raw.items()}
         stats = cls()
         for name in COUNTERS:
             stats.counters[name] = values.get(name, 0.0)
         for name in GAUGES:
             stats.gauges[name] = values.get(name, 0.0)
-        stats.queue_time_buckets = [
-            int(values.get(f"queue_time_bucket_{i}", 0)) for i in range(len(QUEUE_TIME_BUCKETS) + 1)
-        ]
-        stats.queue_time_sum = values.get("queue_time_sum", 0.0)
+        for name, histogram in stats.histograms.items():
+            histogram.buckets = [
+                int(values.get(f"{name}_bucket_{i}", 0)) for i in range(len(histogram.buckets))
+            ]
+            histogram.sum = values.get(f"{name}_sum", 0.0)
         return stats
 
 

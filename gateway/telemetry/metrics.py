@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from shared.executor_stats import QUEUE_TIME_BUCKETS, ExecutorStats
+from shared.executor_stats import ExecutorStats
 
 # seconds; fine at the low end, where the gateway's own overhead and inter-token gaps live
 _LATENCY_BUCKETS = (
@@ -37,69 +37,132 @@ _LATENCY_BUCKETS = (
 )
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-# executor stats field -> (metric name, help)
+# executor stats field -> (metric name, help, vLLM's name for the same series or None)
 _EXECUTOR_COUNTERS = {
     "prefix_cache_queried_tokens": (
         "kvserve_prefix_cache_queried_tokens",
         "Prompt tokens looked up in each executor's prefix cache.",
+        "vllm:prefix_cache_queries",
     ),
     "prefix_cache_hit_tokens": (
         "kvserve_prefix_cache_hit_tokens",
         "Prompt tokens found in each executor's prefix cache.",
+        "vllm:prefix_cache_hits",
     ),
-    "preemptions": ("kvserve_preemptions", "Requests each executor preempted for lack of KV blocks."),
+    "preemptions": (
+        "kvserve_preemptions",
+        "Requests each executor preempted for lack of KV blocks.",
+        "vllm:num_preemptions",
+    ),
     "spec_draft_tokens": (
         "kvserve_spec_decode_draft_tokens",
         "Speculative tokens proposed on each executor.",
+        "vllm:spec_decode_num_draft_tokens",
     ),
     "spec_accepted_tokens": (
         "kvserve_spec_decode_accepted_tokens",
         "Speculative tokens each executor's verification accepted.",
+        "vllm:spec_decode_num_accepted_tokens",
     ),
     "block_hash_mismatches": (
         "kvserve_block_hash_mismatches",
         "Requests whose gateway's block hashes differed from each executor's own (block size, salt, hashing).",
+        None,
+    ),
+    "prompt_tokens": (
+        "kvserve_executor_prompt_tokens",
+        "Prompt tokens of requests each executor prefilled (cached ones included), counted at their first token.",
+        "vllm:prompt_tokens",
+    ),
+    "generation_tokens": (
+        "kvserve_executor_generation_tokens",
+        "Tokens each executor generated.",
+        "vllm:generation_tokens",
     ),
 }
 _EXECUTOR_GAUGES = {
-    "kv_blocks_used": ("kvserve_kv_blocks_used", "KV cache blocks in use on each executor."),
-    "kv_blocks_total": ("kvserve_kv_blocks_total", "KV cache blocks each executor has."),
-    "running": ("kvserve_running_requests", "Requests running on each executor."),
-    "waiting": ("kvserve_waiting_requests", "Requests waiting on each executor."),
+    "kv_blocks_used": ("kvserve_kv_blocks_used", "KV cache blocks in use on each executor.", None),
+    "kv_blocks_total": ("kvserve_kv_blocks_total", "KV cache blocks each executor has.", None),
+    "running": (
+        "kvserve_running_requests",
+        "Requests running on each executor.",
+        "vllm:num_requests_running",
+    ),
+    "waiting": (
+        "kvserve_waiting_requests",
+        "Requests waiting on each executor.",
+        "vllm:num_requests_waiting",
+    ),
 }
+_EXECUTOR_HISTOGRAMS = {
+    "queue_time": (
+        "kvserve_queue_time_seconds",
+        "Time requests waited on an executor between arriving and their first scheduled step.",
+        "vllm:request_queue_time_seconds",
+    ),
+    "time_to_first_token": (
+        "kvserve_executor_time_to_first_token_seconds",
+        "Time from a request arriving at an executor to its first token there (the gateway's own "
+        "kvserve_time_to_first_token_seconds adds tokenizing, routing and the network).",
+        "vllm:time_to_first_token_seconds",
+    ),
+    "e2e_request_latency": (
+        "kvserve_executor_e2e_request_latency_seconds",
+        "Time from a request arriving at an executor to its end there.",
+        "vllm:e2e_request_latency_seconds",
+    ),
+}
+# KV blocks used / total, under both of vLLM's names (gpu_cache_usage_perc is the older): a fraction, 1 = full
+_VLLM_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_VLLM_LABELS = ["executor", "model_name"]
 
 
 class ExecutorStatsCollector:
-    """Yields the executors' series from the snapshot read from Redis just before rendering."""
+    """Yields the executors' series from the snapshot read from Redis just before rendering: kvserve's names
+    labelled by executor, and each again under vLLM's name (labelled by executor and model_name too) for
+    dashboards and tools that read vLLM's."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.snapshot: dict[str, ExecutorStats] = {}
 
     def collect(self):
-        for field, (name, text) in _EXECUTOR_COUNTERS.items():
-            family = CounterMetricFamily(name, text, labels=["executor"])
-            for executor_id, stats in self.snapshot.items():
-                family.add_metric([executor_id], stats.counters[field])
-            yield family
-        for field, (name, text) in _EXECUTOR_GAUGES.items():
-            family = GaugeMetricFamily(name, text, labels=["executor"])
-            for executor_id, stats in self.snapshot.items():
-                family.add_metric([executor_id], stats.gauges[field])
-            yield family
-        queue = HistogramMetricFamily(
-            "kvserve_queue_time_seconds",
-            "Time requests waited on an executor between arriving and their first scheduled step.",
-            labels=["executor"],
-        )
-        bounds = [str(b) for b in QUEUE_TIME_BUCKETS] + ["+Inf"]
+        for field, (name, text, vllm) in _EXECUTOR_COUNTERS.items():
+            for metric in filter(None, (name, vllm)):
+                yield self._family(CounterMetricFamily, metric, text, lambda s, f=field: (s.counters[f],))
+        for field, (name, text, vllm) in _EXECUTOR_GAUGES.items():
+            for metric in filter(None, (name, vllm)):
+                yield self._family(GaugeMetricFamily, metric, text, lambda s, f=field: (s.gauges[f],))
+        for metric in _VLLM_KV_USAGE:
+            text = "KV cache usage: blocks used / blocks total (1 = full)."
+            yield self._family(GaugeMetricFamily, metric, text, lambda s: (_kv_usage(s),))
+        for field, (name, text, vllm) in _EXECUTOR_HISTOGRAMS.items():
+            for metric in (name, vllm):
+                yield self._family(HistogramMetricFamily, metric, text, lambda s, f=field: _buckets(s, f))
+
+    def _family(self, kind, metric: str, text: str, values):
+        """values(stats): add_metric's arguments after the labels, for each executor's stats."""
+        vllm = metric.startswith("vllm:")
+        family = kind(metric, text, labels=_VLLM_LABELS if vllm else ["executor"])
         for executor_id, stats in self.snapshot.items():
-            buckets = list(zip(bounds, stats.queue_time_buckets, strict=True))
-            queue.add_metric([executor_id], buckets, stats.queue_time_sum)
-        yield queue
+            family.add_metric([executor_id, self.model_name] if vllm else [executor_id], *values(stats))
+        return family
+
+
+def _buckets(stats: ExecutorStats, field: str) -> tuple[list[tuple[str, int]], float]:
+    histogram = stats.histograms[field]
+    bounds = [str(b) for b in histogram.bounds] + ["+Inf"]
+    return list(zip(bounds, histogram.buckets, strict=True)), histogram.sum
+
+
+def _kv_usage(stats: ExecutorStats) -> float:
+    total = stats.gauges["kv_blocks_total"]
+    return stats.gauges["kv_blocks_used"] / total if total else 0.0
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        """model_name: the name this gateway serves, the executors' vLLM-named series' model_name label."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvserve_requests",
@@ -177,7 +240,7 @@ class GatewayMetrics:
             "Scrapes of /metrics that left the executors' series out: Redis did not answer in time.",
             registry=self.registry,
         )
-        self.executors = ExecutorStatsCollector()
+        self.executors = ExecutorStatsCollector(model_name)
         self.registry.register(self.executors)
 
     def first_token(self, gateway_ttft_s: float, executor_ttft_s: float | None, held_s: float = 0.0) -> None:

@@ -45,7 +45,7 @@ def test_servers_without_the_metric_yield_none():
 
 
 def test_the_gateway_records_its_share_of_time_to_first_token():
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics("tiny")
     metrics.first_token(0.2505, 0.248)  # 2.5 ms of it were the gateway's
     metrics.first_token(0.100, None)  # no executor span known: only the TTFT is recorded
     text = metrics.render({}).decode()

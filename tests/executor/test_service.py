@@ -171,8 +171,10 @@ def test_stats_hash_counts_prefix_cache_hits_and_queue_times(executor, gateway):
     assert eventually(lambda: moved("prefix_cache_hit_tokens") == 32, timeout=1.0)
     assert moved("prefix_cache_queried_tokens") == 80 and moved("preemptions") == 0
     after = stats()
-    assert after.queue_time_buckets[-1] - before.queue_time_buckets[-1] == 2  # one observation per request
-    assert after.queue_time_sum - before.queue_time_sum < 5
+    assert moved("prompt_tokens") == 80 and moved("generation_tokens") == 4
+    for name in ("queue_time", "time_to_first_token", "e2e_request_latency"):  # one observation per request
+        assert after.histograms[name].buckets[-1] - before.histograms[name].buckets[-1] == 2, name
+        assert after.histograms[name].sum - before.histograms[name].sum < 5, name
     total = int(executor.redis.hget(keys.executor_key(executor.id), "kv_blocks_total"))
     assert after.gauges == {"kv_blocks_used": 0, "kv_blocks_total": total, "running": 0, "waiting": 0}
 

@@ -30,7 +30,7 @@ async def fine(request):
 
 @pytest.fixture
 def server():
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics("tiny")
     app = Starlette(
         routes=[Route("/v1/models", broken), Route("/fine", fine)],
         middleware=[Middleware(LastResort, metrics=metrics, endpoints={"/v1/models": "models"})],
