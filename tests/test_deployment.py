@@ -49,8 +49,13 @@ def test_topology_gateways_behind_one_port_executors_on_gpus_health_checks(compo
     assert services["redis"]["image"].startswith(("valkey/", "redis"))
     assert services["gateway"]["deploy"]["replicas"] == 2
     published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
-    # one port for clients, the proxy's; the trace viewer's UI on this machine only
-    assert published == {"proxy": ["8000:8000"], "jaeger": ["127.0.0.1:16686:16686"]}
+    # one port for clients, the proxy's; the trace viewer's, Prometheus's and Grafana's UIs on this machine only
+    assert published == {
+        "proxy": ["8000:8000"],
+        "jaeger": ["127.0.0.1:16686:16686"],
+        "prometheus": ["127.0.0.1:9090:9090"],
+        "grafana": ["127.0.0.1:3000:3000"],
+    }
     nginx = (REPO / "deploy" / "nginx.conf").read_text()
     assert "gateway:8000" in nginx and "location = /metrics" in nginx
     executors = [name for name in services if name.startswith("executor")]

@@ -4,6 +4,7 @@ serves, its secrets stay out of it, and its grace periods let streams finish."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -28,10 +29,14 @@ SAMPLE_SECRET = "0123abcd"
 
 
 def render(overlay: str) -> list[dict]:
+    return render_directory(KUBERNETES / "overlays" / overlay)
+
+
+def render_directory(kustomization: Path) -> list[dict]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed here: the overlays cannot be rendered (kubectl kustomize)")
     done = subprocess.run(
-        ["kubectl", "kustomize", str(KUBERNETES / "overlays" / overlay)],
+        ["kubectl", "kustomize", str(kustomization)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -338,6 +343,55 @@ def test_traces_and_metrics_are_configurable(overlay):
     gateway = argv(container(docs, "kvserve-gateway", "gateway"))
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == flag(gateway, "--metrics-port")
+
+
+def test_the_grafana_dashboard_ships_as_a_configmap_for_grafanas_sidecar(overlay):
+    _, docs = overlay
+    (configmap,) = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
+    ]
+    dashboard = REPO / "deploy" / "grafana" / "dashboards" / "kvserve.json"
+    assert configmap["data"] == {dashboard.name: dashboard.read_text()}  # the file compose's Grafana loads
+    assert (
+        configmap["metadata"]["name"] == "kvserve-grafana-dashboard"
+    )  # no hash suffix: replaced, not doubled
+
+
+def test_the_prometheus_operator_component_monitors_the_gateways_metrics_port(tmp_path):
+    """An overlay of the user's own adding the component, as its kustomization.yaml tells."""
+    component = KUBERNETES / "components" / "prometheus-operator"
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                # kustomize takes no absolute paths here
+                "resources": [os.path.relpath(KUBERNETES / "overlays" / "gpu", tmp_path)],
+                "components": [os.path.relpath(component, tmp_path)],
+            }
+        )
+    )
+    docs = render_directory(tmp_path)
+    monitor = one(docs, "ServiceMonitor", "kvserve-gateway")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    (service,) = [
+        d
+        for d in docs
+        if d["kind"] == "Service" and selects(monitor["spec"]["selector"], d["metadata"]["labels"])
+    ]
+    assert service["metadata"]["name"] == "kvserve-gateway"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    gateway = container(docs, "kvserve-gateway", "gateway")
+    (served,) = [p for p in gateway["ports"] if p["name"] == port["targetPort"]]
+    assert served["containerPort"] == int(flag(argv(gateway), "--metrics-port"))
+    annotations = one(docs, "Deployment", "kvserve-gateway")["spec"]["template"]["metadata"]["annotations"]
+    assert endpoint["path"] == annotations["prometheus.io/path"]  # the one test_gateway_probes_... scrapes
+    # not in the overlays themselves: a cluster without the operator's CRD would refuse the apply
+    for overlay_name in OVERLAYS:
+        assert not [d for d in render(overlay_name) if d["kind"] == "ServiceMonitor"]
 
 
 # -- no secret in any manifest or in compose.yaml ---------------------------------------------------------------
