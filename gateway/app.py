@@ -22,6 +22,8 @@ from gateway.api_error import EXECUTOR_HEADER, NO_EXECUTOR, APIError, error_resp
 from gateway.completion import Completions
 from gateway.openai.body import BODY_TIMEOUT_S
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
+from gateway.openai.responses_api import response_not_found
+from gateway.response_store import DEFAULT_STORE_LIMITS, ResponseStore, StoreLimits
 from gateway.routing.backlog import Backlog
 from gateway.routing.dispatch import Dispatch
 from gateway.routing.executor_client import ExecutorClient
@@ -60,6 +62,7 @@ class GatewayConfig:
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" is refused without one
     curve: CurveKeys | None = None  # --curve-keys: this gateway's CURVE pair and the executors' public key
     limits: RequestLimits = DEFAULT_LIMITS  # what one request may ask for (gateway/openai/request_limits.py)
+    response_store: StoreLimits = DEFAULT_STORE_LIMITS  # --responses-*: stored responses' TTL and bounds
 
 
 class Gateway:
@@ -70,6 +73,7 @@ class Gateway:
         self.tenancy = Tenancy(self.index.redis, config.require_api_key, config.anonymous_allowed)
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics(config.model_name)
+        self.store = ResponseStore(self.index.redis, config.response_store)
         self.completions: Completions | None = None
         self.metrics_listener: MetricsListener | None = None
 
@@ -91,6 +95,7 @@ class Gateway:
             self.config.tool_call_parser,
             self.config.body_timeout_s,
             self.config.limits,
+            self.store,
         )
         if self.config.metrics_port is not None:
             metrics_app = Starlette(
@@ -119,6 +124,27 @@ class Gateway:
 
     async def completion(self, request: Request) -> Response:
         return await self.completions.serve(request, "completion")
+
+    async def responses(self, request: Request) -> Response:
+        return await self.completions.serve(request, "responses")
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET or DELETE /v1/responses/{id}: the caller's tenant's own only; another's reads as absent."""
+        response_id = request.path_params["response_id"]
+        try:
+            caller = await self.tenancy.identify(request.headers)
+            if request.method == "DELETE":
+                if not await self.store.delete(caller.tenant, response_id):
+                    raise response_not_found(response_id)
+                body = {"id": response_id, "object": "response.deleted", "deleted": True}
+            else:
+                record = await self.store.load(caller.tenant, response_id)
+                if record is None:
+                    raise response_not_found(response_id)
+                body = record["response"]
+        except APIError as error:
+            return error_response(error, "")
+        return JSONResponse(body, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
     async def models(self, request: Request) -> Response:
         try:
@@ -196,6 +222,7 @@ def _last_resort(metrics: GatewayMetrics) -> Middleware:
     endpoints = {
         "/v1/chat/completions": "chat",
         "/v1/completions": "completion",
+        "/v1/responses": "responses",
         "/v1/models": "models",
         "/health": "health",
         "/health/live": "health",
@@ -209,6 +236,8 @@ def build_app(config: GatewayConfig) -> Starlette:
     routes = [
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/completions", gateway.completion, methods=["POST"]),
+        Route("/v1/responses", gateway.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", gateway.stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/health/live", gateway.live, methods=["GET"]),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from gateway.openai.request_limits import add_request_limit_args, request_limits
 from gateway.openai.tools import TOOL_CALL_PARSERS
+from gateway.response_store import add_response_store_args, store_limits
 from gateway.routing.cost import ROUTING_POLICIES
 from shared.curve_keys import GATEWAY, CurveKeyError, add_curve_keys_arg, load_gateway_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
@@ -100,6 +101,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     )
     add_curve_keys_arg(parser, GATEWAY)
     add_request_limit_args(parser)
+    add_response_store_args(parser)
 
 
 def _seconds(text: str) -> float:
@@ -184,6 +186,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         tool_call_parser=args.tool_call_parser,
         curve=curve,
         limits=request_limits(args),
+        response_store=store_limits(args),
     )
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")

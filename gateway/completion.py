@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api_error import EXECUTOR_HEADER, REQUEST_ID_HEADER, APIError, error_response, internal_error
 from gateway.in_flight import Delivered, InFlight, Placement
-from gateway.openai.body import check_content_type, read_body
+from gateway.openai.body import check_content_type, read_body, read_json_body
 from gateway.openai.request import (
     OpenAIRequest,
     fit_to_context,
@@ -35,8 +35,11 @@ from gateway.openai.request import (
 )
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
 from gateway.openai.responses import EventStream, Generation, response_body
+from gateway.openai.responses_api import parse_responses_body
 from gateway.prompt.token_ids import prompt_token_ids
 from gateway.prompt.workers import PromptWorkers
+from gateway.response_store import ResponseStore
+from gateway.responses_turn import ResponsesReply, history
 from gateway.routing.dispatch import Dispatch
 from gateway.routing.executor_client import ExecutorClient, ExecutorRequestError
 from gateway.routing.router import Router
@@ -117,8 +120,28 @@ def _tenant(caller: Caller | None) -> str:
     return caller.tenant if caller else "unauthenticated"
 
 
+class ChatReply:
+    """How chat and text completions answer (gateway/openai/responses.py); a /v1/responses request answers with a
+    ResponsesReply (gateway/responses_turn.py), which has the same methods."""
+
+    def __init__(self, include_usage: bool) -> None:
+        self.include_usage = include_usage
+
+    def events(self, generations: list[Generation]) -> EventStream:
+        return EventStream(generations, self.include_usage)
+
+    async def streamed(self, events: EventStream) -> None:
+        """Called once every choice has ended, before the stream's last events go out."""
+
+    async def whole(self, generations: list[Generation]) -> dict:
+        return response_body(generations)
+
+    def error_event(self, events: EventStream, error: APIError) -> str:
+        return error.sse_event()
+
+
 class Completions:
-    """Serves /v1/chat/completions and /v1/completions with the gateway's parts."""
+    """Serves /v1/chat/completions, /v1/completions and /v1/responses with the gateway's parts."""
 
     def __init__(
         self,
@@ -132,6 +155,7 @@ class Completions:
         tool_call_parser: str | None,
         body_timeout_s: float,
         limits: RequestLimits = DEFAULT_LIMITS,
+        store: ResponseStore | None = None,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -143,6 +167,7 @@ class Completions:
         self.tool_call_parser = tool_call_parser
         self.limits = limits
         self.body_timeout_s = body_timeout_s
+        self.store = store  # stored responses (/v1/responses)
         self.prompt_workers = PromptWorkers()
 
     def close(self) -> None:
@@ -159,7 +184,7 @@ class Completions:
             # from the headers alone: a 401 reads no byte of the body (uvicorn discards a small one and keeps
             # the connection; a large one closes it, below), so a caller without a valid key costs next to nothing
             caller = await self.tenancy.identify(request.headers)
-            parsed, ids = await self._read(request, endpoint, span)
+            parsed, ids, reply = await self._read(request, endpoint, span, caller)
             allowed = caller.models([self.model_name])
             if parsed.model not in allowed:
                 raise model_not_found(parsed.model, allowed)
@@ -208,7 +233,7 @@ class Completions:
             raise
         if flight.stream:
             return ReleasingStreamingResponse(
-                self._events(flight),
+                self._events(flight, reply),
                 release=lambda completed: self._end_stream(flight, completed),
                 media_type="text/event-stream",
                 headers={
@@ -218,7 +243,7 @@ class Completions:
                 },
             )
         try:
-            return await self._whole(request, flight)
+            return await self._whole(request, flight, reply)
         finally:
             await self._end(flight)
 
@@ -281,18 +306,34 @@ class Completions:
             log.error("counting tenant %s's KV block-seconds failed: %s", caller.tenant, error)
 
     async def _read(
-        self, request: Request, endpoint: str, span: RequestSpan
-    ) -> tuple[OpenAIRequest, list[int]]:
-        """The request body, read within the deadline, parsed and validated, and its prompt's token ids; a large
-        one is parsed and tokenized off the event loop."""
+        self, request: Request, endpoint: str, span: RequestSpan, caller: Caller
+    ) -> tuple[OpenAIRequest, list[int], ChatReply | ResponsesReply]:
+        """The request body, read within the deadline, parsed and validated, its prompt's token ids and how it is
+        answered; a large one is parsed and tokenized off the event loop."""
         check_content_type(request.headers.get("content-type"))
         raw = await read_body(request, self.body_timeout_s)
-        work = functools.partial(self._prompt, raw, endpoint)
-        parsed, ids, tokenizing_since = await self.prompt_workers.run(work, len(raw))
+        # a /v1/responses body names the conversation it continues, read from Redis before its prompt is built
+        if endpoint == "responses":
+            body = await self.prompt_workers.run(functools.partial(read_json_body, raw), len(raw))
+            items = await history(self.store, caller.tenant, body)
+            work = functools.partial(self._responses_prompt, body, items)
+            turn, ids, tokenizing_since = await self.prompt_workers.run(work, len(raw))
+            parsed, reply = turn.chat, ResponsesReply(turn, self.store, caller.tenant)
+        else:
+            work = functools.partial(self._prompt, raw, endpoint)
+            parsed, ids, tokenizing_since = await self.prompt_workers.run(work, len(raw))
+            reply = ChatReply(parsed.include_usage)
         span.child("tokenize", tokenizing_since, {"gen_ai.usage.input_tokens": len(ids)})
         if not ids:
-            raise APIError(400, "the prompt is empty", param="messages" if endpoint == "chat" else "prompt")
-        return parsed, ids
+            param = {"chat": "messages", "responses": "input"}.get(endpoint, "prompt")
+            raise APIError(400, "the prompt is empty", param=param)
+        return parsed, ids, reply
+
+    def _responses_prompt(self, body: dict, items: list[dict]):
+        """As _prompt, for a /v1/responses body and the conversation it continues."""
+        turn = parse_responses_body(body, items, [self.model_name], self.tool_call_parser, self.limits)
+        started = time.time_ns()
+        return turn, prompt_token_ids(turn.chat, self.tokenizer), started
 
     def _prompt(self, raw: bytes, endpoint: str) -> tuple[OpenAIRequest, list[int], int]:
         """(the parsed request, its prompt's ids, when tokenizing began in ns): in a worker thread for a large
@@ -347,8 +388,8 @@ class Completions:
             Delivered(restart()),
         )
 
-    async def _events(self, flight: InFlight):
-        stream = EventStream(flight.delivered.generations, flight.include_usage)
+    async def _events(self, flight: InFlight, reply: ChatReply | ResponsesReply):
+        stream = reply.events(flight.delivered.generations)
         try:
             async for update in self.dispatch.updates(flight):
                 text = stream.update(
@@ -359,6 +400,8 @@ class Completions:
                     update.index,
                     update.prompt_logprobs,
                 )
+                if stream.finished:  # stored (a Response) before the client hears it is complete
+                    await reply.streamed(stream)
                 if text:
                     yield text
                 if stream.finished:
@@ -367,13 +410,13 @@ class Completions:
         except Exception as caught:
             error = _as_api_error(caught, flight.request.request_id)
             self._failed(flight, error)
-            yield error.sse_event()
+            yield reply.error_event(stream, error)
 
     def _failed(self, flight: InFlight, error: APIError) -> None:
         flight.status, flight.error = error.status, error.message
         log.warning("request failed (%d): %s", error.status, error.message)
 
-    async def _whole(self, request: Request, flight: InFlight) -> Response:
+    async def _whole(self, request: Request, flight: InFlight, reply: ChatReply | ResponsesReply) -> Response:
         async def collect() -> None:
             async for update in self.dispatch.updates(flight):
                 generations = flight.delivered.generations  # a restart on another executor replaces them
@@ -401,6 +444,6 @@ class Completions:
                 EXECUTOR_HEADER: flight.placement.executor.executor_id,
                 REQUEST_ID_HEADER: flight.request.request_id,
             }
-            return JSONResponse(response_body(flight.delivered.generations), headers=headers)
+            return JSONResponse(await reply.whole(flight.delivered.generations), headers=headers)
         self._failed(flight, error)
         return error_response(error, flight.request.request_id, flight.placement.executor.executor_id)

@@ -170,7 +170,16 @@ def parse_chat_request(
 ) -> OpenAIRequest:
     """A /v1/chat/completions body; max_completion_tokens wins over the deprecated max_tokens, as in OpenAI.
     tool_call_parser: `--tool-call-parser`, without which tool_choice "auto" is refused."""
-    body = read_json_body(raw)
+    return parse_chat_body(read_json_body(raw), served_models, tool_call_parser, limits)
+
+
+def parse_chat_body(
+    body: dict,
+    served_models: Collection[str],
+    tool_call_parser: str | None = None,
+    limits: RequestLimits = DEFAULT_LIMITS,
+) -> OpenAIRequest:
+    """parse_chat_request's checks on a body already read (the Responses API translates its own into one)."""
     model, stream, include_usage = _common(body, served_models)
     if "messages" not in body:
         raise invalid_request("messages is required", "messages")

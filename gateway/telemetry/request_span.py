@@ -11,7 +11,8 @@ import time
 
 from shared import tracing
 
-OPERATIONS = {"chat": "chat", "completion": "text_completion"}  # gen_ai.operation.name per endpoint
+# gen_ai.operation.name per endpoint; a Responses request is a chat turn
+OPERATIONS = {"chat": "chat", "completion": "text_completion", "responses": "chat"}
 
 
 class RequestSpan:

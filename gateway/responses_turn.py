@@ -1,0 +1,86 @@
+"""One /v1/responses request around the chat path that serves it (gateway/completion.py): its previous response's
+conversation read from the store before its prompt is built, its answer written as a Response (whole or as
+events), and the Response stored, with the conversation it continues, before the client hears it is complete."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from gateway.api_error import APIError
+from gateway.openai.responses import Generation
+from gateway.openai.responses_api import ResponsesRequest, previous_response_id, response_not_found
+from gateway.openai.responses_events import (
+    ResponseEvents,
+    conversation_items,
+    output_items,
+    response_id,
+    response_object,
+    usage,
+)
+from gateway.response_store import ResponseStore
+
+log = logging.getLogger("kvserve.gateway")
+
+
+async def history(store: ResponseStore, tenant: str, body: dict) -> list[dict]:
+    """The items of the conversation previous_response_id continues ([] without one); 404 if the caller's tenant
+    has no such response. Its instructions are not carried over, as OpenAI documents."""
+    previous = previous_response_id(body)
+    if previous is None:
+        return []
+    record = await store.load(tenant, previous)
+    if record is None:
+        raise response_not_found(previous, "previous_response_id")
+    return record["items"]
+
+
+class ResponsesReply:
+    """Answers with a Response; stored (if the request says store) under its caller's tenant."""
+
+    def __init__(self, turn: ResponsesRequest, store: ResponseStore, tenant: str) -> None:
+        self.turn = turn
+        self.store = store
+        self.tenant = tenant
+        self.id = response_id()
+        self.created_at = int(time.time())
+        if turn.store:
+            store.check_size(turn.items)
+
+    def events(self, generations: Sequence[Generation]) -> ResponseEvents:
+        return ResponseEvents(generations[0], self.id, self.created_at, self.turn.echo)
+
+    async def streamed(self, events: ResponseEvents) -> None:
+        await self._save(events.response)
+
+    async def whole(self, generations: Sequence[Generation]) -> dict:
+        generation = generations[0]
+        status = "incomplete" if generation.finish_reason == "length" else "completed"
+        output = output_items(generation)
+        response = response_object(
+            self.id, self.created_at, generation.model, self.turn.echo, output, status, usage(generation)
+        )
+        await self._save(response)
+        return response
+
+    def error_event(self, events: ResponseEvents, error: APIError) -> str:
+        return events.error(error)
+
+    async def _save(self, response: dict) -> None:
+        """A store that fails loses the response for later turns, not this answer: the client still gets it."""
+        if not self.turn.store:
+            return
+        items = [*self.turn.items, *conversation_items(response["output"])]
+        try:
+            evicted = await self.store.save(self.tenant, response, items)
+        except Exception as error:
+            log.error("storing response %s of tenant %s failed: %r", self.id, self.tenant, error)
+            return
+        if evicted:
+            log.info(
+                "tenant %s: %d stored responses evicted, oldest first, to store %s",
+                self.tenant,
+                evicted,
+                self.id,
+            )
