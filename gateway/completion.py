@@ -220,6 +220,7 @@ class Completions:
                 # large bodies then costs the gateway what they weigh. Closed, it costs what one buffer holds.
                 response.headers["connection"] = "close"
             return response
+        flight.endpoint = endpoint
         try:
             # sent before the response starts, so the executor works while the HTTP machinery sets up
             await self.dispatch.submit(flight)
@@ -270,7 +271,7 @@ class Completions:
             completion_tokens = 0
         usage = (generation.num_prompt_tokens, completion_tokens, generation.cached_tokens)
         tenant = flight.caller.tenant
-        self.metrics.requests.labels(tenant, generation.endpoint, str(flight.status)).inc()
+        self.metrics.requests.labels(tenant, flight.endpoint, str(flight.status)).inc()
         self.metrics.count_usage(tenant, usage[0], usage[2], flight.delivered.kv_block_seconds)
         self.metrics.e2e.observe(time.monotonic() - flight.arrival)
         flight.span.finish(

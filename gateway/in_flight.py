@@ -55,3 +55,4 @@ class InFlight:
     timing: ExecutorTiming = field(default_factory=ExecutorTiming)
     status: int = 200  # what the request's metrics and span report at its end
     error: str | None = None
+    endpoint: str = "chat"  # its route, as kvserve_requests_total labels it ("responses" serves as a chat)

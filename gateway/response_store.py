@@ -19,6 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.api_error import APIError, invalid_request
+from gateway.openai.request_limits import positive_int
 from gateway.openai.responses_api import RESPONSE_ID
 
 
@@ -54,7 +55,7 @@ def add_response_store_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             flag,
             dest=f"responses_{field.name}",
-            type=_positive,
+            type=positive_int,
             default=default,
             metavar="N",
             help=f"{what} (default: {default})",
@@ -65,16 +66,6 @@ def store_limits(args: argparse.Namespace) -> StoreLimits:
     return StoreLimits(
         **{field.name: getattr(args, f"responses_{field.name}") for field in fields(StoreLimits)}
     )
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def record_key(tenant: str, response_id: str) -> str:

@@ -58,7 +58,8 @@ _FLAGS = {
 }
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a flag that bounds something is at least 1."""
     try:
         value = int(text)
     except ValueError:
@@ -76,7 +77,7 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             flag,
             dest=field.name,
-            type=_positive,
+            type=positive_int,
             default=default,
             metavar="N",
             help=f"{what} (default: {default})",
