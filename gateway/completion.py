@@ -333,6 +333,8 @@ class Completions:
     def _responses_prompt(self, body: dict, items: list[dict]):
         """As _prompt, for a /v1/responses body and the conversation it continues."""
         turn = parse_responses_body(body, items, [self.model_name], self.tool_call_parser, self.limits)
+        if turn.store:  # a conversation too large to store is refused before it is answered
+            self.store.check_size(turn.items)
         started = time.time_ns()
         return turn, prompt_token_ids(turn.chat, self.tokenizer), started
 

@@ -8,6 +8,8 @@ import logging
 import time
 from collections.abc import Sequence
 
+import redis
+
 from gateway.api_error import APIError
 from gateway.openai.responses import Generation
 from gateway.openai.responses_api import ResponsesRequest, previous_response_id, response_not_found
@@ -45,8 +47,6 @@ class ResponsesReply:
         self.tenant = tenant
         self.id = response_id()
         self.created_at = int(time.time())
-        if turn.store:
-            store.check_size(turn.items)
 
     def events(self, generations: Sequence[Generation]) -> ResponseEvents:
         return ResponseEvents(generations[0], self.id, self.created_at, self.turn.echo)
@@ -74,7 +74,7 @@ class ResponsesReply:
         items = [*self.turn.items, *conversation_items(response["output"])]
         try:
             evicted = await self.store.save(self.tenant, response, items)
-        except Exception as error:
+        except redis.RedisError as error:
             log.error("storing response %s of tenant %s failed: %r", self.id, self.tenant, error)
             return
         if evicted:

@@ -109,9 +109,7 @@ def parse_responses_body(
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": metadata,
-        "parallel_tool_calls": parsed.tools.parallel
-        if parsed.tools
-        else body.get("parallel_tool_calls", True),
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,  # checked by chat's parser
         "previous_response_id": body.get("previous_response_id"),
         "temperature": parsed.sampling.temperature,
         "top_p": parsed.sampling.top_p,
