@@ -131,9 +131,7 @@ def test_required_tool_call_streamed_then_its_output(clients):
 
 
 def test_auto_tool_choice_whole(clients):
-    response = create(
-        clients[1], input="What is the weather in Paris?", tools=[WEATHER_TOOL], max_output_tokens=32
-    )
+    response = create(clients[1], input="What is the weather in Paris?", tools=[WEATHER_TOOL])
     assert response.output and all(item.type in ("message", "function_call") for item in response.output)
     for item in response.output:
         if item.type == "function_call":
