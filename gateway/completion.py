@@ -34,7 +34,7 @@ from gateway.openai.request import (
     parse_completion_request,
 )
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
-from gateway.openai.responses import EventStream, Generation, response_body
+from gateway.openai.responses import ChatReply, Generation
 from gateway.openai.responses_api import parse_responses_body
 from gateway.prompt.token_ids import prompt_token_ids
 from gateway.prompt.workers import PromptWorkers
@@ -118,26 +118,6 @@ def _as_api_error(caught: Exception, request_id: str) -> APIError:
 
 def _tenant(caller: Caller | None) -> str:
     return caller.tenant if caller else "unauthenticated"
-
-
-class ChatReply:
-    """How chat and text completions answer (gateway/openai/responses.py); a /v1/responses request answers with a
-    ResponsesReply (gateway/responses_turn.py), which has the same methods."""
-
-    def __init__(self, include_usage: bool) -> None:
-        self.include_usage = include_usage
-
-    def events(self, generations: list[Generation]) -> EventStream:
-        return EventStream(generations, self.include_usage)
-
-    async def streamed(self, events: EventStream) -> None:
-        """Called once every choice has ended, before the stream's last events go out."""
-
-    async def whole(self, generations: list[Generation]) -> dict:
-        return response_body(generations)
-
-    def error_event(self, events: EventStream, error: APIError) -> str:
-        return error.sse_event()
 
 
 class Completions:

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gateway.api_error import APIError
 from gateway.openai.logprobs import LogprobFormatter, TokenLogprob, logprob_formatter, token_logprob
 from gateway.openai.output_text import OutputText
 from gateway.openai.request import Endpoint, OpenAIRequest
@@ -310,3 +311,23 @@ class EventStream:
                     events.append(self._chunk([], usage(self.choices)))
                 events.append(DONE_EVENT)
         return "".join(events)
+
+
+class ChatReply:
+    """How chat and text completions answer, for gateway.completion; a /v1/responses request answers with a
+    ResponsesReply (gateway/responses_turn.py), which has the same methods."""
+
+    def __init__(self, include_usage: bool) -> None:
+        self.include_usage = include_usage
+
+    def events(self, generations: list[Generation]) -> EventStream:
+        return EventStream(generations, self.include_usage)
+
+    async def streamed(self, events: EventStream) -> None:
+        """Called once every choice has ended, before the stream's last events go out."""
+
+    async def whole(self, generations: list[Generation]) -> dict:
+        return response_body(generations)
+
+    def error_event(self, events: EventStream, error: APIError) -> str:
+        return error.sse_event()
