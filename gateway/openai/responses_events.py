@@ -20,10 +20,16 @@ def response_id() -> str:
 
 
 def usage(generation: Generation) -> dict:
+    """cache_write_tokens: the prompt tokens prefilled, which the prefix cache then holds (but for a last partial
+    block, whose size the gateway does not track per request)."""
     output_tokens = generation.output.num_tokens
+    cached = generation.cached_tokens
     return {
         "input_tokens": generation.num_prompt_tokens,
-        "input_tokens_details": {"cached_tokens": generation.cached_tokens},
+        "input_tokens_details": {
+            "cached_tokens": cached,
+            "cache_write_tokens": generation.num_prompt_tokens - cached,
+        },
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": generation.num_prompt_tokens + output_tokens,

@@ -4,13 +4,21 @@ them, every event numbered, and the whole answer says what the events said."""
 from __future__ import annotations
 
 import json
+import typing
+
+from openai.types.responses import Response, ResponseStreamEvent
 
 from gateway.openai.request_limits import DEFAULT_LIMITS
 from gateway.openai.responses import Generation
 from gateway.openai.responses_api import parse_responses_body
-from gateway.openai.responses_events import ResponseEvents, output_items
+from gateway.openai.responses_events import ResponseEvents, output_items, response_object, usage
 from gateway.prompt.token_ids import prompt_token_ids
 
+# the openai SDK's event classes by their `type`
+EVENT_TYPES = {
+    typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+    for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])
+}
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 
 
@@ -55,13 +63,19 @@ def test_text_then_a_call_streams_as_two_items(tokenizer):
         "response.output_item.done",
         "response.completed",
     ]
+    for event in events:  # each in the shape the openai SDK's types declare
+        EVENT_TYPES[event["type"]].model_validate(event)
     final = events[-1]["response"]
+    Response.model_validate(final)
     message, call = final["output"]
     assert message["content"][0]["text"] == "Let me check." and message["status"] == "completed"
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
     assert final["usage"]["output_tokens"] == len(tokens) and final["metadata"] == {"k": "v"}
     # the whole answer of the same generation holds the same items
     whole = output_items(generation)
+    Response.model_validate(
+        response_object(final["id"], 0, "tiny", turn.echo, whole, "completed", usage(generation))
+    )
     assert [(i["type"], i.get("call_id")) for i in whole] == [
         (i["type"], i.get("call_id")) for i in final["output"]
     ]
@@ -77,6 +91,7 @@ def test_cut_short_is_incomplete(tokenizer):
     )
     assert events[-1]["type"] == "response.incomplete"
     response = events[-1]["response"]
+    Response.model_validate(response)
     assert response["status"] == "incomplete" and response["incomplete_details"] == {
         "reason": "max_output_tokens"
     }
