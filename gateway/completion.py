@@ -35,7 +35,7 @@ from gateway.openai.request import (
 )
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
 from gateway.openai.responses import ChatReply, Generation
-from gateway.openai.responses_api import parse_responses_body
+from gateway.openai.responses_api import as_responses_error, parse_responses_body
 from gateway.prompt.token_ids import prompt_token_ids
 from gateway.prompt.workers import PromptWorkers
 from gateway.response_store import ResponseStore
@@ -191,6 +191,8 @@ class Completions:
             return Response(status_code=499)
         except Exception as caught:
             error = _as_api_error(caught, request_id)
+            if endpoint == "responses":  # the chat path's checks name chat's fields
+                error = as_responses_error(error)
             log.info("request refused (%d, tenant %s): %s", error.status, _tenant(caller), error.message)
             self.metrics.requests.labels(_tenant(caller), endpoint, str(error.status)).inc()
             span.finish(error.status, error.message)

@@ -104,7 +104,9 @@ def parse_responses_body(
             {k: v for k, v in chat.items() if v is not None}, served_models, tool_call_parser, limits
         )
     except APIError as error:
-        raise _renamed(error) from None
+        raise as_responses_error(error) from None
+    if parsed.constraint_field is not None:  # the executor's errors about the grammar name it
+        parsed.constraint_field = _renamed(parsed.constraint_field)
     echo = {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
@@ -349,10 +351,13 @@ _RENAMES = (
 )
 
 
-def _renamed(error: APIError) -> APIError:
-    """A chat check's error, naming the Responses request's fields."""
-    message, param = error.message, error.param
+def _renamed(text: str) -> str:
     for pattern, name in _RENAMES:
-        message = pattern.sub(name, message)
-        param = pattern.sub(name, param) if param else param
-    return APIError(error.status, message, error.type, param, error.code, error.headers)
+        text = pattern.sub(name, text)
+    return text
+
+
+def as_responses_error(error: APIError) -> APIError:
+    """An error of the chat path (its checks, the context length), naming the Responses request's fields."""
+    param = _renamed(error.param) if error.param else error.param
+    return APIError(error.status, _renamed(error.message), error.type, param, error.code, error.headers)

@@ -91,6 +91,7 @@ def test_tools_text_format_and_tool_choice_translate():
     assert turn.chat.sampling.structured_outputs is not None and turn.echo["tools"][0]["strict"] is True
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
     turn = parse(text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
+    assert turn.chat.constraint_field == "text.format.schema"  # what the executor's grammar errors name
     assert turn.chat.sampling.structured_outputs.json is not None
     assert parse(text={"format": {"type": "json_object"}}).chat.sampling.structured_outputs.json_object
 
