@@ -177,11 +177,7 @@ def test_unsupported_tools_and_parameters_named(default_model_stack):
         ),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "16"),
         ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
-        (
-            {"max_output_tokens": 30_000},
-            "input",
-            "tokens in the input",
-        ),  # past the context, as chat's check says
+        ({"max_output_tokens": 30_000}, "input", "in the input"),  # past the context, as chat's check says
         (
             {"text": {"format": {"type": "json_schema", "schema": CITY}}},
             "text.format.name",
