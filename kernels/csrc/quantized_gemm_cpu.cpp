@@ -216,6 +216,7 @@ at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const a
     b = bias->data_ptr<float>();
   }
   auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = values.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();

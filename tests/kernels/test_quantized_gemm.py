@@ -102,12 +102,13 @@ def test_a_strided_input_and_two_threads() -> None:
 
 
 @needs_kernels
-def test_refuses_what_does_not_fit() -> None:
+def test_refuses_what_does_not_fit_and_takes_no_rows() -> None:
     ops = cpu_kernels()
     weight = _weight(20, 64, 32, 4, False, True, seed=1)
+    p = PanelWeight.pack(weight, ops)
+    assert ops.quantized_gemm(torch.randn(0, 64), p.values, p.scales, None, 20, 4, 8, None).shape == (0, 20)
     with pytest.raises(RuntimeError, match="0..15"):
         ops.pack_quantized_weight(weight.values, weight.scales, None, 4, 0)  # signed without a zero point
-    p = PanelWeight.pack(weight, ops)
     with pytest.raises(RuntimeError, match="K"):
         ops.quantized_gemm(torch.randn(3, 63), p.values, p.scales, None, 20, 4, 8, None)
     with pytest.raises(RuntimeError, match="N does not fit"):
