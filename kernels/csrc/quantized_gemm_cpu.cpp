@@ -226,8 +226,7 @@ at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const a
   // the first row block converts the weights in registers as they stream by; with more rows it also keeps them
   // as floats in a buffer of the thread's, which stays in cache while the float32 kernel passes the other blocks
   // over it: the conversion is paid once a weight at any batch size
-  parallel_dynamic(panels, [&] { return std::vector<float>(M <= kRows ? 0 : K * kCols); },
-                   [&](int64_t p, std::vector<float>& weights) {
+  auto run_panel = [&](int64_t p, std::vector<float>& weights) {
     const int64_t col = p * kCols, cols = std::min(kCols, N - col);
     const float* bias_p = b == nullptr ? nullptr : b + col;
     const int64_t first = std::min<int64_t>(kRows, M);
@@ -239,6 +238,13 @@ at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const a
       panel_gemm::kKernels[rows](xp + r * ldx, ldx, weights.data(), K, bias_p, yp + r * N + col, N, cols, nullptr,
                                  0);
     }
-  });
+  };
+  // a work item is a run of panels: one integer panel of a decode row takes well under a microsecond, about what
+  // taking it from the shared counter costs when two threads contend for it
+  const int64_t run = std::clamp<int64_t>(panels / (8 * at::get_num_threads()), 1, 16);
+  parallel_dynamic((panels + run - 1) / run, [&] { return std::vector<float>(M <= kRows ? 0 : K * kCols); },
+                   [&](int64_t item, std::vector<float>& weights) {
+                     for (int64_t p = item * run, end = std::min(panels, p + run); p < end; ++p) run_panel(p, weights);
+                   });
   return y;
 }
