@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from shared.defaults import DEFAULT_BLOCK_SIZE
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# --quantization (kernels/weight_quantization.py): auto serves the checkpoint's weights as they are
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 
 _UNITS = {
     "": 1,
@@ -86,6 +88,11 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"  # triton on CUDA, torch elsewhere (kernels/backend.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (executor/cuda_graphs.py)
+    # weights quantized at load time (kernels/weight_quantization.py): none, int8, fp8; auto: as the checkpoint has them
+    quantization: str = "auto"
+    quantization_group_size: int | None = (
+        None  # int8: inputs sharing a scale (None: one scale per output row)
+    )
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -118,6 +125,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+        self._check_quantization()
         self._check_speculative()
 
     def resolved(self, device_type: str, max_model_len: int) -> EngineConfig:
@@ -131,6 +139,21 @@ class EngineConfig:
         if not self.enable_chunked_prefill:
             budget = max(budget, max_model_len)
         return dataclasses.replace(self, max_num_batched_tokens=budget, max_waiting_tokens=waiting_tokens)
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.quantization_group_size is not None:
+            if self.quantization != "int8":
+                raise ValueError(
+                    f"quantization_group_size applies to quantization int8, not {self.quantization!r}"
+                )
+            if self.quantization_group_size < 1:
+                raise ValueError(
+                    f"quantization_group_size must be at least 1, got {self.quantization_group_size}"
+                )
 
     def _check_speculative(self) -> None:
         if self.speculative_model is None:
@@ -240,6 +263,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.enforce_eager,
         help="run every step eagerly: no CUDA graphs for decode steps (graphs need the triton backend)",
+    )
+    g.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=QUANTIZATIONS,
+        help="weights quantized at load time: int8 (weight-only, one scale per output row or per "
+        "--quantization-group-size inputs), fp8 (e4m3; w8a8 with torch's scaled matmul on Hopper GPUs, "
+        "dequantized in the forward elsewhere), none (the float --dtype); auto (default): as the checkpoint holds "
+        "them",
+    )
+    g.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=d.quantization_group_size,
+        help="--quantization int8: inputs of a row sharing one scale, a divisor of every layer's inputs "
+        "(default: a scale per output row)",
     )
     g.add_argument("--seed", type=int, default=d.seed)
 

@@ -14,7 +14,7 @@ from executor.block_pool import BlockPool
 from executor.engine_config import EngineConfig
 from executor.kv_cache_manager import KVCacheManager
 from executor.kv_layout import kv_block_bytes
-from executor.kv_sizing import kv_cache_bytes
+from executor.kv_sizing import kv_cache_bytes, weight_bytes
 from executor.model_files import load_weights, read_config, resolve_model
 from executor.model_runner import ModelRunner
 from executor.models.llama import DecoderLM
@@ -51,7 +51,18 @@ def load_models(config: EngineConfig, device: torch.device, dtype: torch.dtype, 
     eos_token_ids = _eos_token_ids(hf_config, path, tokenizer)
     max_model_len = _max_model_len(config.max_model_len, spec)
     torch.manual_seed(config.seed)
-    target = build_model(spec, load_weights(path), dtype, device, kernels)
+    target = build_model(
+        spec,
+        load_weights(path),
+        dtype,
+        device,
+        kernels,
+        config.quantization,
+        config.quantization_group_size,
+    )
+    log.info(
+        "weights: %.1f MiB as served (--quantization %s)", weight_bytes(target) / 2**20, config.quantization
+    )
     draft = None
     if config.speculative_model not in (None, NGRAM):
         draft = load_draft_model(

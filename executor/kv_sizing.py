@@ -3,6 +3,7 @@ profiling step has shown what weights and activations need."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -29,6 +30,29 @@ def pick_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, getattr(torch, dtype)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the tensors the model holds, each storage once: parameters, buffers, and the packed or
+    quantized weights its layers keep as plain attributes (they count as served, so smaller weights leave more
+    of the device to KV)."""
+    storages: dict[int, int] = {}
+
+    def visit(value) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                visit(getattr(value, field.name))
+        elif isinstance(value, tuple | list):
+            for item in value:
+                visit(item)
+
+    for module in model.modules():
+        for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
+            visit(value)
+    return sum(storages.values())
 
 
 def kv_cache_bytes(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype) -> int:

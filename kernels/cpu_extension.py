@@ -30,6 +30,7 @@ SOURCES = tuple(
         "decode_attention_cpu.cpp",
         "fused_cpu.cpp",
         "prefill_attention_cpu.cpp",
+        "quantized_gemm_cpu.cpp",
         "small_gemm_cpu.cpp",
     )
 )

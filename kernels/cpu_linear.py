@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels.cpu_extension import cpu_kernels, kernels_enabled
+from kernels.quantized import QuantizedLinear
 
 log = logging.getLogger("kvserve.kernels")
 
@@ -67,7 +68,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear inside model for a PackedLinear; returns how many were swapped."""
+    """Swap every nn.Linear inside model for a PackedLinear, and put every QuantizedLinear's weight into the
+    kernels' panels where they are built; returns how many float layers were swapped."""
     swaps = [
         (parent, name, child)
         for parent in model.modules()
@@ -78,4 +80,9 @@ def pack_linears(model: nn.Module) -> int:
         setattr(parent, name, PackedLinear(child))
     layout = "oneDNN's blocked layout" if cpu_kernels() is None else "the CPU kernels' panels"
     log.info("packed %d linear layers into %s", len(swaps), layout)
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if quantized and cpu_kernels() is not None:
+        for layer in quantized:
+            layer.pack(cpu_kernels())
+        log.info("packed %d quantized linear layers into the CPU kernels' integer panels", len(quantized))
     return len(swaps)

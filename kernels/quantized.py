@@ -92,21 +92,120 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
     return QuantizedWeight(values.view(n, k), scales.contiguous(), None, group, 8)
 
 
+@dataclass(frozen=True, slots=True)
+class PanelWeight:
+    """A QuantizedWeight in the panels the CPU kernel reads (kernels/csrc/quantized_gemm_cpu.cpp): values
+    [panels, K, 16] int8, or [panels, K, 8] bytes of two 4-bit values each stored plus zero_point (8 for signed
+    values, so that they lie in 0..15); scales and offsets [panels, K / group_size, 16] float32."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    out_features: int
+    group_size: int
+    bits: int
+    zero_point: int
+
+    @staticmethod
+    def pack(weight: QuantizedWeight, ops) -> PanelWeight:
+        """weight in panels, by the kernels' pack function (ops: kernels.cpu_extension.cpu_kernels())."""
+        zero_point = 8 if weight.bits == 4 and int(weight.values.min()) < 0 else 0
+        values, scales, offsets = ops.pack_quantized_weight(
+            weight.values, weight.scales, weight.offsets, weight.bits, zero_point
+        )
+        return PanelWeight(
+            values,
+            scales,
+            offsets,
+            weight.shape[0],
+            weight.group_size,
+            weight.bits,
+            zero_point,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the GEMM reads, padding to whole panels included."""
+        extras = () if self.offsets is None else (self.offsets,)
+        return sum(t.numel() * t.element_size() for t in (self.values, self.scales, *extras))
+
+    def _columns(self, panels: torch.Tensor, columns: torch.Tensor) -> QuantizedWeight:
+        """The rows (output features) at panels * 16 + columns, unpacked."""
+        if self.bits == 8:
+            values = self.values[panels, :, columns]
+        else:
+            nibbles = self.values[panels, :, columns % 8].view(torch.uint8).to(torch.int16)
+            high = (columns >= 8).unsqueeze(-1)
+            values = (torch.where(high, nibbles >> 4, nibbles & 0xF) - self.zero_point).to(torch.int8)
+        offsets = None if self.offsets is None else self.offsets[panels, :, columns]
+        return QuantizedWeight(values, self.scales[panels, :, columns], offsets, self.group_size, self.bits)
+
+    def rows(self, rows: torch.Tensor) -> QuantizedWeight:
+        """The given output rows as a QuantizedWeight [len(rows), K]."""
+        return self._columns(torch.div(rows, 16, rounding_mode="floor"), rows % 16)
+
+    def unpack(self) -> QuantizedWeight:
+        return self.rows(torch.arange(self.out_features, device=self.values.device))
+
+
 class QuantizedLinear(nn.Module):
-    """y = x W^T + b with W held quantized."""
+    """y = x W^T + b with W held quantized: in the CPU kernel's panels once pack() ran (kernels.prepare does
+    where the kernels serve float32 on the CPU), else as its QuantizedWeight, dequantized by torch each call."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight_q = weight  # a plain attribute: a quantized layout has no place in a state_dict
+        # plain attributes: a quantized layout has no place in a state_dict; one of the two forms, never both,
+        # since the point is fewer bytes
+        self._weight: QuantizedWeight | None = weight
+        self._panels: PanelWeight | None = None
+        self._ops = None
         self.bias = None if bias is None else bias.detach().float()
 
+    @property
+    def weight_q(self) -> QuantizedWeight:
+        return self._weight if self._panels is None else self._panels.unpack()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as served (bias aside)."""
+        return self._weight.nbytes if self._panels is None else self._panels.nbytes
+
+    def pack(self, ops) -> None:
+        """Hold the weight only in the panels of ops (the C++ CPU kernels), whose GEMM then serves float32 input."""
+        if self._panels is None:
+            self._panels, self._weight, self._ops = PanelWeight.pack(self._weight, ops), None, ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight_q.dequantize().to(x.dtype), self.bias)
+        if self._panels is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            rows = x.reshape(-1, self.in_features)
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            p = self._panels
+            y = self._ops.quantized_gemm(
+                rows, p.values, p.scales, p.offsets, self.out_features, p.bits, p.zero_point, self.bias
+            )
+            return y.view(*x.shape[:-1], self.out_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight_q.dequantize().to(x.dtype), bias)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ids of W, as an embedding table tied to this layer looks them up."""
+        flat = ids.reshape(-1)
+        rows = self._weight_rows(flat).dequantize().to(dtype)
+        return rows.view(*ids.shape, self.in_features)
+
+    def _weight_rows(self, ids: torch.Tensor) -> QuantizedWeight:
+        if self._panels is not None:
+            return self._panels.rows(ids)
+        w = self._weight
+        offsets = None if w.offsets is None else w.offsets[ids]
+        return QuantizedWeight(w.values[ids], w.scales[ids], offsets, w.group_size, w.bits)
 
     def extra_repr(self) -> str:
-        w = self.weight_q
+        w = self._weight or self._panels
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={w.bits}, "
-            f"group_size={w.group_size}, offsets={w.offsets is not None}, bias={self.bias is not None}"
+            f"group_size={w.group_size}, offsets={w.offsets is not None}, bias={self.bias is not None}, "
+            f"packed={self._panels is not None}"
         )

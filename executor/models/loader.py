@@ -9,6 +9,7 @@ import torch
 
 from executor.models.llama import FUSED_PROJECTIONS, DecoderLM, DecoderSpec, rope_inv_freq
 from kernels.backend import Kernels
+from kernels.weight_quantization import quantize_linears
 
 # architecture -> (qkv bias, q/k norm)
 SUPPORTED_ARCHITECTURES = {
@@ -119,9 +120,12 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     kernels: Kernels,
+    quantization: str = "auto",
+    quantization_group_size: int | None = None,
 ) -> DecoderLM:
     """Instantiate on the meta device, then take every parameter from the checkpoint (a missing or misshapen
-    tensor is an error naming it), and let the kernels prepare the weights they run on."""
+    tensor is an error naming it), quantize its linear layers as --quantization asks, and let the kernels
+    prepare the weights they run on."""
     with torch.device("meta"):
         model = DecoderLM(spec, kernels)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -149,5 +153,6 @@ def build_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(spec).to(device)  # built outside the meta device
     model.eval().requires_grad_(False)
+    quantize_linears(model, quantization, quantization_group_size)
     kernels.prepare(model, device, dtype)
     return model

@@ -14,6 +14,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor pack_gemm_weight(const at::Tensor& weight);
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quantized_weight(const at::Tensor& values, const at::Tensor& scales,
+                                                                     const c10::optional<at::Tensor>& offsets,
+                                                                     int64_t bits, int64_t zero_point);
+at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
+                          const c10::optional<at::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
@@ -25,4 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [tokens, 2 * intermediate]");
   m.def("pack_gemm_weight", &pack_gemm_weight, "[N, K] weight -> [ceil(N / 16), K, 16] panels for small_gemm");
   m.def("small_gemm", &small_gemm, "x W^T (+ b) for a few rows, from pack_gemm_weight's panels");
+  m.def("pack_quantized_weight", &pack_quantized_weight,
+        "int8 values [N, K] (4 bits: plus zero_point in 0..15), scales and offsets [N, K / G] -> the panels of "
+        "quantized_gemm");
+  m.def("quantized_gemm", &quantized_gemm,
+        "x W^T (+ b) with W from pack_quantized_weight's panels, x float32 (CPU)");
 }

@@ -1,0 +1,250 @@
+// y = x W^T (+ b) with W held as 8- or 4-bit integers and a float scale (and offset) per group of G inputs of each
+// output row (kernels/quantized.py's QuantizedWeight); x and y float32, on the CPU.
+//
+// A decode step at one stream reads every weight once and does two flops with each: it is bound by the bytes of the
+// weights, so int8 reads a quarter of float32's and 4 bits an eighth. The layout is small_gemm_cpu.cpp's, in
+// integers: panels of 16 output columns whose K rows lie one after another ([panels, K, 16] int8; 4 bits: 8 bytes a
+// row of K, column j in the low nibble of byte j and column j + 8 in its high nibble), and the scales and offsets
+// beside them as [panels, K / G, 16] floats. The kernel converts each row of 16 integers to floats in registers,
+// makes them weights with one multiply-add by the group's scale and offset (once per k, shared by the 6 rows of the
+// register block), and then runs panel_kernel.h's 6 x 16 block of multiply-adds. Signed 4-bit values are stored
+// plus 8 (zero_point) and the kernel subtracts 8 scales per group in registers, so Q4_0 costs no offsets in memory.
+//
+// Past 6 rows, converting again for every row block cost 10-15% over float32 at 16-64 rows (the conversion is
+// about half a block's instructions). So the first row block also writes the floats it made to a buffer of the
+// thread's ([K, 16], in L2), and the float32 panel kernel passes the other blocks over that: a weight is converted
+// once per call at any batch size. Measured on the default model's shapes, one thread, CPU time a step of all its
+// GEMMs: 1 row 12 ms against float32's 31 (int8; 4 bits with a scale per 32: 12), 6 rows 27 against 58, 16 rows
+// 77 against 77, 64 rows 230 against 239.
+//
+// Threads take panels from a shared counter (dynamic_parallel.h) as the float32 kernel does.
+#include "cpu_vec.h"
+#include "dynamic_parallel.h"
+#include "panel_kernel.h"
+
+#include <ATen/ATen.h>
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using panel_gemm::kCols;
+using panel_gemm::kRows;
+
+template <int BITS>
+constexpr int64_t kRowBytes = BITS == 8 ? kCols : kCols / 2;  // bytes of one row of K in a panel
+
+// One group's scale and offset for the panel's 16 columns; a zero point subtracts zero_point scales.
+struct Group {
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256 s_lo, s_hi, m_lo, m_hi;
+  Group(const float* scales, const float* offsets, float zero_point) {
+    const __m256 zero = _mm256_set1_ps(-zero_point);
+    s_lo = _mm256_loadu_ps(scales), s_hi = _mm256_loadu_ps(scales + 8);
+    m_lo = _mm256_mul_ps(zero, s_lo), m_hi = _mm256_mul_ps(zero, s_hi);
+    if (offsets != nullptr) {
+      m_lo = _mm256_add_ps(m_lo, _mm256_loadu_ps(offsets));
+      m_hi = _mm256_add_ps(m_hi, _mm256_loadu_ps(offsets + 8));
+    }
+  }
+  // the 16 weights of one row of K: integers to floats in registers, then one multiply-add each half
+  template <int BITS>
+  void weights(const int8_t* row, __m256& lo, __m256& hi) const {
+    __m256i i_lo, i_hi;
+    if constexpr (BITS == 8) {
+      i_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+      i_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8)));
+    } else {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+      i_lo = _mm256_and_si256(bytes, _mm256_set1_epi32(0xF));
+      i_hi = _mm256_srli_epi32(bytes, 4);
+    }
+    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_lo), s_lo, m_lo);
+    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_hi), s_hi, m_hi);
+  }
+#else
+  float s[kCols], m[kCols];
+  Group(const float* scales, const float* offsets, float zero_point) {
+    for (int64_t j = 0; j < kCols; ++j) {
+      s[j] = scales[j];
+      m[j] = -zero_point * s[j] + (offsets != nullptr ? offsets[j] : 0.f);
+    }
+  }
+  template <int BITS>
+  void weights(const int8_t* row, float* w) const {
+    for (int64_t j = 0; j < kCols; ++j) {
+      const int v = BITS == 8 ? row[j] : (j < 8 ? static_cast<uint8_t>(row[j]) & 0xF : static_cast<uint8_t>(row[j - 8]) >> 4);
+      w[j] = std::fma(static_cast<float>(v), s[j], m[j]);
+    }
+  }
+#endif
+};
+
+// y[r, 0:cols] = x[r, :] . W for MR rows over one panel of W: q its K rows of 16 (BITS 8) or 8 bytes (BITS 4);
+// scales, offsets (or null): [K / G, 16]; bias null or [cols]. The weights become floats in registers, once per
+// row of K for all MR rows, as they stream by; with store, they are also written there ([K, 16]) for the row
+// blocks that follow.
+template <int MR, int BITS>
+void kernel(const float* x, int64_t ldx, const int8_t* q, const float* scales, const float* offsets, int64_t K,
+            int64_t G, float zero_point, const float* bias, float* y, int64_t ldy, int64_t cols, float* store) {
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
+         b4 = a0, a5 = a0, b5 = a0;
+  const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx, *x5 = x4 + ldx;
+  for (int64_t g = 0, k = 0; k < K; ++g) {
+    const Group group(scales + g * kCols, offsets == nullptr ? nullptr : offsets + g * kCols, zero_point);
+    for (const int64_t end = k + G; k < end; ++k) {
+      __m256 lo, hi;
+      group.weights<BITS>(q + k * kRowBytes<BITS>, lo, hi);
+      if (store != nullptr) {
+        _mm256_storeu_ps(store + k * kCols, lo);
+        _mm256_storeu_ps(store + k * kCols + 8, hi);
+      }
+#define KVSERVE_ROW(r)                              \
+  if (MR > r) {                                     \
+    const __m256 v = _mm256_broadcast_ss(x##r + k); \
+    a##r = _mm256_fmadd_ps(v, lo, a##r);            \
+    b##r = _mm256_fmadd_ps(v, hi, b##r);            \
+  }
+      KVSERVE_ROW(0) KVSERVE_ROW(1) KVSERVE_ROW(2) KVSERVE_ROW(3) KVSERVE_ROW(4) KVSERVE_ROW(5)
+#undef KVSERVE_ROW
+    }
+  }
+  float padded[kCols] = {0.f};
+  if (bias != nullptr) std::copy(bias, bias + cols, padded);
+  const __m256 c0 = _mm256_loadu_ps(padded), c1 = _mm256_loadu_ps(padded + 8);
+  const __m256 rows[kRows][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
+  for (int r = 0; r < MR; ++r) {
+    float tmp[kCols];
+    float* out = cols == kCols ? y + r * ldy : tmp;
+    _mm256_storeu_ps(out, _mm256_add_ps(rows[r][0], c0));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(rows[r][1], c1));
+    if (cols != kCols) std::copy(tmp, tmp + cols, y + r * ldy);
+  }
+#else
+  float acc[kRows][kCols] = {};
+  for (int64_t g = 0, k = 0; k < K; ++g) {
+    const Group group(scales + g * kCols, offsets == nullptr ? nullptr : offsets + g * kCols, zero_point);
+    for (const int64_t end = k + G; k < end; ++k) {
+      float own[kCols];
+      float* w = store != nullptr ? store + k * kCols : own;
+      group.weights<BITS>(q + k * kRowBytes<BITS>, w);
+      for (int r = 0; r < MR; ++r)
+        for (int64_t j = 0; j < kCols; ++j) acc[r][j] = std::fma(x[r * ldx + k], w[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = acc[r][j] + (bias != nullptr ? bias[j] : 0.f);
+#endif
+}
+
+using Kernel = void (*)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t, float,
+                        const float*, float*, int64_t, int64_t, float*);
+constexpr Kernel kKernels8[kRows + 1] = {nullptr,      &kernel<1, 8>, &kernel<2, 8>, &kernel<3, 8>,
+                                         &kernel<4, 8>, &kernel<5, 8>, &kernel<6, 8>};
+constexpr Kernel kKernels4[kRows + 1] = {nullptr,      &kernel<1, 4>, &kernel<2, 4>, &kernel<3, 4>,
+                                         &kernel<4, 4>, &kernel<5, 4>, &kernel<6, 4>};
+
+// [N, C] -> [ceil(N / 16), C, 16]: column j of panel p is row p * 16 + j of t (zeros past N)
+at::Tensor to_panels(const at::Tensor& t) {
+  const int64_t N = t.size(0), C = t.size(1), panels = (N + kCols - 1) / kCols;
+  auto padded = at::zeros({panels * kCols, C}, t.options());
+  padded.narrow(0, 0, N).copy_(t);
+  return padded.view({panels, kCols, C}).transpose(1, 2).contiguous();
+}
+
+}  // namespace
+
+// values int8 [N, K] (bits 4: each in zero_point - 8 .. zero_point + 7 stored as value + zero_point in 0..15),
+// scales and offsets (or undefined) float32 [N, K / G] -> (values [panels, K, 16] int8, or [panels, K, 8] two
+// nibbles a byte; scales [panels, K / G, 16]; offsets likewise or undefined)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quantized_weight(const at::Tensor& values, const at::Tensor& scales,
+                                                                     const c10::optional<at::Tensor>& offsets,
+                                                                     int64_t bits, int64_t zero_point) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar && values.device().is_cpu(),
+              "pack_quantized_weight: int8 [out_features, in_features] CPU values");
+  TORCH_CHECK(bits == 8 || bits == 4, "pack_quantized_weight: bits 8 or 4");
+  TORCH_CHECK(bits == 4 || zero_point == 0, "pack_quantized_weight: a zero point is for 4 bits");
+  const int64_t N = values.size(0), K = values.size(1);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) > 0 && K % scales.size(1) == 0 &&
+                  scales.scalar_type() == at::kFloat,
+              "pack_quantized_weight: float32 scales [N, K / group_size]");
+  at::Tensor packed_offsets;
+  if (offsets.has_value() && offsets->defined()) {
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat,
+                "pack_quantized_weight: offsets shaped as the scales");
+    packed_offsets = to_panels(offsets->contiguous());
+  }
+  at::Tensor packed = to_panels(values.contiguous());
+  if (bits == 4) {
+    auto u = packed.to(at::kInt) + zero_point;
+    TORCH_CHECK(u.min().item<int>() >= 0 && u.max().item<int>() <= 15,
+                "pack_quantized_weight: 4-bit values plus the zero point must lie in 0..15");
+    packed = (u.narrow(2, 0, 8) + u.narrow(2, 8, 8) * 16).to(at::kByte).view(at::kChar).contiguous();
+  }
+  return {packed, to_panels(scales.contiguous()), packed_offsets};
+}
+
+// x [M, K] (rows contiguous) times pack_quantized_weight's panels for N outputs, bias [N] or undefined -> [M, N]
+at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "quantized_gemm: x [M, K] float32");
+  TORCH_CHECK(bits == 8 || bits == 4, "quantized_gemm: bits 8 or 4");
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), row_bytes = bits == 8 ? kCols : kCols / 2;
+  TORCH_CHECK(values.dim() == 3 && values.size(1) == K && values.size(2) == row_bytes && values.is_contiguous() &&
+                  values.scalar_type() == at::kChar,
+              "quantized_gemm: packed values [panels, K, ", row_bytes, "] int8 for x's K");
+  const int64_t panels = values.size(0);
+  TORCH_CHECK(panels * kCols >= N && panels * kCols < N + kCols, "quantized_gemm: N does not fit");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == panels && scales.size(2) == kCols && scales.size(1) > 0 &&
+                  K % scales.size(1) == 0 && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "quantized_gemm: packed scales [panels, K / group_size, 16] float32");
+  const int64_t groups = scales.size(1), G = K / groups;
+  const float* m = nullptr;
+  if (offsets.has_value() && offsets->defined()) {
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() && offsets->scalar_type() == at::kFloat,
+                "quantized_gemm: packed offsets shaped as the scales");
+    m = offsets->data_ptr<float>();
+  }
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "quantized_gemm: bias [N] float32");
+    b = bias->data_ptr<float>();
+  }
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = values.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const Kernel* kernels = bits == 8 ? kKernels8 : kKernels4;
+  const auto zp = static_cast<float>(zero_point);
+  // the first row block converts the weights in registers as they stream by; with more rows it also keeps them
+  // as floats in a buffer of the thread's, which stays in cache while the float32 kernel passes the other blocks
+  // over it: the conversion is paid once a weight at any batch size
+  auto run_panel = [&](int64_t p, std::vector<float>& weights) {
+    const int64_t col = p * kCols, cols = std::min(kCols, N - col);
+    const float* bias_p = b == nullptr ? nullptr : b + col;
+    const int64_t first = std::min<int64_t>(kRows, M);
+    kernels[first](xp, ldx, qp + p * K * row_bytes, sp + p * groups * kCols,
+                   m == nullptr ? nullptr : m + p * groups * kCols, K, G, zp, bias_p, yp + col, N, cols,
+                   M > kRows ? weights.data() : nullptr);
+    for (int64_t r = kRows; r < M; r += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, M - r);
+      panel_gemm::kKernels[rows](xp + r * ldx, ldx, weights.data(), K, bias_p, yp + r * N + col, N, cols, nullptr,
+                                 0);
+    }
+  };
+  // a work item is a run of panels: one integer panel of a decode row takes well under a microsecond, about what
+  // taking it from the shared counter costs when two threads contend for it
+  const int64_t run = std::clamp<int64_t>(panels / (8 * at::get_num_threads()), 1, 16);
+  parallel_dynamic((panels + run - 1) / run, [&] { return std::vector<float>(M <= kRows ? 0 : K * kCols); },
+                   [&](int64_t item, std::vector<float>& weights) {
+                     for (int64_t p = item * run, end = std::min(panels, p + run); p < end; ++p) run_panel(p, weights);
+                   });
+  return y;
+}

@@ -1,0 +1,159 @@
+"""The CPU GEMM over quantized weights (kernels/csrc/quantized_gemm_cpu.cpp) and QuantizedLinear around it, against
+float64 products of the dequantized weights: every row remainder of its 6-row kernel and the many-row path,
+widths that are not a multiple of its 16-column panels, a scale per row or per group of 32 or 128 inputs, 8 and
+4 bits (signed and unsigned), with and without offsets; and the torch fallback where the kernels are off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kernels.backend import TORCH
+from kernels.cpu_extension import cpu_kernels
+from kernels.quantized import PanelWeight, QuantizedLinear, QuantizedWeight, quantize_int8
+from kernels.weight_quantization import TiedEmbedding, quantize_linears
+
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels() is None, reason="the C++ CPU kernels could not be built here"
+)
+
+ROWS = [*range(1, 14), 64, 256]
+
+
+def _weight(
+    n: int, k: int, group: int | None, bits: int, offsets: bool, signed: bool, seed: int
+) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    group = k if group is None else group
+    low, high = (-128, 128) if bits == 8 else ((-8, 8) if signed else (0, 16))
+    values = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    shifts = torch.randn(n, k // group, generator=gen) * 0.05 if offsets else None
+    return QuantizedWeight(values, scales, shifts, group, bits)
+
+
+def _close(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    expected = x.double() @ weight.dequantize().double().T
+    if bias is not None:
+        expected += bias.double()
+    assert got.dtype == torch.float32
+    # float32 accumulation of k products, each weight rounded once: a few ulps of the largest partial sums
+    scale = (x.double().abs() @ weight.dequantize().double().abs().T).amax()
+    torch.testing.assert_close(
+        got.double(), expected, rtol=0, atol=float(scale) * 4e-7 * weight.shape[1] ** 0.5
+    )
+
+
+CASES = [
+    (8, None, False, True),
+    (8, 32, False, True),
+    (8, 128, True, True),
+    (4, None, False, True),  # Q4_0's form: signed values, no offsets
+    (4, 32, False, True),
+    (4, 32, True, False),  # Q4_1's form: unsigned values and offsets
+    (4, 128, True, False),
+    (8, 32, True, True),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize(("bits", "group", "offsets", "signed"), CASES)
+def test_matches_float64_for_every_row_remainder_group_and_width(bits, group, offsets, signed) -> None:
+    ops = cpu_kernels()
+    for n in (50, 32):
+        weight = _weight(n, 256, group, bits, offsets, signed, seed=n + bits)
+        panels = PanelWeight.pack(weight, ops)
+        assert panels.values.shape == (-(-n // 16), 256, 16 if bits == 8 else 8)
+        bias = torch.randn(n) if n == 50 else None
+        for rows in ROWS:
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+            got = ops.quantized_gemm(
+                x, panels.values, panels.scales, panels.offsets, n, bits, panels.zero_point, bias
+            )
+            _close(got, x, weight, bias)
+
+
+@needs_kernels
+def test_panels_unpack_to_the_weight_and_give_any_rows() -> None:
+    ops = cpu_kernels()
+    for bits, group, offsets, signed in CASES:
+        weight = _weight(37, 64, group and min(group, 32), bits, offsets, signed, seed=bits)
+        panels = PanelWeight.pack(weight, ops)
+        back = panels.unpack()
+        assert torch.equal(back.values, weight.values) and torch.equal(back.scales, weight.scales)
+        ids = torch.tensor([36, 0, 17, 17, 8])
+        assert torch.equal(panels.rows(ids).dequantize(), weight.dequantize()[ids])
+
+
+@needs_kernels
+def test_a_strided_input_and_two_threads() -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        weight = quantize_int8(torch.randn(70, 128), group_size=64)
+        layer = QuantizedLinear(weight, torch.randn(70))
+        layer.pack(cpu_kernels())
+        wide = torch.randn(9, 300)
+        x = wide[:, 20:148]  # rows 300 floats apart
+        _close(layer(x), x, weight, layer.bias)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernels
+def test_refuses_what_does_not_fit_and_takes_no_rows() -> None:
+    ops = cpu_kernels()
+    weight = _weight(20, 64, 32, 4, False, True, seed=1)
+    p = PanelWeight.pack(weight, ops)
+    assert ops.quantized_gemm(torch.randn(0, 64), p.values, p.scales, None, 20, 4, 8, None).shape == (0, 20)
+    with pytest.raises(RuntimeError, match="0..15"):
+        ops.pack_quantized_weight(weight.values, weight.scales, None, 4, 0)  # signed without a zero point
+    with pytest.raises(RuntimeError, match="K"):
+        ops.quantized_gemm(torch.randn(3, 63), p.values, p.scales, None, 20, 4, 8, None)
+    with pytest.raises(RuntimeError, match="N does not fit"):
+        ops.quantized_gemm(torch.randn(3, 64), p.values, p.scales, None, 40, 4, 8, None)
+
+
+def test_quantized_linear_packed_and_by_torch_agree_and_pack_holds_fewer_bytes(monkeypatch) -> None:
+    """kernels.prepare packs a model's QuantizedLinear where the kernels serve; with KVSERVE_CPU_KERNELS=0 the
+    layer stays as its QuantizedWeight and torch dequantizes it."""
+    gen = torch.Generator().manual_seed(3)
+    float_weight = torch.randn(96, 160, generator=gen)
+    x = torch.randn(2, 7, 160, generator=gen)
+    expected = x.double() @ quantize_int8(float_weight).dequantize().double().T
+    monkeypatch.setenv("KVSERVE_CPU_KERNELS", "0")
+    off = nn.Sequential(QuantizedLinear(quantize_int8(float_weight)))
+    TORCH.prepare(off, torch.device("cpu"), torch.float32)
+    assert off[0]._panels is None
+    torch.testing.assert_close(off(x).double(), expected, rtol=0, atol=1e-4)
+    if cpu_kernels() is None:
+        return
+    monkeypatch.delenv("KVSERVE_CPU_KERNELS")
+    on = nn.Sequential(QuantizedLinear(quantize_int8(float_weight)))
+    TORCH.prepare(on, torch.device("cpu"), torch.float32)
+    layer = on[0]
+    assert layer._panels is not None and layer._weight is None  # the unpacked values are gone
+    torch.testing.assert_close(on(x).double(), expected, rtol=0, atol=1e-4)
+    assert layer.nbytes == 96 * 160 + 96 * 4 < float_weight.nbytes / 3.9
+    assert torch.equal(layer.weight_q.values, quantize_int8(float_weight).values)
+
+
+def test_a_tied_embedding_reads_the_quantized_head() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(40, 32)
+            self.head = nn.Linear(32, 40, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    assert quantize_linears(model, "int8", group_size=16) == 1
+    assert isinstance(model.embed, TiedEmbedding) and isinstance(model.head, QuantizedLinear)
+    TORCH.prepare(model, torch.device("cpu"), torch.float32)
+    ids = torch.tensor([[3, 39], [0, 3]])
+    rows = model.embed(ids)
+    assert rows.shape == (2, 2, 32) and rows.dtype == torch.float32
+    torch.testing.assert_close(rows, model.head.weight_q.dequantize()[ids])
+    with pytest.raises(ValueError, match="--quantization-group-size 24 does not divide"):
+        quantize_linears(Tied(), "int8", group_size=24)
