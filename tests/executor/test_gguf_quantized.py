@@ -17,9 +17,10 @@ from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 from executor import LLM, SamplingParams
 from executor.gguf_quantized import load_blocks, quantized_weight
-from executor.model_files import GGUF_BLOCKS, default_gguf, resolve_model
+from executor.model_files import default_gguf, resolve_model
 from executor.models.quantized import QuantizedEmbedding, stack, weight_bytes
 from kernels.quantized import QuantizedLinear, QuantizedWeight
+from shared.model_paths import GGUF_BLOCKS
 from tests.executor.test_model_files import gguf_config, write_gguf
 
 Q = GGMLQuantizationType
