@@ -31,7 +31,7 @@ def __getattr__(name: str):
 
         return default_gguf
     if name == "weight_bytes":  # a built model's weights as served (quantized ones at their own size)
-        from executor.models.quantized import weight_bytes
+        from executor.kv_sizing import weight_bytes
 
         return weight_bytes
     if name == "ATTENTION_BACKENDS":  # the --attention-backend choices

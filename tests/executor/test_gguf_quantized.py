@@ -17,9 +17,11 @@ from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 from executor import LLM, SamplingParams
 from executor.gguf_quantized import load_blocks, quantized_weight
+from executor.kv_sizing import weight_bytes
 from executor.model_files import default_gguf, resolve_model
-from executor.models.quantized import QuantizedEmbedding, stack, weight_bytes
+from executor.models.quantized import stack
 from kernels.quantized import QuantizedLinear, QuantizedWeight
+from kernels.weight_quantization import TiedEmbedding
 from shared.model_paths import GGUF_BLOCKS
 from tests.executor.test_model_files import gguf_config, write_gguf
 
@@ -111,8 +113,10 @@ def test_quantized_gguf_serves_its_blocks(arch: str, tmp_path: Path) -> None:
     model_dir = str(resolve_model(str(path)))
     served = LLM(model_dir, kv_cache_memory="8MiB", max_model_len=128)
     float32 = LLM(model_dir, kv_cache_memory="8MiB", max_model_len=128, quantization="none")
-    assert len(modules(served, QuantizedLinear)) == 4 * config.num_hidden_layers + 1  # and the LM head
-    assert len(modules(served, QuantizedEmbedding)) == 1 and not modules(float32, QuantizedLinear)
+    # each layer's four, the LM head, and an untied embedding's own table
+    tables = 1 + (not config.tie_word_embeddings)
+    assert len(modules(served, QuantizedLinear)) == 4 * config.num_hidden_layers + tables
+    assert len(modules(served, TiedEmbedding)) == 1 and not modules(float32, QuantizedLinear)
     prompts = [[5, 6, 7], list(range(40, 90))]
     tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] for llm in (served, float32)]
     assert tokens[0] == tokens[1]
@@ -141,10 +145,14 @@ def test_default_model_serves_quantized(default_model: str) -> None:
     )
     text = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text
     assert "Paris" in text
-    linears = modules(llm, QuantizedLinear)
-    assert len(linears) == 4 * 30 + 1 and {m.weight_q.bits for m in linears} == {4, 8}
+    assert len(modules(llm, QuantizedLinear)) == 4 * 30 + 1  # the tied LM head is the embedding's table
     with safe_open(Path(default_model) / "model.safetensors", framework="pt") as floats:
         float_bytes = sum(4 * math.prod(floats.get_slice(n).get_shape()) for n in floats.keys())  # noqa: SIM118
-    quantized = {id(m.weight_q.values): m.weight_q.nbytes for m in linears}
-    assert weight_bytes(llm.engine.runner.model) < float_bytes / 4
-    assert sum(quantized.values()) < float_bytes / 4
+    blocks = load_blocks(Path(default_model) / GGUF_BLOCKS)
+    assert {w.bits for w in blocks.values()} == {4, 8}
+    assert (
+        sum(w.nbytes for w in blocks.values()) < float_bytes / 4
+    )  # Q4_1 and a Q8_0 table: ~5.4 bits a weight
+    assert (
+        weight_bytes(llm.engine.runner.model) < float_bytes / 3
+    )  # as held: 4-bit values in bytes without panels
