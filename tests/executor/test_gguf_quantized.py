@@ -20,6 +20,7 @@ from executor.gguf_quantized import load_blocks, quantized_weight
 from executor.kv_sizing import weight_bytes
 from executor.model_files import default_gguf, resolve_model
 from executor.models.quantized import stack
+from kernels.cpu_extension import cpu_kernels
 from kernels.quantized import QuantizedLinear, QuantizedWeight
 from kernels.weight_quantization import TiedEmbedding
 from shared.model_paths import GGUF_BLOCKS
@@ -94,6 +95,10 @@ def test_stacking_different_layouts_keeps_every_value() -> None:
     assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
     floats = stack([parts[0], parts[1].dequantize()])
     assert isinstance(floats, torch.Tensor) and torch.equal(floats, stacked.dequantize())
+    layer, x = QuantizedLinear(stacked), torch.randn(3, 256)
+    if (ops := cpu_kernels()) is not None:
+        layer.pack(ops)  # the CPU kernel's panels serve this layout too
+    torch.testing.assert_close(layer(x), x @ floats.T, rtol=1e-5, atol=1e-5)
 
 
 def modules(llm: LLM, kind: type) -> list[torch.nn.Module]:
