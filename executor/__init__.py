@@ -8,6 +8,8 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "resolve_model",
+    "default_gguf",
+    "weight_bytes",
     "ATTENTION_BACKENDS",
 ]
 
@@ -24,6 +26,14 @@ def __getattr__(name: str):
         from executor.model_files import resolve_model
 
         return resolve_model
+    if name == "default_gguf":  # the default model's GGUF file (fetched once into the cache)
+        from executor.model_files import default_gguf
+
+        return default_gguf
+    if name == "weight_bytes":  # a built model's weights as served (quantized ones at their own size)
+        from executor.kv_sizing import weight_bytes
+
+        return weight_bytes
     if name == "ATTENTION_BACKENDS":  # the --attention-backend choices
         from executor.engine_config import ATTENTION_BACKENDS
 

@@ -53,7 +53,7 @@ def load_models(config: EngineConfig, device: torch.device, dtype: torch.dtype, 
     torch.manual_seed(config.seed)
     target = build_model(
         spec,
-        load_weights(path),
+        load_weights(path, gguf_blocks=config.quantization == "auto"),
         dtype,
         device,
         kernels,

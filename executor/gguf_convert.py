@@ -1,7 +1,8 @@
 """A GGUF file becomes a HuggingFace model directory, so the engine has one loading path for every model.
 
 The directory holds config.json, float32 model.safetensors under HF tensor names, the tokenizer with the
-file's chat template, and generation_config.json.
+file's chat template, and generation_config.json; and the file's quantized weights as they are, which
+--quantization auto serves instead of their float32 copies (executor/gguf_quantized.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
@@ -26,7 +28,9 @@ from transformers import (
     Qwen3Config,
 )
 
-from shared.model_paths import ModelLoadError
+from executor.gguf_quantized import converts, quantized_weight, save_blocks, take_rows
+from kernels.quantized import QuantizedWeight
+from shared.model_paths import GGUF_BLOCKS, ModelLoadError
 
 # GGUF architecture -> the HF config class that describes it.
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
@@ -69,6 +73,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         save_file(
             _hf_tensors(reader, config, gguf_path), staging / "model.safetensors", metadata={"format": "pt"}
         )
+        (staging / GGUF_BLOCKS).parent.mkdir()
+        save_blocks(_hf_blocks(reader, config, gguf_path), staging / GGUF_BLOCKS)
         config.save_pretrained(staging)
         _save_tokenizer(gguf_path, config, staging)
         GenerationConfig(
@@ -78,7 +84,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         ).save_pretrained(staging)
         # mkdtemp and safetensors create owner-only; a model cache is read like any downloaded model.
         os.chmod(staging, 0o755)
-        os.chmod(staging / "model.safetensors", 0o644)
+        for made in (staging / GGUF_BLOCKS).parent, staging / "model.safetensors", staging / GGUF_BLOCKS:
+            os.chmod(made, 0o755 if made.is_dir() else 0o644)
         os.replace(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -132,17 +139,58 @@ def _hf_config(reader: GGUFReader, gguf_path: Path) -> PretrainedConfig:
     return config
 
 
+def add_gguf_blocks(gguf_path: Path, model_dir: Path) -> None:
+    """The quantized weights for a directory converted before they were kept beside the float32 ones; written
+    beside GGUF_BLOCKS and renamed into place, so the file is whole or absent."""
+    reader = GGUFReader(gguf_path)
+    blocks = _hf_blocks(reader, _hf_config(reader, gguf_path), gguf_path)
+    target = model_dir / GGUF_BLOCKS
+    target.parent.mkdir(mode=0o755, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    try:
+        save_blocks(blocks, partial)
+        os.chmod(partial, 0o644)
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
 def _hf_tensors(reader: GGUFReader, config: PretrainedConfig, gguf_path: Path) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32 under its HF name, with llama's rotary permutation undone."""
     tensors = {}
     for tensor in reader.tensors:
         weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        if config.model_type == "llama" and ".attn_q." in tensor.name:
-            weight = unpermute_rotary(weight, config.num_attention_heads)
-        elif config.model_type == "llama" and ".attn_k." in tensor.name:
-            weight = unpermute_rotary(weight, config.num_key_value_heads)
+        if (heads := _rotary_heads(tensor.name, config)) is not None:
+            weight = unpermute_rotary(weight, heads)
         tensors[_hf_name(tensor.name, gguf_path)] = np.ascontiguousarray(weight)
     return tensors
+
+
+def _hf_blocks(
+    reader: GGUFReader, config: PretrainedConfig, gguf_path: Path
+) -> dict[str, tuple[QuantizedWeight, str]]:
+    """Each weight held in a block type kvserve serves, as its blocks (with the rows in _hf_tensors' order)
+    and its type's name."""
+    blocks = {}
+    for tensor in reader.tensors:
+        if not converts(tensor.tensor_type) or tensor.data.ndim != 2:
+            continue
+        weight = quantized_weight(tensor.data, tensor.tensor_type)
+        if (heads := _rotary_heads(tensor.name, config)) is not None:
+            rows = unpermute_rotary(np.arange(weight.shape[0]), heads)
+            weight = take_rows(weight, torch.from_numpy(rows))
+        blocks[_hf_name(tensor.name, gguf_path)] = (weight, tensor.tensor_type.name)
+    return blocks
+
+
+def _rotary_heads(gguf_name: str, config: PretrainedConfig) -> int | None:
+    """The heads whose rows llama.cpp permuted in this tensor, or None."""
+    if config.model_type == "llama" and ".attn_q." in gguf_name:
+        return config.num_attention_heads
+    if config.model_type == "llama" and ".attn_k." in gguf_name:
+        return config.num_key_value_heads
+    return None
 
 
 def _hf_name(gguf_name: str, gguf_path: Path) -> str:

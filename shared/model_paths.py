@@ -13,6 +13,9 @@ from shared.defaults import DEFAULT_MODEL
 from shared.parent_death import dying_with_this_process
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# a converted GGUF's quantized weights as they are (executor/gguf_quantized.py), in a subfolder: HF loaders and
+# the *.safetensors of a model directory leave it alone
+GGUF_BLOCKS = Path("gguf-blocks") / "weights.safetensors"
 
 
 class ModelLoadError(ValueError):

@@ -8,7 +8,9 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from executor.models.llama import FUSED_PROJECTIONS, DecoderLM, DecoderSpec, rope_inv_freq
+from executor.models.quantized import place_quantized, stack
 from kernels.backend import Kernels
+from kernels.quantized import QuantizedWeight
 from kernels.weight_quantization import quantize_linears
 
 # architecture -> (qkv bias, q/k norm)
@@ -83,14 +85,17 @@ _PART_NAME = re.compile(
 )
 
 
+Weight = torch.Tensor | QuantizedWeight  # a checkpoint's linear weights may come quantized (a GGUF's blocks)
+
+
 def stack_projections(
-    spec: DecoderSpec, weights: Iterable[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    spec: DecoderSpec, weights: Iterable[tuple[str, Weight]]
+) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's tensors under the model's names: q/k/v and gate/up stacked, in FUSED_PROJECTIONS'
     order, into their fused projection once every part has come. A misshapen or missing part is an error
     naming it."""
     rows = _part_rows(spec)
-    pending: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}  # (layer, fused, kind) -> parts so far
+    pending: dict[tuple[str, str, str], dict[int, Weight]] = {}  # (layer, fused, kind) -> parts so far
     for name, tensor in weights:
         match = _PART_NAME.fullmatch(name)
         if match is None:
@@ -108,7 +113,7 @@ def stack_projections(
         parts[index] = tensor
         if len(parts) == len(FUSED_PROJECTIONS[fused]):
             del pending[key]
-            yield ".".join(key), torch.cat([parts[i] for i in range(len(parts))])
+            yield ".".join(key), stack([parts[i] for i in range(len(parts))])
     for (layer, fused, kind), parts in pending.items():
         missing = next(p for i, p in enumerate(FUSED_PROJECTIONS[fused]) if i not in parts)
         raise ValueError(f"checkpoint lacks {layer}.{missing}.{kind}, which {layer}.{fused}.{kind} stacks")
@@ -116,7 +121,7 @@ def stack_projections(
 
 def build_model(
     spec: DecoderSpec,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Weight]],
     dtype: torch.dtype,
     device: torch.device,
     kernels: Kernels,
@@ -124,12 +129,13 @@ def build_model(
     quantization_group_size: int | None = None,
 ) -> DecoderLM:
     """Instantiate on the meta device, then take every parameter from the checkpoint (a missing or misshapen
-    tensor is an error naming it), quantize its linear layers as --quantization asks, and let the kernels
-    prepare the weights they run on."""
+    tensor is an error naming it; a QuantizedWeight replaces its module, models/quantized.py), quantize its
+    float linear layers as --quantization asks, and let the kernels prepare the weights they run on."""
     with torch.device("meta"):
         model = DecoderLM(spec, kernels)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     for name, tensor in stack_projections(spec, weights):
         if name not in params:
             if name == "lm_head.weight" and spec.tie_word_embeddings:
@@ -141,16 +147,21 @@ def build_model(
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(params[name].shape)}"
             )
-        loaded[name] = tensor.to(device=device, dtype=dtype)
+        if isinstance(tensor, QuantizedWeight):
+            quantized[name] = tensor
+        else:
+            loaded[name] = tensor.to(device=device, dtype=dtype)
     if spec.tie_word_embeddings:
         loaded.pop("lm_head.weight", None)
+        quantized.pop("lm_head.weight", None)
         params.pop("lm_head.weight")
-    missing = sorted(set(params) - set(loaded))
+    missing = sorted(set(params) - set(loaded) - set(quantized))
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(loaded, strict=False, assign=True)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    place_quantized(model, quantized, spec.tie_word_embeddings, device, dtype)
     model.inv_freq = rope_inv_freq(spec).to(device)  # built outside the meta device
     model.eval().requires_grad_(False)
     quantize_linears(model, quantization, quantization_group_size)

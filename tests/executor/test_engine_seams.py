@@ -1,7 +1,8 @@
 """The engine's seams, read from the source's ast (as tests/test_imports.py reads the import arrows).
 
 Outside executor/ (gateway, shared, kernels, kvserve, bench), code imports only the executor's entry points:
-- `executor`, the package root: LLM, SamplingParams, resolve_model, ATTENTION_BACKENDS (all bench may use);
+- `executor`, the package root: LLM, SamplingParams, resolve_model, default_gguf, weight_bytes,
+  ATTENTION_BACKENDS (all bench may use);
 - `executor.llm`, the offline API;
 - `executor.cli`, the executor's commands (kvserve's CLI and `kvserve up` add them);
 - `executor.engine_config`, the engine's flags, torch-free (`kvserve up` writes executors' command lines with it).

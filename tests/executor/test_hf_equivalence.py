@@ -1,4 +1,5 @@
-"""Greedy output must equal HF transformers token for token, whatever engine features are on."""
+"""Greedy output must equal HF transformers token for token, whatever engine features are on; on float weights
+(--quantization none: the default model is a GGUF that would otherwise serve its quantized blocks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tests.tiny_models import TINY_FAMILIES
 
 MAX_NEW = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+FLOAT = "none"
 
 LONG_TEXT = (
     "The history of computing is a story of abstraction. Early machines were programmed by rewiring panels; "
@@ -72,7 +74,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_default_model_matches_hf(default_model, default_prompts, default_reference):
-    llm = LLM(default_model, kv_cache_memory="256MiB")
+    llm = LLM(default_model, kv_cache_memory="256MiB", quantization=FLOAT)
     assert generate(llm, default_prompts) == default_reference
     assert llm.stats().kv_blocks_used == 0
 
@@ -98,7 +100,7 @@ def test_tiny_random_models_match_hf(tiny_models, family):
     ids=["no-prefix-cache", "prefix-cache", "chunk7", "chunk16", "chunk64", "unchunked"],
 )
 def test_engine_features_do_not_change_output(default_model, default_prompts, default_reference, engine_args):
-    llm = LLM(default_model, kv_cache_memory="256MiB", **engine_args)
+    llm = LLM(default_model, kv_cache_memory="256MiB", quantization=FLOAT, **engine_args)
     # twice: the second round hits whatever the first left in the prefix cache
     assert generate(llm, default_prompts) == default_reference
     assert generate(llm, default_prompts) == default_reference
@@ -112,12 +114,17 @@ def test_engine_features_do_not_change_output(default_model, default_prompts, de
 
 def test_preemption_keeps_output(default_model, default_prompts, default_reference):
     # room for about two long requests at once: the others must be preempted and recomputed
-    llm = LLM(default_model, kv_cache_memory=48 * 16 * 30 * 2 * 3 * 64 * 4, max_num_batched_tokens=256)
+    llm = LLM(
+        default_model,
+        kv_cache_memory=48 * 16 * 30 * 2 * 3 * 64 * 4,
+        max_num_batched_tokens=256,
+        quantization=FLOAT,
+    )
     assert generate(llm, default_prompts) == default_reference
     assert llm.stats().preemptions > 0
     assert llm.stats().kv_blocks_used == 0
 
 
 def test_all_at_once_equals_one_at_a_time(default_model, default_prompts, default_reference):
-    llm = LLM(default_model, kv_cache_memory="256MiB", enable_prefix_caching=False)
+    llm = LLM(default_model, kv_cache_memory="256MiB", enable_prefix_caching=False, quantization=FLOAT)
     assert [generate(llm, [p])[0] for p in default_prompts] == default_reference

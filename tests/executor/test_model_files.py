@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf.quants import quantize
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -147,8 +148,11 @@ def gguf_config(arch: str) -> LlamaConfig | Qwen2Config | Qwen3Config:
     return tiny_config(arch, GGUF_VOCAB, **GGUF_SHAPE)
 
 
-def write_gguf(path: Path, model: PreTrainedModel, arch: str) -> Path:
-    """A float32 GGUF written the way llama.cpp's convert_hf_to_gguf writes one, names and rotary order included."""
+def write_gguf(
+    path: Path, model: PreTrainedModel, arch: str, qtype: gguf.GGMLQuantizationType | None = None
+) -> Path:
+    """A float32 GGUF written the way llama.cpp's convert_hf_to_gguf writes one, names and rotary order included;
+    with qtype, its matrices quantized to that type as llama-quantize would."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
@@ -182,7 +186,11 @@ def write_gguf(path: Path, model: PreTrainedModel, arch: str) -> Path:
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
             weight = llama_cpp_permute(weight, heads)
-        writer.add_tensor(f"{names.get_name(stem)}.{suffix}", np.ascontiguousarray(weight))
+        weight = np.ascontiguousarray(weight)
+        if qtype is not None and weight.ndim == 2:
+            writer.add_tensor(f"{names.get_name(stem)}.{suffix}", quantize(weight, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(f"{names.get_name(stem)}.{suffix}", weight)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
