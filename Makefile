@@ -32,12 +32,17 @@ run: install
 kernels: install
 	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); from kernels.cpu_extension import cpu_kernels; cpu_kernels()"
 
+# two workers, each test file on one of them (its module-scoped stacks start once): most of a test's time is spent
+# waiting on processes it started, so two files at once fill the two cores that one leaves half idle
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install image-triton kernels
 	$(VENV)/bin/kvserve model pull
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: install image-triton kernels
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .
