@@ -8,7 +8,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY executor executor
 COPY gateway gateway
-COPY kernels kernels
+COPY kvkernels kvkernels
 COPY shared shared
 COPY bench bench
 COPY kvserve kvserve
@@ -24,7 +24,7 @@ ENTRYPOINT []
 CMD ["kvserve", "--help"]
 
 FROM python:3.11-slim AS executor
-# a C++ compiler builds the CPU kernels (kernels/csrc) when the engine starts; curl-free health checks use python
+# a C++ compiler builds the CPU kernels (kvkernels/csrc) when the engine starts; curl-free health checks use python
 RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential \
     && rm -rf /var/lib/apt/lists/*

@@ -30,7 +30,7 @@ run: install
 # the CPU kernels compiled for this checkout (a minute, once; later starts load that build), before the tests
 # time anything; where they cannot be built, everything runs on torch's ops and this says why
 kernels: install
-	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); from kernels.cpu_extension import cpu_kernels; cpu_kernels()"
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); from kvkernels.cpu_extension import cpu_kernels; cpu_kernels()"
 
 # two workers, each test file on one of them (its module-scoped stacks start once): most of a test's time is spent
 # waiting on processes it started, so two files at once fill the two cores that one leaves half idle

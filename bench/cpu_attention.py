@@ -16,8 +16,8 @@ from unittest import mock
 
 import torch
 
-from kernels import torch_paged
-from kernels.cpu_extension import cpu_kernels
+from kvkernels import torch_paged
+from kvkernels.cpu_extension import cpu_kernels
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench import gpu_e2e, gpu_report
-from kernels import torch_twins
+from kvkernels import torch_twins
 
 # peak memory bandwidth in GB/s by device name; the first entry whose key the name contains wins, so the
 # more specific names come first
@@ -231,7 +231,7 @@ def correctness(device: str, cases: dict, tolerance: dict) -> Iterator[dict]:
 
 def _kernel_error(kernel: str, case: tuple | None, dtype: torch.dtype, device: str) -> float:
     """The Triton kernel's largest error against its twin's (see _max_error), on random inputs."""
-    from kernels import triton_attention, triton_cache, triton_norm_rope
+    from kvkernels import triton_attention, triton_cache, triton_norm_rope
 
     if case is not None:
         q_lens, lens, heads, kv_heads, dim, bs, splits = case
@@ -297,7 +297,7 @@ def _decode_shape(
     the gather that makes them contiguous."""
     import torch.nn.functional as F
 
-    from kernels import torch_paged, triton_attention
+    from kvkernels import torch_paged, triton_attention
 
     batch, context, bs = args.decode_batch, args.decode_context, args.block_size
     paged = paged_batch([1] * batch, [context] * batch, heads, kv_heads, dim, bs, torch.bfloat16, args.device)
@@ -343,7 +343,7 @@ def _decode_shape(
 
 def device_problem(device: str) -> str | None:
     """Why this machine cannot run the check, or None."""
-    from kernels.triton_mode import interpreting, triton_available
+    from kvkernels.triton_mode import interpreting, triton_available
 
     if not triton_available():
         return "gpu_check needs the triton package (pip install triton)"

@@ -32,8 +32,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from kernels import triton_attention, triton_cache, triton_norm_rope
-from kernels.triton_mode import interpreting
+from kvkernels import triton_attention, triton_cache, triton_norm_rope
+from kvkernels.triton_mode import interpreting
 
 # module -> the names of the jit kernels it launches
 KERNELS = {

@@ -33,7 +33,7 @@ from executor.spec_decode import SpecBackoff
 from executor.step_result import EngineStats, StepOutput, StepResult
 from executor.step_sampler import StepSampler
 from executor.waiting_queue import TENANTS_SHARE
-from kernels.backend import choose_kernels
+from kvkernels.backend import choose_kernels
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputsParams
 

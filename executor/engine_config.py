@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from shared.defaults import DEFAULT_BLOCK_SIZE
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# --quantization (kernels/weight_quantization.py): auto serves the checkpoint's weights as they are
+# --quantization (kvkernels/weight_quantization.py): auto serves the checkpoint's weights as they are
 QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 
 _UNITS = {
@@ -86,9 +86,9 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = 4
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
-    attention_backend: str = "auto"  # triton on CUDA, torch elsewhere (kernels/backend.py)
+    attention_backend: str = "auto"  # triton on CUDA, torch elsewhere (kvkernels/backend.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (executor/cuda_graphs.py)
-    # weights quantized at load time (kernels/weight_quantization.py): none, int8, fp8; auto: as the checkpoint has them
+    # weights quantized at load time (kvkernels/weight_quantization.py): none, int8, fp8; auto: as the checkpoint has them
     quantization: str = "auto"
     quantization_group_size: int | None = (
         None  # int8: inputs sharing a scale (None: one scale per output row)

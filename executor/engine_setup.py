@@ -22,7 +22,7 @@ from executor.models.loader import build_model, decoder_spec
 from executor.scheduler import Scheduler
 from executor.spec_decode import NgramProposer
 from executor.spec_decode.draft import DraftProposer, load_draft_model
-from kernels.backend import Kernels
+from kvkernels.backend import Kernels
 
 log = logging.getLogger("kvserve.engine")
 

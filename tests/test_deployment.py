@@ -71,7 +71,7 @@ def test_topology_gateways_behind_one_port_executors_on_gpus_health_checks(compo
 
 def test_dockerfile_installs_the_project_and_copies_every_package():
     dockerfile = (REPO / "Dockerfile").read_text()
-    for package in ("executor", "gateway", "kernels", "shared", "bench", "kvserve"):
+    for package in ("executor", "gateway", "kvkernels", "shared", "bench", "kvserve"):
         assert f"COPY {package} {package}" in dockerfile
         assert (REPO / package / "__init__.py").exists()
     for stage in ("gateway", "executor"):  # each installs the project itself

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("executor", "gateway", "kernels", "shared", "bench", "kvserve")
+PACKAGES = ("executor", "gateway", "kvkernels", "shared", "bench", "kvserve")
 
 # package -> the packages it must never import; bench's narrower rule (the `executor` root only) is its own check
 FORBIDDEN = {
-    "shared": {"gateway", "executor", "kernels", "bench", "kvserve"},
-    "gateway": {"executor", "kernels", "bench", "kvserve"},
+    "shared": {"gateway", "executor", "kvkernels", "bench", "kvserve"},
+    "gateway": {"executor", "kvkernels", "bench", "kvserve"},
     "executor": {"gateway", "bench", "kvserve"},
-    "kernels": {"executor", "gateway", "bench", "kvserve"},
+    "kvkernels": {"executor", "gateway", "bench", "kvserve"},
     # bench is a driver, as the tests are: it starts Redis (kvserve.redis_server) and writes CURVE keys
     # (kvserve.curve_keys_cli) as `kvserve up` does, so it may use kvserve/, never the gateway's insides
     "bench": {"gateway"},
@@ -267,3 +267,14 @@ def test_shared_imports_no_library_only_one_side_uses():
         if name in one_side
     ]
     assert not wrong, "shared/ imports what one side alone uses:\n" + "\n".join(wrong)
+
+
+def test_no_package_of_ours_shadows_an_installed_distributions_module():
+    """Our packages sit at the top level, first on sys.path: one named as another distribution's module hides it.
+    transformers 5.25 began to depend on Hugging Face's `kernels`, which our kernels package (now kvkernels) hid,
+    and every model load failed at `from kernels import CUDAProperties`."""
+    from importlib.metadata import packages_distributions
+
+    providers = packages_distributions()
+    shadowed = {p: others for p in PACKAGES if (others := set(providers.get(p, ())) - {"kvserve"})}
+    assert not shadowed, f"these packages of ours hide modules of installed distributions: {shadowed}"

@@ -1,4 +1,4 @@
-"""Triton's interpreter for test modules on machines without CUDA (kernels/triton_mode.py says why it must be
+"""Triton's interpreter for test modules on machines without CUDA (kvkernels/triton_mode.py says why it must be
 chosen before anything imports triton)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kernels.triton_mode import interpreting
+from kvkernels.triton_mode import interpreting
 
 
 def interpret_on_cpu_only_machines(cuda_available: bool) -> bool:

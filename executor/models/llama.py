@@ -2,7 +2,7 @@
 
 Weights keep HuggingFace's names, except that q/k/v and gate/up projections are stacked into one GEMM each
 (qkv_proj, gate_up_proj; FUSED_PROJECTIONS says how a checkpoint's tensors map onto them). The model is built with
-its kernels (kernels/backend.py): attention reads and writes the paged KV cache through their paged_attention /
+its kernels (kvkernels/backend.py): attention reads and writes the paged KV cache through their paged_attention /
 reshape_and_cache, and the layers call their fused residual add + RMSNorm, rotary embedding, SiLU and multiply.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.backend import Kernels
+from kvkernels.backend import Kernels
 
 
 @dataclass(slots=True)

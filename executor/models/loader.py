@@ -9,9 +9,9 @@ import torch
 
 from executor.models.llama import FUSED_PROJECTIONS, DecoderLM, DecoderSpec, rope_inv_freq
 from executor.models.quantized import place_quantized, stack
-from kernels.backend import Kernels
-from kernels.quantized import QuantizedWeight
-from kernels.weight_quantization import quantize_linears
+from kvkernels.backend import Kernels
+from kvkernels.quantized import QuantizedWeight
+from kvkernels.weight_quantization import quantize_linears
 
 # architecture -> (qkv bias, q/k norm)
 SUPPORTED_ARCHITECTURES = {

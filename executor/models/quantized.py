@@ -1,4 +1,4 @@
-"""A built model's linear layers and embedding served from quantized weights (kernels/quantized.py): the ones a
+"""A built model's linear layers and embedding served from quantized weights (kvkernels/quantized.py): the ones a
 checkpoint hands over as QuantizedWeight replace the float modules the model was built with."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kernels.quantized import QuantizedLinear, QuantizedWeight
-from kernels.weight_quantization import TiedEmbedding
+from kvkernels.quantized import QuantizedLinear, QuantizedWeight
+from kvkernels.weight_quantization import TiedEmbedding
 
 
 def stack(parts: Sequence[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:

@@ -21,7 +21,7 @@ from executor.models.llama import DecoderLM
 from executor.models.loader import build_model, decoder_spec
 from executor.request import Request
 from executor.sampler import draw, sampling_probs
-from kernels.backend import Kernels
+from kvkernels.backend import Kernels
 
 
 def load_draft_model(

@@ -16,7 +16,7 @@ INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 
 from executor import LLM, SamplingParams  # noqa: E402
 from executor.engine_config import EngineConfig, add_engine_args, config_from_args, engine_argv  # noqa: E402
-from kernels import backend  # noqa: E402
+from kvkernels import backend  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -86,7 +86,7 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_models, fami
 
 
 def test_the_torch_backends_fused_add_norm_is_the_unfused_layer_and_matches_the_twin():
-    from kernels import torch_twins
+    from kvkernels import torch_twins
 
     torch.manual_seed(0)
     x, residual, weight = torch.randn(7, 64), torch.randn(7, 64), torch.rand(64) + 0.5

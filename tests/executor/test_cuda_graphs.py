@@ -24,7 +24,7 @@ from executor.engine_config import add_engine_args, config_from_args, engine_arg
 from executor.model_files import load_weights, read_config  # noqa: E402
 from executor.model_runner import Chunk, ModelRunner  # noqa: E402
 from executor.models.loader import build_model, decoder_spec  # noqa: E402
-from kernels.backend import TORCH, choose_kernels  # noqa: E402
+from kvkernels.backend import TORCH, choose_kernels  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not INTERPRETING
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
@@ -212,7 +212,7 @@ def test_default_layout_in_bf16_padded_with_an_h200s_splits_gives_the_torch_toke
     """What an H200 runs first: bf16, the padded decode path at max_model_len 2048, the Triton kernel splitting
     each context as it would over 132 multiprocessors; greedy tokens as the torch backend's."""
     from bench.triton_compile_check import H200_SMS
-    from kernels import triton_attention
+    from kvkernels import triton_attention
 
     splits = []
     choose = triton_attention.choose_num_splits

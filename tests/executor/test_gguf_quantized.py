@@ -20,9 +20,9 @@ from executor.gguf_quantized import load_blocks, quantized_weight
 from executor.kv_sizing import weight_bytes
 from executor.model_files import default_gguf, resolve_model
 from executor.models.quantized import stack
-from kernels.cpu_extension import cpu_kernels
-from kernels.quantized import QuantizedLinear, QuantizedWeight
-from kernels.weight_quantization import TiedEmbedding
+from kvkernels.cpu_extension import cpu_kernels
+from kvkernels.quantized import QuantizedLinear, QuantizedWeight
+from kvkernels.weight_quantization import TiedEmbedding
 from shared.model_paths import GGUF_BLOCKS
 from tests.executor.test_model_files import gguf_config, write_gguf
 

@@ -12,8 +12,8 @@ import torch
 from executor import LLM, SamplingParams
 from executor.engine_config import EngineConfig, add_engine_args, config_from_args
 from executor.kv_sizing import profile_kv_bytes, weight_bytes
-from kernels.quantized import QuantizedLinear
-from kernels.weight_quantization import Fp8Linear, TiedEmbedding, fp8_matmul_available
+from kvkernels.quantized import QuantizedLinear
+from kvkernels.weight_quantization import Fp8Linear, TiedEmbedding, fp8_matmul_available
 from tests.executor.test_kv_sizing import GIB, FakeCudaMemory, LiveBytes
 
 # a fixed prompt set; greedy int8 tokens are compared with float32's on the default model

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu_extension import build_name, cpu_kernels, exclusive_build, kernels_build_directory
+from kvkernels.cpu_extension import build_name, cpu_kernels, exclusive_build, kernels_build_directory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_a_build_killed_midway_does_not_hang_the_next_start():
         pytest.skip("the C++ CPU kernels could not be built here")
     directory = kernels_build_directory()
     (directory / "lock").write_text("")  # what the killed build left
-    code = "from kernels.cpu_extension import cpu_kernels; assert cpu_kernels() is not None"
+    code = "from kvkernels.cpu_extension import cpu_kernels; assert cpu_kernels() is not None"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=240, check=True)
     assert not (directory / "lock").exists()
 
@@ -53,7 +53,7 @@ def _unbuilt(monkeypatch, tmp_path) -> Path:
     """cpu_kernels() over an empty build directory, torch's load() standing in for the minute-long build."""
     from torch.utils import cpp_extension
 
-    from kernels import cpu_extension
+    from kvkernels import cpu_extension
 
     directory = tmp_path / "kvserve_cpu_kernels_test"
     monkeypatch.setattr(cpu_extension, "kernels_build_directory", lambda: directory)
@@ -104,7 +104,7 @@ def test_a_start_waiting_for_anothers_build_says_so(tmp_path, caplog):
 def test_packing_names_the_layout_it_used(caplog):
     from torch import nn
 
-    from kernels.cpu_linear import pack_linears
+    from kvkernels.cpu_linear import pack_linears
 
     layout = "oneDNN's blocked layout" if cpu_kernels() is None else "the CPU kernels' panels"
     with caplog.at_level(logging.INFO, logger="kvserve.kernels"):

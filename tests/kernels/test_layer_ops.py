@@ -1,4 +1,4 @@
-"""The CPU kernels of the per-layer operations (kernels/csrc/fused_cpu.cpp) against the torch ops they replace,
+"""The CPU kernels of the per-layer operations (kvkernels/csrc/fused_cpu.cpp) against the torch ops they replace,
 on the strided views a fused qkv projection hands them."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import layer_ops, torch_paged, torch_twins
-from kernels.cpu_extension import cpu_kernels
+from kvkernels import layer_ops, torch_paged, torch_twins
+from kvkernels.cpu_extension import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
 

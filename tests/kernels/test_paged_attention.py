@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import torch_paged, torch_twins
-from kernels.cpu_extension import cpu_kernels
+from kvkernels import torch_paged, torch_twins
+from kvkernels.cpu_extension import cpu_kernels
 
 
 def random_batch(q_lens, seq_lens, block_size=16, heads=8, kv_heads=2, dim=32, seed=0):

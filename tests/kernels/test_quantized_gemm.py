@@ -1,4 +1,4 @@
-"""The CPU GEMM over quantized weights (kernels/csrc/quantized_gemm_cpu.cpp) and QuantizedLinear around it, against
+"""The CPU GEMM over quantized weights (kvkernels/csrc/quantized_gemm_cpu.cpp) and QuantizedLinear around it, against
 float64 products of the dequantized weights: every row remainder of its 6-row kernel and the many-row path,
 widths that are not a multiple of its 16-column panels, a scale per row or per group of 32 or 128 inputs, 8 and
 4 bits (signed and unsigned), with and without offsets; and the torch fallback where the kernels are off."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.backend import TORCH
-from kernels.cpu_extension import cpu_kernels
-from kernels.quantized import PanelWeight, QuantizedLinear, QuantizedWeight, quantize_int8
-from kernels.weight_quantization import TiedEmbedding, quantize_linears
+from kvkernels.backend import TORCH
+from kvkernels.cpu_extension import cpu_kernels
+from kvkernels.quantized import PanelWeight, QuantizedLinear, QuantizedWeight, quantize_int8
+from kvkernels.weight_quantization import TiedEmbedding, quantize_linears
 
 needs_kernels = pytest.mark.skipif(
     cpu_kernels() is None, reason="the C++ CPU kernels could not be built here"

@@ -1,4 +1,4 @@
-"""The CPU GEMM for decode batch sizes (kernels/csrc/small_gemm_cpu.cpp) and the PackedLinear that calls it,
+"""The CPU GEMM for decode batch sizes (kvkernels/csrc/small_gemm_cpu.cpp) and the PackedLinear that calls it,
 against float64 matrix products: every row remainder of its 6-row kernel, widths that are not a multiple of its
 16-column panels, biases, strided inputs, one thread and two."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.backend import TORCH
-from kernels.cpu_extension import cpu_kernels
-from kernels.cpu_linear import PackedLinear, pack_linears
+from kvkernels.backend import TORCH
+from kvkernels.cpu_extension import cpu_kernels
+from kvkernels.cpu_linear import PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels could not be built here")
 

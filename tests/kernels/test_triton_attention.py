@@ -1,4 +1,4 @@
-"""The Triton paged-attention and cache-write kernels against their torch twins in kernels.torch_twins.
+"""The Triton paged-attention and cache-write kernels against their torch twins in kvkernels.torch_twins.
 
 Where no CUDA device exists, this process runs Triton in its interpreter on CPU tensors (TRITON_INTERPRET=1 has
 to be set before triton is first imported, hence before the imports below); with CUDA, the same cases run
@@ -15,7 +15,7 @@ from tests.triton_interpreter import interpret_on_cpu_only_machines
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 pytest.importorskip("triton")
 
-from kernels import torch_twins, triton_attention, triton_cache  # noqa: E402
+from kvkernels import torch_twins, triton_attention, triton_cache  # noqa: E402
 from tests.kernels.test_paged_attention import random_batch  # noqa: E402
 
 DEVICES = [

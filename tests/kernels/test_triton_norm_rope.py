@@ -13,7 +13,7 @@ from tests.triton_interpreter import interpret_on_cpu_only_machines
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 pytest.importorskip("triton")
 
-from kernels import torch_twins, triton_norm_rope  # noqa: E402
+from kvkernels import torch_twins, triton_norm_rope  # noqa: E402
 from tests.kernels.test_triton_attention import DEVICES  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

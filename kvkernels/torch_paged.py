@@ -1,6 +1,6 @@
 """Paged attention in batched torch ops: the CPU path, and the fallback where Triton is missing.
 
-On the CPU, attention is two C++ kernels (kernels/csrc) when they are built, both reading blocks in place: one
+On the CPU, attention is two C++ kernels (kvkernels/csrc) when they are built, both reading blocks in place: one
 for decodes (a step of decodes alone is one call with no bookkeeping on the host, a query row per sequence) and
 one for the chunks of two or more tokens, all of a step's in one call. Otherwise decodes (one query each) are
 sorted by context length and attended in a few groups, one SDPA call each, so padding to a group's longest
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import cpu_kernels
+from kvkernels.cpu_extension import cpu_kernels
 
 # a decode group grows while its padded size stays within this factor of the tokens it really holds
 _MAX_PADDING = 1.25

@@ -1,5 +1,5 @@
 // y = x W^T (+ b) with W held as 8- or 4-bit integers and a float scale (and offset) per group of G inputs of each
-// output row (kernels/quantized.py's QuantizedWeight); x and y float32, on the CPU.
+// output row (kvkernels/quantized.py's QuantizedWeight); x and y float32, on the CPU.
 //
 // A decode step at one stream reads every weight once and does two flops with each: it is bound by the bytes of the
 // weights, so int8 reads a quarter of float32's and 4 bits an eighth. The layout is small_gemm_cpu.cpp's, in

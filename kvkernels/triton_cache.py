@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_mode import check_device
+from kvkernels.triton_mode import check_device
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """Torch twins of the kernels: plain loops that define what is correct. Tests and bench/gpu_check.py hold each
-kernel to its twin; the torch backend serves the rotary twin itself where no C++ kernel does (kernels/layer_ops.py)."""
+kernel to its twin; the torch backend serves the rotary twin itself where no C++ kernel does (kvkernels/layer_ops.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """RMSNorm (optionally fused with the residual add) and rotary embedding in Triton, one program per token.
 
 Both are memory-bound elementwise work between matmuls; on a GPU each saves round trips through memory that
-the torch forms make (the add, the fp32 upcast, the rotate-half copy). Twins: kernels.torch_twins.
+the torch forms make (the add, the fp32 upcast, the rotate-half copy). Twins: kvkernels.torch_twins.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_mode import check_device
+from kvkernels.triton_mode import check_device
 
 
 @triton.jit

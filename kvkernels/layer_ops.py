@@ -1,5 +1,5 @@
 """The torch backend's per-layer operations besides attention: the residual add fused with RMSNorm, rotary
-embedding, and SiLU(gate) * up. On the CPU in float32 the C++ kernels (kernels/csrc/fused_cpu.cpp) run each in
+embedding, and SiLU(gate) * up. On the CPU in float32 the C++ kernels (kvkernels/csrc/fused_cpu.cpp) run each in
 one pass; elsewhere, or where they could not be built, torch ops compute the same."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import torch_twins
-from kernels.cpu_extension import cpu_kernels
+from kvkernels import torch_twins
+from kvkernels.cpu_extension import cpu_kernels
 
 
 def _cpu_kernels_for(x: torch.Tensor):

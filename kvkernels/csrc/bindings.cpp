@@ -1,4 +1,4 @@
-// The CPU kernels as one Python module (kernels/cpu_extension.py builds it).
+// The CPU kernels as one Python module (kvkernels/cpu_extension.py builds it).
 #include <torch/extension.h>
 
 torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,

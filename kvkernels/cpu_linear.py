@@ -2,7 +2,7 @@
 
 Decode steps multiply a few dozen rows by every weight matrix; torch's default GEMM re-packs the weight on each
 call, which at 32 rows costs about as much as the arithmetic. Packing once removes that. Where the C++ kernels
-are built, the weight goes into the panels of kernels/csrc/small_gemm_cpu.cpp, whose GEMM streams each weight
+are built, the weight goes into the panels of kvkernels/csrc/small_gemm_cpu.cpp, whose GEMM streams each weight
 once per call at full speed (at 16 rows 30% less time than oneDNN's, level or ahead at 512); otherwise into
 oneDNN's blocked layout.
 """
@@ -14,8 +14,8 @@ import logging
 import torch
 from torch import nn
 
-from kernels.cpu_extension import cpu_kernels, kernels_enabled
-from kernels.quantized import QuantizedLinear
+from kvkernels.cpu_extension import cpu_kernels, kernels_enabled
+from kvkernels.quantized import QuantizedLinear
 
 log = logging.getLogger("kvserve.kernels")
 

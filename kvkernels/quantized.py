@@ -94,7 +94,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
 
 @dataclass(frozen=True, slots=True)
 class PanelWeight:
-    """A QuantizedWeight in the panels the CPU kernel reads (kernels/csrc/quantized_gemm_cpu.cpp): values
+    """A QuantizedWeight in the panels the CPU kernel reads (kvkernels/csrc/quantized_gemm_cpu.cpp): values
     [panels, K, 16] int8, or [panels, K, 8] bytes of two 4-bit values each stored plus zero_point (8 for signed
     values, so that they lie in 0..15); scales and offsets [panels, K / group_size, 16] float32."""
 
@@ -108,7 +108,7 @@ class PanelWeight:
 
     @staticmethod
     def pack(weight: QuantizedWeight, ops) -> PanelWeight:
-        """weight in panels, by the kernels' pack function (ops: kernels.cpu_extension.cpu_kernels())."""
+        """weight in panels, by the kernels' pack function (ops: kvkernels.cpu_extension.cpu_kernels())."""
         zero_point = 8 if weight.bits == 4 and int(weight.values.min()) < 0 else 0
         values, scales, offsets = ops.pack_quantized_weight(
             weight.values, weight.scales, weight.offsets, weight.bits, zero_point

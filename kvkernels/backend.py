@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import layer_ops, torch_paged
-from kernels.cpu_linear import pack_linears, packing_available
-from kernels.triton_mode import interpreting, triton_available
+from kvkernels import layer_ops, torch_paged
+from kvkernels.cpu_linear import pack_linears, packing_available
+from kvkernels.triton_mode import interpreting, triton_available
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +39,13 @@ class Kernels:
 
     def prepare(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         """Ready a built model for serving: the kernels built now rather than at the first request, and its linear
-        weights packed once where a packed GEMM serves (float32 on the CPU, kernels/cpu_linear.py)."""
+        weights packed once where a packed GEMM serves (float32 on the CPU, kvkernels/cpu_linear.py)."""
         self.build(device, dtype)
         if packing_available(device, dtype):
             pack_linears(model)
 
 
-# On the CPU in float32 these run as C++ kernels (kernels/layer_ops.py, torch_paged.py); elsewhere as torch ops.
+# On the CPU in float32 these run as C++ kernels (kvkernels/layer_ops.py, torch_paged.py); elsewhere as torch ops.
 TORCH = Kernels(
     "torch",
     torch_paged.paged_attention,
@@ -58,7 +58,7 @@ TORCH = Kernels(
 
 
 def _triton() -> Kernels:
-    from kernels import triton_attention, triton_cache, triton_norm_rope
+    from kvkernels import triton_attention, triton_cache, triton_norm_rope
 
     return Kernels(
         "triton",

@@ -1,8 +1,8 @@
 """--quantization: a float checkpoint's linear layers (the LM head included) quantized at load time.
 
-int8: symmetric integers with a float32 scale per output row (or per group of inputs), kernels/quantized.py's
+int8: symmetric integers with a float32 scale per output row (or per group of inputs), kvkernels/quantized.py's
 QuantizedLinear; on the CPU its GEMM reads the integers and converts them in registers, a quarter of float32's bytes
-(kernels/csrc/quantized_gemm_cpu.cpp). fp8: e4m3 with a scale per output row; on Hopper GPUs torch's scaled matmul
+(kvkernels/csrc/quantized_gemm_cpu.cpp). fp8: e4m3 with a scale per output row; on Hopper GPUs torch's scaled matmul
 multiplies it with the activations quantized per token as they come (w8a8), elsewhere it is dequantized in the
 forward (an emulation: the memory saved, not the time). auto leaves the weights as the checkpoint has them (float
 stays float; a GGUF's quantized blocks stay quantized).
@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from kernels.quantized import QuantizedLinear, quantize_int8
+from kvkernels.quantized import QuantizedLinear, quantize_int8
 
 log = logging.getLogger("kvserve.kernels")
 

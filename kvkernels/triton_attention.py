@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_mode import check_device, interpreting
+from kvkernels.triton_mode import check_device, interpreting
 
 _LOG2E = 1.4426950408889634
 

@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/csrc: decode attention and the fused per-layer operations), compiled on first use
+"""The CPU kernels (kvkernels/csrc: decode attention and the fused per-layer operations), compiled on first use
 (cached by torch) with this CPU's instruction set into one module. Where it cannot be built, torch ops serve.
 
 The build is cached under a name of its own per source files (their place and text) and flags, so two checkouts
@@ -103,7 +103,7 @@ def cpu_kernels():
             fresh = not (directory / f"{directory.name}.so").is_file()
             if fresh:  # otherwise the first start is a minute of silence
                 log.info(
-                    "compiling the CPU kernels (kernels/csrc) for this CPU into %s: %s, once; later starts "
+                    "compiling the CPU kernels (kvkernels/csrc) for this CPU into %s: %s, once; later starts "
                     "load that build",
                     directory,
                     BUILD_TIME,
