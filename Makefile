@@ -32,10 +32,10 @@ run: install
 kernels: install
 	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); from kvkernels.cpu_extension import cpu_kernels; cpu_kernels()"
 
-# two workers, each test file on one of them (its module-scoped stacks start once): most of a test's time is spent
+# two workers, each test file on one of them (its module-scoped stacks start once): much of a test's time is spent
 # waiting on processes it started, so two files at once fill the two cores that one leaves half idle
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test: install image-triton kernels
 	$(VENV)/bin/kvserve model pull

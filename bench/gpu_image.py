@@ -47,10 +47,11 @@ IMAGE_VERSIONS = {"python": "3.12.3", "torch": "2.11.0", "triton": "3.6.0", "tra
 
 PROJECT = "kvserve"  # its own packages travel with the call
 
-_SITECUSTOMIZE = '''"""Written by bench/gpu_image.py: what the GPU image lacks cannot be imported here, and its distributions are
-not listed (pytest, for one, loads the plugins their entry points name)."""
+_SITECUSTOMIZE = '''"""Written by bench/gpu_image.py: what the GPU image lacks cannot be imported or found here, and its
+distributions are not listed (pytest, for one, loads the plugins their entry points name)."""
 import importlib.abc
 import importlib.metadata
+import importlib.util
 import re
 import sys
 
@@ -74,8 +75,19 @@ def _distributions(**kwargs):
             yield dist
 
 
+_find_spec = importlib.util.find_spec
+
+
+def _probe(name, package=None):
+    """A probe for a missing package finds nothing, as it would there (libraries probe before they import)."""
+    if importlib.util.resolve_name(name, package).partition(".")[0] in _MISSING_MODULES:
+        return None
+    return _find_spec(name, package)
+
+
 sys.meta_path.insert(0, _NotInTheImage())
 importlib.metadata.distributions = _distributions
+importlib.util.find_spec = _probe
 '''
 
 

@@ -18,9 +18,16 @@ def test_the_image_lacks_the_gateways_and_grammars_libraries_but_has_the_engines
     assert not {"executor", "kvkernels", "shared", "bench", "gateway"} & missing  # ours travel with the call
 
 
-def test_the_blocker_raises_the_error_a_missing_package_raises(tmp_path):
+def test_the_blocker_raises_the_error_a_missing_package_raises_and_probes_find_nothing(tmp_path):
+    """transformers 5.25 imports Hugging Face's kernels, which probes for tvm_ffi with find_spec: a probe that
+    raised instead of finding nothing failed every import of transformers in the dry run."""
     site = gpu_image.write_site(tmp_path / "site")
-    probe = "import torch, triton, transformers\ntry:\n    import zmq\nexcept ModuleNotFoundError as e:\n    print(e.name, e)"
+    probe = (
+        "import importlib.util, torch, triton, transformers\n"
+        "assert importlib.util.find_spec('zmq') is None and importlib.util.find_spec('zmq.sugar') is None\n"
+        "assert importlib.util.find_spec('torch') is not None\n"
+        "try:\n    import zmq\nexcept ModuleNotFoundError as e:\n    print(e.name, e)"
+    )
     done = subprocess.run(
         [sys.executable, "-c", probe],
         env={**os.environ, "PYTHONPATH": str(site)},
