@@ -42,21 +42,3 @@ def redis_url():
     server = start_redis_server()
     yield server.url
     server.stop()
-
-
-# the longest files (make test's --durations), started first: xdist's loadfile hands files out in collection order,
-# and one of these left for the end runs alone on one core while the other idles
-LONGEST_FILES = (
-    "tests/executor/test_hf_equivalence.py",
-    "tests/kvserve/test_up.py",
-    "tests/gateway/test_backpressure.py",
-    "tests/executor/test_model_files.py",
-    "tests/gateway/test_structured_outputs_stack.py",
-    "tests/bench/test_gpu_session.py",
-    "tests/executor/test_cuda_graphs.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(LONGEST_FILES)))
