@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from shared.executor_stats import ExecutorStats
+from shared.executor_stats import E2E_REQUEST_LATENCY_BUCKETS, ExecutorStats
 
 # seconds; fine at the low end, where the gateway's own overhead and inter-token gaps live
 _LATENCY_BUCKETS = (
@@ -35,7 +35,7 @@ _LATENCY_BUCKETS = (
     30.0,
     60.0,
 )
-_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_REQUEST_BUCKETS = E2E_REQUEST_LATENCY_BUCKETS  # the executors' end-to-end histogram's, so the two compare
 
 # executor stats field -> (metric name, help, vLLM's name for the same series or None)
 _EXECUTOR_COUNTERS = {

@@ -16,6 +16,23 @@ namespace panel_gemm {
 
 constexpr int64_t kCols = 16;  // output columns a panel holds (two vectors)
 constexpr int kRows = 6;       // output rows the kernel holds in registers
+
+#if defined(CPU_CAPABILITY_AVX2)
+// y[r, 0:cols] = rows[r] (+ bias) for the first MR of the rows a kernel held in registers
+template <int MR>
+inline void store_rows(const __m256 (&rows)[kRows][2], const float* bias, float* y, int64_t ldy, int64_t cols) {
+  float padded[kCols] = {0.f};
+  if (bias != nullptr) std::copy(bias, bias + cols, padded);
+  const __m256 c0 = _mm256_loadu_ps(padded), c1 = _mm256_loadu_ps(padded + 8);
+  for (int r = 0; r < MR; ++r) {
+    float tmp[kCols];
+    float* out = cols == kCols ? y + r * ldy : tmp;
+    _mm256_storeu_ps(out, _mm256_add_ps(rows[r][0], c0));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(rows[r][1], c1));
+    if (cols != kCols) std::copy(tmp, tmp + cols, y + r * ldy);
+  }
+}
+#endif
 // y[r, 0:cols] = x[r, :] . panel (+ bias) for MR rows; the panel is [K, 16], zero-padded past the matrix.
 // With fetch, the line at fetch, then at each 16 floats on, towards L2 every fetch_every rows of the panel.
 // Twelve named accumulators, not an array: GCC kept an array of them on the stack, storing every one on every k.
@@ -44,17 +61,8 @@ inline void kernel(const float* x, int64_t ldx, const float* panel, int64_t K, c
 #undef KVSERVE_ROW
     }
   }
-  float padded[kCols] = {0.f};
-  if (bias != nullptr) std::copy(bias, bias + cols, padded);
-  const __m256 c0 = _mm256_loadu_ps(padded), c1 = _mm256_loadu_ps(padded + 8);
   const __m256 rows[kRows][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
-  for (int r = 0; r < MR; ++r) {
-    float tmp[kCols];
-    float* out = cols == kCols ? y + r * ldy : tmp;
-    _mm256_storeu_ps(out, _mm256_add_ps(rows[r][0], c0));
-    _mm256_storeu_ps(out + 8, _mm256_add_ps(rows[r][1], c1));
-    if (cols != kCols) std::copy(tmp, tmp + cols, y + r * ldy);
-  }
+  store_rows<MR>(rows, bias, y, ldy, cols);
 #else
   for (int r = 0; r < MR; ++r) {
     float acc[kCols] = {0.f};

@@ -112,17 +112,8 @@ void kernel(const float* x, int64_t ldx, const int8_t* q, const float* scales, c
 #undef KVSERVE_ROW
     }
   }
-  float padded[kCols] = {0.f};
-  if (bias != nullptr) std::copy(bias, bias + cols, padded);
-  const __m256 c0 = _mm256_loadu_ps(padded), c1 = _mm256_loadu_ps(padded + 8);
   const __m256 rows[kRows][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
-  for (int r = 0; r < MR; ++r) {
-    float tmp[kCols];
-    float* out = cols == kCols ? y + r * ldy : tmp;
-    _mm256_storeu_ps(out, _mm256_add_ps(rows[r][0], c0));
-    _mm256_storeu_ps(out + 8, _mm256_add_ps(rows[r][1], c1));
-    if (cols != kCols) std::copy(tmp, tmp + cols, y + r * ldy);
-  }
+  panel_gemm::store_rows<MR>(rows, bias, y, ldy, cols);
 #else
   float acc[kRows][kCols] = {};
   for (int64_t g = 0, k = 0; k < K; ++g) {
