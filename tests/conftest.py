@@ -9,7 +9,11 @@ import torch
 
 from tests.tiny_models import TINY_FAMILIES, save_tiny_model, tiny_config
 
-# two cores: one thread per xdist worker (two workers), both threads for a serial run
+# two cores: one thread per xdist worker (two workers), both threads for a serial run. The executors a worker
+# starts take their threads from OMP_NUM_THREADS: two each, beside the other worker's, would put several spinning
+# OpenMP threads on each core
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 

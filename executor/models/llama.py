@@ -67,10 +67,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(spec: DecoderSpec) -> torch.Tensor:
-    """Rotary frequencies, with Llama 3's long-context rescaling when the config asks for it."""
-    inv_freq = 1.0 / (
-        spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim)
-    )
+    """Rotary frequencies, with Llama 3's long-context rescaling when the config asks for it; on the host, even
+    inside the meta-device context the model is built in (placed where it runs as it loads)."""
+    steps = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (spec.rope_theta ** (steps / spec.head_dim))
     scaling = spec.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in ("default", None):
@@ -168,7 +168,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # built on the meta device and loaded; an initial value would be thrown away, and drawing one imports
+        # torch's compiler (about a second of every executor's start)
+        self.embed_tokens = nn.Embedding(
+            spec.vocab_size, spec.hidden_size, _weight=torch.empty(spec.vocab_size, spec.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(spec, kernels) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

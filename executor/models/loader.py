@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from executor.models.llama import FUSED_PROJECTIONS, DecoderLM, DecoderSpec, rope_inv_freq
+from executor.models.llama import FUSED_PROJECTIONS, DecoderLM, DecoderSpec
 from executor.models.quantized import place_quantized, stack
 from kvkernels.backend import Kernels
 from kvkernels.quantized import QuantizedWeight
@@ -162,7 +162,7 @@ def build_model(
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     place_quantized(model, quantized, spec.tie_word_embeddings, device, dtype)
-    model.inv_freq = rope_inv_freq(spec).to(device)  # built outside the meta device
+    model.inv_freq = model.inv_freq.to(device)
     model.eval().requires_grad_(False)
     quantize_linears(model, quantization, quantization_group_size)
     kernels.prepare(model, device, dtype)

@@ -119,8 +119,9 @@ def test_past_the_queue_timeout_a_held_request_gets_503_with_retry_after(stack):
     patient, impatient, executors = stack
 
     async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
-        # two running and two waiting fill both executors for a few seconds
-        filling = asyncio.ensure_future(_post_all(patient, [body(f"long {i}", 150) for i in range(4)]))
+        # two running and two waiting fill both executors for seconds: 300 steps outlast the 1 s hold, the 0.5 s
+        # client and the checks after them even where a step takes 5 ms
+        filling = asyncio.ensure_future(_post_all(patient, [body(f"long {i}", 300) for i in range(4)]))
         while not full(executors):
             await asyncio.sleep(0.02)
         async with httpx.AsyncClient(base_url=impatient, timeout=60) as client:
