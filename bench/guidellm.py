@@ -50,8 +50,8 @@ WORKLOADS = {
         "prompt_tokens_min=768,prompt_tokens_max=1280",
         (8,),
     ),
-    # as many prompts of several hundred tokens as one CPU step can hold arrive at once (4 x 512 = 2,048 tokens),
-    # four times over: the first tokens of a burst, and the streams it starts
+    # 16 prompts of several hundred tokens arrive at once and are not replaced (about 16 CPU steps of prefill at
+    # the default 512-token budget): the first tokens of a burst, and the streams it starts
     "burst": Workload(
         "burst",
         "kind=synthetic_text,prompt_tokens=512,output_tokens=64,prompt_tokens_stdev=64,"

@@ -14,7 +14,9 @@ from tests.tiny_models import TINY_FAMILIES, save_tiny_model, tiny_config
 # OpenMP threads on each core
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
