@@ -59,6 +59,7 @@ def load_models(config: EngineConfig, device: torch.device, dtype: torch.dtype, 
         kernels,
         config.quantization,
         config.quantization_group_size,
+        config.quantized_activations,
     )
     log.info(
         "weights: %.1f MiB as served (--quantization %s)", weight_bytes(target) / 2**20, config.quantization

@@ -36,7 +36,14 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     _CSRC / name
-    for name in ("cpu_vec.h", "dynamic_parallel.h", "panel_kernel.h", "prefetch.h", "softmax_row.h")
+    for name in (
+        "cpu_vec.h",
+        "dynamic_parallel.h",
+        "int8_dot_kernel.h",
+        "panel_kernel.h",
+        "prefetch.h",
+        "softmax_row.h",
+    )
 )  # included by the sources: part of the build's name, not compiled alone
 # no fused multiply-add contraction: the fused operations then round exactly as torch's separate ones do
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")

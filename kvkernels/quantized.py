@@ -96,7 +96,12 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
 class PanelWeight:
     """A QuantizedWeight in the panels the CPU kernel reads (kvkernels/csrc/quantized_gemm_cpu.cpp): values
     [panels, K, 16] int8, or [panels, K, 8] bytes of two 4-bit values each stored plus zero_point (8 for signed
-    values, so that they lie in 0..15); scales and offsets [panels, K / group_size, 16] float32."""
+    values, so that they lie in 0..15); scales and offsets [panels, K / group_size, 16] float32.
+
+    int8_activations: the GEMM quantizes its input to int8 in blocks of 32 and multiplies integers (AVX-512 VNNI,
+    as llama.cpp's CPU path does; several times fewer instructions than converting the weights to floats, which
+    bound decode steps at a few rows); chosen at packing where the CPU has those instructions and the groups are
+    whole blocks of 32."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -105,10 +110,12 @@ class PanelWeight:
     group_size: int
     bits: int
     zero_point: int
+    int8_activations: bool
 
     @staticmethod
-    def pack(weight: QuantizedWeight, ops) -> PanelWeight:
-        """weight in panels, by the kernels' pack function (ops: kvkernels.cpu_extension.cpu_kernels())."""
+    def pack(weight: QuantizedWeight, ops, int8_activations: bool = True) -> PanelWeight:
+        """weight in panels, by the kernels' pack function (ops: kvkernels.cpu_extension.cpu_kernels());
+        int8_activations: where the CPU and the groups allow it (False: float32 activations always)."""
         zero_point = 8 if weight.bits == 4 and int(weight.values.min()) < 0 else 0
         values, scales, offsets = ops.pack_quantized_weight(
             weight.values, weight.scales, weight.offsets, weight.bits, zero_point
@@ -121,6 +128,7 @@ class PanelWeight:
             weight.group_size,
             weight.bits,
             zero_point,
+            int8_activations and bool(ops.int8_dot_available()) and weight.group_size % 32 == 0,
         )
 
     @property
@@ -161,6 +169,8 @@ class QuantizedLinear(nn.Module):
         self._panels: PanelWeight | None = None
         self._ops = None
         self.bias = None if bias is None else bias.detach().float()
+        # the packed GEMM multiplies int8 activations where the CPU can (--quantized-activations)
+        self.int8_activations = True
 
     @property
     def weight_q(self) -> QuantizedWeight:
@@ -174,7 +184,8 @@ class QuantizedLinear(nn.Module):
     def pack(self, ops) -> None:
         """Hold the weight only in the panels of ops (the C++ CPU kernels), whose GEMM then serves float32 input."""
         if self._panels is None:
-            self._panels, self._weight, self._ops = PanelWeight.pack(self._weight, ops), None, ops
+            packed = PanelWeight.pack(self._weight, ops, self.int8_activations)
+            self._panels, self._weight, self._ops = packed, None, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._panels is not None and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -183,7 +194,15 @@ class QuantizedLinear(nn.Module):
                 rows = rows.contiguous()
             p = self._panels
             y = self._ops.quantized_gemm(
-                rows, p.values, p.scales, p.offsets, self.out_features, p.bits, p.zero_point, self.bias
+                rows,
+                p.values,
+                p.scales,
+                p.offsets,
+                self.out_features,
+                p.bits,
+                p.zero_point,
+                self.bias,
+                p.int8_activations,
             )
             return y.view(*x.shape[:-1], self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)

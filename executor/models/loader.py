@@ -10,7 +10,7 @@ import torch
 from executor.models.llama import FUSED_PROJECTIONS, DecoderLM, DecoderSpec
 from executor.models.quantized import place_quantized, stack
 from kvkernels.backend import Kernels
-from kvkernels.quantized import QuantizedWeight
+from kvkernels.quantized import QuantizedLinear, QuantizedWeight
 from kvkernels.weight_quantization import quantize_linears
 
 # architecture -> (qkv bias, q/k norm)
@@ -127,10 +127,12 @@ def build_model(
     kernels: Kernels,
     quantization: str = "auto",
     quantization_group_size: int | None = None,
+    quantized_activations: str = "int8",
 ) -> DecoderLM:
     """Instantiate on the meta device, then take every parameter from the checkpoint (a missing or misshapen
     tensor is an error naming it; a QuantizedWeight replaces its module, models/quantized.py), quantize its
-    float linear layers as --quantization asks, and let the kernels prepare the weights they run on."""
+    float linear layers as --quantization asks, and let the kernels prepare the weights they run on (quantized
+    ones multiplying the activations as --quantized-activations says)."""
     with torch.device("meta"):
         model = DecoderLM(spec, kernels)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -165,5 +167,8 @@ def build_model(
     model.inv_freq = model.inv_freq.to(device)
     model.eval().requires_grad_(False)
     quantize_linears(model, quantization, quantization_group_size)
+    for layer in model.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.int8_activations = quantized_activations == "int8"
     kernels.prepare(model, device, dtype)
     return model

@@ -19,7 +19,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quantized_weight(const at::T
                                                                      int64_t bits, int64_t zero_point);
 at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
-                          const c10::optional<at::Tensor>& bias);
+                          const c10::optional<at::Tensor>& bias, bool int8_activations);
+bool int8_dot_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
@@ -35,5 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 values [N, K] (4 bits: plus zero_point in 0..15), scales and offsets [N, K / G] -> the panels of "
         "quantized_gemm");
   m.def("quantized_gemm", &quantized_gemm,
-        "x W^T (+ b) with W from pack_quantized_weight's panels, x float32 (CPU)");
+        "x W^T (+ b) with W from pack_quantized_weight's panels, x float32 (CPU); int8_activations: x quantized "
+        "to int8 in blocks of 32 and multiplied as integers (needs int8_dot_available())");
+  m.def("int8_dot_available", &int8_dot_available,
+        "whether quantized_gemm takes int8_activations here (AVX-512 VNNI and VBMI)");
 }

@@ -18,8 +18,12 @@
 // 77 against 77, 64 rows 230 against 239.
 //
 // Threads take panels from a shared counter (dynamic_parallel.h) as the float32 kernel does.
+//
+// With int8_activations the activations are quantized to int8 in blocks of 32 and multiplied as integers
+// (int8_dot_kernel.h, AVX-512 VNNI), at every row count: a row's result then does not depend on the rows beside it.
 #include "cpu_vec.h"
 #include "dynamic_parallel.h"
+#include "int8_dot_kernel.h"
 #include "panel_kernel.h"
 
 #include <ATen/ATen.h>
@@ -146,7 +150,52 @@ at::Tensor to_panels(const at::Tensor& t) {
   return padded.view({panels, kCols, C}).transpose(1, 2).contiguous();
 }
 
+#if defined(KVSERVE_INT8_DOT)
+// quantized_gemm with int8 activations: the rows quantized once, then each thread's runs of panels, all row blocks
+// of a panel while its bytes are in L1
+void int8_dot_gemm(const at::Tensor& x, const int8_t* qp, const float* sp, const float* m, int64_t N, int64_t G,
+                   int64_t bits, int64_t zero_point, const float* b, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), blocks = K / int8_dot::kBlock;
+  const int64_t groups = K / G, row_bytes = bits == 8 ? kCols : kCols / 2, panels = (N + kCols - 1) / kCols;
+  std::vector<int8_t> values(M * K);
+  std::vector<float> block_scales(M * blocks), block_sums(M * blocks);
+  std::vector<int8_dot::Rows> rows(M);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      int8_dot::quantize_row(xp + r * ldx, K, values.data() + r * K, block_scales.data() + r * blocks,
+                             block_sums.data() + r * blocks);
+  });
+  for (int64_t r = 0; r < M; ++r)
+    rows[r] = {values.data() + r * K, block_scales.data() + r * blocks, block_sums.data() + r * blocks, K};
+  const int8_dot::Kernel* kernels = bits == 8 ? int8_dot::kKernels8 : int8_dot::kKernels4;
+  float* yp = y.data_ptr<float>();
+  const auto zp = static_cast<float>(zero_point);
+  const int64_t run = std::clamp<int64_t>(panels / (8 * at::get_num_threads()), 1, 16);
+  parallel_dynamic((panels + run - 1) / run, [] { return 0; }, [&](int64_t item, int) {
+    for (int64_t p = item * run, end = std::min(panels, p + run); p < end; ++p) {
+      const int64_t col = p * kCols, cols = std::min(kCols, N - col);
+      for (int64_t r = 0; r < M; r += int8_dot::kRows) {
+        const int64_t count = std::min<int64_t>(int8_dot::kRows, M - r);
+        kernels[count](rows.data() + r, qp + p * K * row_bytes, sp + p * groups * kCols,
+                       m == nullptr ? nullptr : m + p * groups * kCols, G, zp, b == nullptr ? nullptr : b + col,
+                       yp + r * N + col, N, cols);
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
+
+// whether quantized_gemm can take int8_activations on this CPU
+bool int8_dot_available() {
+#if defined(KVSERVE_INT8_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
 
 // values int8 [N, K] (bits 4: each in zero_point - 8 .. zero_point + 7 stored as value + zero_point in 0..15),
 // scales and offsets (or undefined) float32 [N, K / G] -> (values [panels, K, 16] int8, or [panels, K, 8] two
@@ -181,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quantized_weight(const at::T
 // x [M, K] (rows contiguous) times pack_quantized_weight's panels for N outputs, bias [N] or undefined -> [M, N]
 at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
-                          const c10::optional<at::Tensor>& bias) {
+                          const c10::optional<at::Tensor>& bias, bool int8_activations) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "quantized_gemm: x [M, K] float32");
   TORCH_CHECK(bits == 8 || bits == 4, "quantized_gemm: bits 8 or 4");
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), row_bytes = bits == 8 ? kCols : kCols / 2;
@@ -208,6 +257,14 @@ at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const a
   }
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
+  if (int8_activations) {
+    TORCH_CHECK(int8_dot_available(), "quantized_gemm: int8 activations need AVX-512 VNNI and VBMI");
+    TORCH_CHECK(K % 32 == 0 && G % 32 == 0, "quantized_gemm: int8 activations need groups of whole blocks of 32");
+#if defined(KVSERVE_INT8_DOT)
+    int8_dot_gemm(x, values.data_ptr<int8_t>(), scales.data_ptr<float>(), m, N, G, bits, zero_point, b, y);
+#endif
+    return y;
+  }
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = values.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();

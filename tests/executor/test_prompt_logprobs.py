@@ -10,6 +10,9 @@ from executor import LLM, SamplingParams, step_sampler
 from tests.executor.test_hf_equivalence import LONG_TEXT
 
 TOP = 5
+# HF's float32 reference: the default model's quantized weights multiply float32 activations, which gives the
+# dequantized model's logprobs to float32 rounding (int8 activations are a further approximation)
+FLOAT_PATH = dict(kv_cache_memory="64MiB", quantized_activations="float32")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def check_against_hf(entries, prompt: list[int], reference: torch.Tensor) -> Non
 
 @pytest.mark.parametrize("budget", [7, 64])
 def test_prompt_logprobs_match_hf_in_chunks(default_model, prompt, hf_logprobs, budget):
-    llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=budget)
+    llm = LLM(default_model, **FLOAT_PATH, max_num_batched_tokens=budget)
     out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=TOP))[0]
     check_against_hf(out.prompt_logprobs, prompt, hf_logprobs)
     assert len(out.outputs[0].token_ids) == 3
@@ -61,14 +64,14 @@ def test_prompt_logprobs_match_hf_in_chunks(default_model, prompt, hf_logprobs, 
 def test_prompt_logprobs_scored_a_slice_of_rows_at_a_time(default_model, prompt, hf_logprobs, monkeypatch):
     """A step's logits are bounded: a chunk's prompt rows are scored PROMPT_LOGITS_ROWS at a time."""
     monkeypatch.setattr(step_sampler, "PROMPT_LOGITS_ROWS", 10)  # 64-row chunks in slices of 10, and a rest
-    llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=64)
+    llm = LLM(default_model, **FLOAT_PATH, max_num_batched_tokens=64)
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP))[0]
     check_against_hf(out.prompt_logprobs, prompt, hf_logprobs)
 
 
 def test_prompt_logprobs_with_a_cached_prefix(default_model, prompt, hf_logprobs):
     """A cached block has KV but no logits: the request recomputes its prompt, and its blocks serve others."""
-    llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=64)
+    llm = LLM(default_model, **FLOAT_PATH, max_num_batched_tokens=64)
     llm.generate([prompt[:40]], SamplingParams(max_tokens=1, temperature=0.0))  # caches 2 of 16-token blocks
     scored = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP))[0]
     check_against_hf(scored.prompt_logprobs, prompt, hf_logprobs)
@@ -78,7 +81,7 @@ def test_prompt_logprobs_with_a_cached_prefix(default_model, prompt, hf_logprobs
 
 
 def test_max_tokens_zero_scores_the_prompt_only(default_model, prompt, hf_logprobs):
-    llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=32)
+    llm = LLM(default_model, **FLOAT_PATH, max_num_batched_tokens=32)
     out = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=TOP))[0]
     check_against_hf(out.prompt_logprobs, prompt, hf_logprobs)
     assert out.outputs[0].token_ids == [] and out.outputs[0].text == ""

@@ -1,7 +1,11 @@
 """The CPU GEMM over quantized weights (kvkernels/csrc/quantized_gemm_cpu.cpp) and QuantizedLinear around it, against
 float64 products of the dequantized weights: every row remainder of its 6-row kernel and the many-row path,
 widths that are not a multiple of its 16-column panels, a scale per row or per group of 32 or 128 inputs, 8 and
-4 bits (signed and unsigned), with and without offsets; and the torch fallback where the kernels are off."""
+4 bits (signed and unsigned), with and without offsets; and the torch fallback where the kernels are off.
+
+Both input paths: float32 activations, and activations quantized to int8 in blocks of 32 (int8_dot_kernel.h,
+where the CPU has AVX-512 VNNI), the latter against float64 products of the same quantized activations and within
+the rounding of that quantization of the exact product."""
 
 from __future__ import annotations
 
@@ -18,6 +22,11 @@ needs_kernels = pytest.mark.skipif(
     cpu_kernels() is None, reason="the C++ CPU kernels could not be built here"
 )
 
+needs_int8_dot = pytest.mark.skipif(
+    cpu_kernels() is None or not cpu_kernels().int8_dot_available(),
+    reason="int8 activations need the C++ kernels and AVX-512 VNNI and VBMI",
+)
+
 ROWS = [*range(1, 14), 64, 256]
 
 
@@ -31,6 +40,16 @@ def _weight(
     scales = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
     shifts = torch.randn(n, k // group, generator=gen) * 0.05 if offsets else None
     return QuantizedWeight(values, scales, shifts, group, bits)
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel's int8 activations stand for it, in float64: each block of 32 of a row rounded (to nearest
+    even) in steps of its largest magnitude / 127."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    steps = torch.round(blocks * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    return (steps.double() * (amax.double() / 127.0)).view(m, k)
 
 
 def _close(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
@@ -69,9 +88,61 @@ def test_matches_float64_for_every_row_remainder_group_and_width(bits, group, of
         for rows in ROWS:
             x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
             got = ops.quantized_gemm(
-                x, panels.values, panels.scales, panels.offsets, n, bits, panels.zero_point, bias
+                x, panels.values, panels.scales, panels.offsets, n, bits, panels.zero_point, bias, False
             )
             _close(got, x, weight, bias)
+
+
+@needs_int8_dot
+@pytest.mark.parametrize(("bits", "group", "offsets", "signed"), CASES)
+def test_int8_activations_match_float64_of_the_same_activations(bits, group, offsets, signed) -> None:
+    ops = cpu_kernels()
+    for n in (50, 32):
+        weight = _weight(n, 256, group, bits, offsets, signed, seed=n + bits)
+        panels = PanelWeight.pack(weight, ops)
+        assert panels.int8_activations
+        bias = torch.randn(n) if n == 50 else None
+        for rows in ROWS:
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+            got = ops.quantized_gemm(
+                x, panels.values, panels.scales, panels.offsets, n, bits, panels.zero_point, bias, True
+            )
+            _close(got, int8_blocks(x).float(), weight, bias)
+            # and within the activations' rounding of the exact product: half a step per input, times |w|
+            steps = x.view(rows, -1, 32).abs().amax(-1).double().repeat_interleave(32, dim=1) / 127.0
+            bound = (steps / 2) @ weight.dequantize().double().abs().T
+            exact = x.double() @ weight.dequantize().double().T + (0 if bias is None else bias.double())
+            assert bool(((got.double() - exact).abs() <= bound * 1.001 + 1e-5).all())
+
+
+@needs_int8_dot
+def test_int8_activations_give_a_row_the_same_result_beside_any_rows() -> None:
+    """A row's activations are quantized alone and its sums kept apart, so its output does not depend on the batch
+    it runs in: a request's tokens do not change with the load."""
+    ops = cpu_kernels()
+    weight = _weight(70, 192, 64, 4, True, False, seed=5)
+    p = PanelWeight.pack(weight, ops)
+    x = (
+        torch.randn(23, 192, generator=torch.Generator().manual_seed(2))
+        * torch.linspace(0.1, 10, 23)[:, None]
+    )
+    whole = ops.quantized_gemm(x, p.values, p.scales, p.offsets, 70, 4, p.zero_point, None, True)
+    for r in (0, 6, 22):
+        alone = ops.quantized_gemm(
+            x[r : r + 1], p.values, p.scales, p.offsets, 70, 4, p.zero_point, None, True
+        )
+        assert torch.equal(alone[0], whole[r])
+
+
+@needs_kernels
+def test_int8_activations_are_refused_where_they_cannot_run() -> None:
+    ops = cpu_kernels()
+    weight = _weight(20, 48, 16, 8, False, True, seed=2)  # groups of 16: not whole blocks of 32
+    p = PanelWeight.pack(weight, ops)
+    assert not p.int8_activations
+    match = "whole blocks of 32" if ops.int8_dot_available() else "VNNI"
+    with pytest.raises(RuntimeError, match=match):
+        ops.quantized_gemm(torch.randn(2, 48), p.values, p.scales, None, 20, 8, 0, None, True)
 
 
 @needs_kernels
@@ -96,7 +167,7 @@ def test_a_strided_input_and_two_threads() -> None:
         layer.pack(cpu_kernels())
         wide = torch.randn(9, 300)
         x = wide[:, 20:148]  # rows 300 floats apart
-        _close(layer(x), x, weight, layer.bias)
+        _close(layer(x), _as_multiplied(x, layer), weight, layer.bias)
     finally:
         torch.set_num_threads(previous)
 
@@ -106,13 +177,24 @@ def test_refuses_what_does_not_fit_and_takes_no_rows() -> None:
     ops = cpu_kernels()
     weight = _weight(20, 64, 32, 4, False, True, seed=1)
     p = PanelWeight.pack(weight, ops)
-    assert ops.quantized_gemm(torch.randn(0, 64), p.values, p.scales, None, 20, 4, 8, None).shape == (0, 20)
+    assert ops.quantized_gemm(torch.randn(0, 64), p.values, p.scales, None, 20, 4, 8, None, False).shape == (
+        0,
+        20,
+    )
     with pytest.raises(RuntimeError, match="0..15"):
         ops.pack_quantized_weight(weight.values, weight.scales, None, 4, 0)  # signed without a zero point
     with pytest.raises(RuntimeError, match="K"):
-        ops.quantized_gemm(torch.randn(3, 63), p.values, p.scales, None, 20, 4, 8, None)
+        ops.quantized_gemm(torch.randn(3, 63), p.values, p.scales, None, 20, 4, 8, None, False)
     with pytest.raises(RuntimeError, match="N does not fit"):
-        ops.quantized_gemm(torch.randn(3, 64), p.values, p.scales, None, 40, 4, 8, None)
+        ops.quantized_gemm(torch.randn(3, 64), p.values, p.scales, None, 40, 4, 8, None, False)
+
+
+def _as_multiplied(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    """x as the packed layer's GEMM takes it: quantized to int8 blocks where it multiplies integers."""
+    if layer._panels is None or not layer._panels.int8_activations:
+        return x
+    rows = x.reshape(-1, x.shape[-1])
+    return int8_blocks(rows.contiguous()).float().view(x.shape)
 
 
 def test_quantized_linear_packed_and_by_torch_agree_and_pack_holds_fewer_bytes(monkeypatch) -> None:
@@ -134,6 +216,8 @@ def test_quantized_linear_packed_and_by_torch_agree_and_pack_holds_fewer_bytes(m
     TORCH.prepare(on, torch.device("cpu"), torch.float32)
     layer = on[0]
     assert layer._panels is not None and layer._weight is None  # the unpacked values are gone
+    assert layer._panels.int8_activations == cpu_kernels().int8_dot_available()
+    expected = _as_multiplied(x, layer).double() @ quantize_int8(float_weight).dequantize().double().T
     torch.testing.assert_close(on(x).double(), expected, rtol=0, atol=1e-4)
     assert layer.nbytes == 96 * 160 + 96 * 4 < float_weight.nbytes / 3.9
     assert torch.equal(layer.weight_q.values, quantize_int8(float_weight).values)
