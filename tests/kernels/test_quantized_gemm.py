@@ -22,12 +22,10 @@ needs_kernels = pytest.mark.skipif(
     cpu_kernels() is None, reason="the C++ CPU kernels could not be built here"
 )
 
-needs_int8_dot = pytest.mark.skipif(
-    cpu_kernels() is None or not cpu_kernels().int8_dot_available(),
-    reason="int8 activations need the C++ kernels and AVX-512 VNNI and VBMI",
-)
 
 ROWS = [*range(1, 14), 64, 256]
+INT8_DOT = cpu_kernels() is not None and cpu_kernels().int8_dot_available()
+needs_int8_dot = pytest.mark.skipif(not INT8_DOT, reason="int8 activations need AVX-512 VNNI and VBMI")
 
 
 def _weight(
@@ -77,38 +75,45 @@ CASES = [
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    "int8_activations",
+    [
+        False,
+        pytest.param(True, marks=needs_int8_dot),
+    ],
+    ids=["float32-activations", "int8-activations"],
+)
 @pytest.mark.parametrize(("bits", "group", "offsets", "signed"), CASES)
-def test_matches_float64_for_every_row_remainder_group_and_width(bits, group, offsets, signed) -> None:
+def test_matches_float64_for_every_row_remainder_group_and_width(
+    bits, group, offsets, signed, int8_activations
+) -> None:
+    """Float32 activations against float64 of the same; int8 ones against float64 of the same quantized
+    activations, and within that quantization's rounding of the exact product."""
     ops = cpu_kernels()
     for n in (50, 32):
         weight = _weight(n, 256, group, bits, offsets, signed, seed=n + bits)
-        panels = PanelWeight.pack(weight, ops)
+        panels = PanelWeight.pack(weight, ops, int8_activations)
         assert panels.values.shape == (-(-n // 16), 256, 16 if bits == 8 else 8)
+        assert panels.int8_activations == int8_activations
         bias = torch.randn(n) if n == 50 else None
         for rows in ROWS:
             x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
             got = ops.quantized_gemm(
-                x, panels.values, panels.scales, panels.offsets, n, bits, panels.zero_point, bias, False
+                x,
+                panels.values,
+                panels.scales,
+                panels.offsets,
+                n,
+                bits,
+                panels.zero_point,
+                bias,
+                int8_activations,
             )
-            _close(got, x, weight, bias)
-
-
-@needs_int8_dot
-@pytest.mark.parametrize(("bits", "group", "offsets", "signed"), CASES)
-def test_int8_activations_match_float64_of_the_same_activations(bits, group, offsets, signed) -> None:
-    ops = cpu_kernels()
-    for n in (50, 32):
-        weight = _weight(n, 256, group, bits, offsets, signed, seed=n + bits)
-        panels = PanelWeight.pack(weight, ops)
-        assert panels.int8_activations
-        bias = torch.randn(n) if n == 50 else None
-        for rows in ROWS:
-            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-            got = ops.quantized_gemm(
-                x, panels.values, panels.scales, panels.offsets, n, bits, panels.zero_point, bias, True
-            )
+            if not int8_activations:
+                _close(got, x, weight, bias)
+                continue
             _close(got, int8_blocks(x).float(), weight, bias)
-            # and within the activations' rounding of the exact product: half a step per input, times |w|
+            # half a step per input, times |w|
             steps = x.view(rows, -1, 32).abs().amax(-1).double().repeat_interleave(32, dim=1) / 127.0
             bound = (steps / 2) @ weight.dequantize().double().abs().T
             exact = x.double() @ weight.dequantize().double().T + (0 if bias is None else bias.double())
