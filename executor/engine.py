@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+from executor.cpu_threads import cpu_threads_for
 from executor.engine_config import EngineConfig
 from executor.engine_setup import (
     build_proposers,
@@ -64,6 +65,7 @@ class Engine:
         self.grammar_queue = GrammarQueue(models.tokenizer, models.vocab_size, models.eos_token_ids, config)
         self.intake = Intake(models, config, num_blocks, self.device, self.grammar_queue)
         log_kv_capacity(num_blocks, block_bytes, self.block_size, self.dtype, self.max_model_len)
+        self.cpu_threads = cpu_threads_for(config.adaptive_cpu_threads, self.device)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -177,6 +179,7 @@ class Engine:
 
     def step(self) -> StepResult:
         """Schedule, run the model and sample, let the scheduler book it, propose for the next step."""
+        started = time.perf_counter()
         result = StepResult(self._admit_compiled() if len(self.grammar_queue) else [])
         sched = self.scheduler.schedule()
         self.kv_block_seconds.charge(self.scheduler.running)
@@ -201,6 +204,8 @@ class Engine:
         elif self.scheduler.num_unfinished:
             raise RuntimeError("scheduler made no progress with requests waiting")  # admission forbids this
         result.cached, result.evicted = self.kv.pool.drain_events()
+        if self.cpu_threads is not None and sched.scheduled:
+            self.cpu_threads.after_step(time.perf_counter() - started)
         return result
 
     def _output(self, new: NewTokens, logprobs: list[TokenLogprobs | None], now: int) -> StepOutput:

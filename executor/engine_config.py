@@ -96,6 +96,8 @@ class EngineConfig:
     )
     # what quantized weights multiply on the CPU (kvkernels/csrc/int8_dot_kernel.h): int8 where it can, or float32
     quantized_activations: str = "int8"
+    # on the CPU, run the forward pass on fewer threads while other processes take cores (executor/cpu_threads.py)
+    adaptive_cpu_threads: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -296,6 +298,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "with a scale each, multiplied as integers where the CPU has AVX-512 VNNI, as llama.cpp does: 1.5-1.8x "
         "faster, greedy tokens nearer to ties may differ from float32's) or float32 (the weights converted to "
         "floats: the dequantized model's results to float32 rounding)",
+    )
+    g.add_argument(
+        "--adaptive-cpu-threads",
+        action=argparse.BooleanOptionalAction,
+        default=d.adaptive_cpu_threads,
+        help="on the CPU, run the forward pass on one thread fewer while the executor's threads wait for cores "
+        "other processes hold, and take it back when a core is idle (default: on); off: always torch's threads",
     )
     g.add_argument("--seed", type=int, default=d.seed)
 

@@ -1,0 +1,125 @@
+"""How many threads the CPU forward pass runs on: no more than the cores other processes leave free.
+
+torch's CPU operations, and kvkernels' with them, split each operation over OpenMP threads that meet at its end.
+When another process takes a core (a load client on the same machine, a batch job, a neighbour on a Kubernetes
+node), the thread sharing that core runs only in the time slices the other leaves it, and every operation waits for
+it at its end. On a 2-core machine beside one busy process at niceness 19 in another session, a 512-token prefill
+step took 4.8-5.6 s on 2 threads against 0.88 s on one (0.47 s on 2 threads with the machine to itself).
+
+So after every INTERVAL_S of steps the governor looks at two things over the time since it last did:
+- the time the executor's threads spent runnable and waiting for a core (/proc/self/task/*/schedstat): more than
+  DROP_DELAY seconds for each second of steps, and it runs on one thread fewer;
+- the idle time of the cores it may run on (/proc/stat): more than RESTORE_IDLE of a core idle while it runs on
+  fewer threads than it started with, and it takes one back. A thread given back to a core that is still shared
+  comes off again at the next look; each such round trip doubles the wait before the next try (up to MAX_HOLD_S).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("kvserve.engine")
+
+INTERVAL_S = 0.5
+DROP_DELAY = 0.5  # seconds of waiting for a core per second: past this, one thread fewer runs faster
+RESTORE_IDLE = 0.75  # cores idle on average: a whole one nearly free
+MAX_HOLD_S = 8.0
+
+
+def run_delay_s() -> float:
+    """Seconds the process's threads (those alive now) have spent runnable but waiting for a core."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue  # the thread ended while we looked
+    return total / 1e9
+
+
+def idle_s(cpus: frozenset[int] | None = None) -> float:
+    """Seconds the cores this process may run on have been idle (/proc/stat's idle and iowait) since boot."""
+    cpus = frozenset(os.sched_getaffinity(0)) if cpus is None else cpus
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                total += int(fields[3]) + int(fields[4])
+    return total / ticks
+
+
+def readable() -> bool:
+    """Whether this system shows both (Linux with scheduler statistics)."""
+    try:
+        run_delay_s()
+        idle_s()
+        with open("/proc/self/schedstat") as f:
+            return len(f.read().split()) >= 2
+    except (OSError, ValueError):
+        return False
+
+
+class CpuThreads:
+    """Sets torch's thread count from what the cores show; after_step() is called on the thread that runs steps
+    (OpenMP's thread count belongs to the thread that starts the parallel regions)."""
+
+    def __init__(
+        self,
+        max_threads: int,
+        delay: Callable[[], float] = run_delay_s,
+        idle: Callable[[], float] = idle_s,
+        clock: Callable[[], float] = time.monotonic,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+    ) -> None:
+        self.max_threads = self.threads = max_threads
+        self._delay, self._idle, self._clock, self._set = delay, idle, clock, set_threads
+        self._last = (clock(), delay(), idle())
+        self._busy = 0.0  # seconds of steps since the last look
+        self._hold_s = INTERVAL_S  # the wait after a drop before a thread may come back
+        self._restore_after = 0.0
+        self._restored = False  # the last change gave a thread back
+
+    def after_step(self, seconds: float) -> None:
+        """A step took seconds; once the steps since the last look add up to INTERVAL_S, look again."""
+        self._busy += seconds
+        if self._busy < INTERVAL_S:
+            return
+        now, delay, idle = self._clock(), self._delay(), self._idle()
+        then, delay_then, idle_then = self._last
+        self._last = (now, delay, idle)
+        # waiting per second of steps, not of wall time: between steps the threads sleep and wait for nothing
+        waited = max(0.0, delay - delay_then) / self._busy  # (a thread that ended takes its delay with it)
+        idle_cores = max(0.0, idle - idle_then) / max(now - then, 1e-9)
+        self._busy = 0.0
+        if self.threads > 1 and waited > DROP_DELAY:
+            # a round trip (given back, taken off) waits twice as long before the next try
+            self._hold_s = min(2 * self._hold_s, MAX_HOLD_S) if self._restored else INTERVAL_S
+            self._restore_after = now + self._hold_s
+            self._change(
+                self.threads - 1, f"its threads waited {waited:.2f} s for a core per second of steps"
+            )
+        elif self.threads < self.max_threads and idle_cores > RESTORE_IDLE and now >= self._restore_after:
+            self._change(self.threads + 1, f"{idle_cores:.2f} cores idle")
+        elif self.threads == self.max_threads:
+            self._hold_s = max(INTERVAL_S, self._hold_s / 2)  # the cores stayed free: try sooner next time
+
+    def _change(self, threads: int, why: str) -> None:
+        self._restored = threads > self.threads
+        self.threads = threads
+        self._set(threads)
+        log.info("CPU forward pass on %d of %d threads: %s", threads, self.max_threads, why)
+
+
+def cpu_threads_for(enabled: bool, device: torch.device) -> CpuThreads | None:
+    """The governor for an engine on device, or None: off, not the CPU, one thread, or no scheduler statistics."""
+    if not enabled or device.type != "cpu" or torch.get_num_threads() < 2 or not readable():
+        return None
+    return CpuThreads(torch.get_num_threads())

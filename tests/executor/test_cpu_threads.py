@@ -1,0 +1,149 @@
+"""The CPU thread governor: one thread fewer while the executor's threads wait for cores other processes hold, one
+back when a core is idle; the rule on scripted readings, and the real readings in a process pinned to one core."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from executor.cpu_threads import (
+    INTERVAL_S,
+    MAX_HOLD_S,
+    CpuThreads,
+    cpu_threads_for,
+    idle_s,
+    readable,
+    run_delay_s,
+)
+
+
+class Machine:
+    """Scripted readings: the clock, the threads' waiting for a core, the cores' idle time; each step adds to them."""
+
+    def __init__(self) -> None:
+        self.now = self.delay = self.idle = 0.0
+        self.set_to: list[int] = []
+
+    def governor(self, threads: int = 2) -> CpuThreads:
+        return CpuThreads(
+            threads,
+            delay=lambda: self.delay,
+            idle=lambda: self.idle,
+            clock=lambda: self.now,
+            set_threads=self.set_to.append,
+        )
+
+    def step(self, cpu: CpuThreads, seconds: float, waited_per_s: float, idle_cores: float) -> None:
+        self.now += seconds
+        self.delay += waited_per_s * seconds
+        self.idle += idle_cores * seconds
+        cpu.after_step(seconds)
+
+
+def test_a_thread_comes_off_while_the_threads_wait_for_cores_and_back_when_one_is_idle():
+    m = Machine()
+    cpu = m.governor()
+    for _ in range(10):  # a quiet machine: both threads run
+        m.step(cpu, 0.1, waited_per_s=0.05, idle_cores=0.1)
+    assert cpu.threads == 2 and m.set_to == []
+    m.step(cpu, 0.6, waited_per_s=0.9, idle_cores=0.0)  # another process holds a core
+    assert cpu.threads == 1 and m.set_to == [1]
+    for _ in range(20):  # it still does: on one thread nothing waits, but no core is idle either
+        m.step(cpu, 0.1, waited_per_s=0.0, idle_cores=0.05)
+    assert cpu.threads == 1
+    for _ in range(6):  # it stopped
+        m.step(cpu, 0.1, waited_per_s=0.0, idle_cores=0.95)
+    assert cpu.threads == 2 and m.set_to == [1, 2]
+
+
+def test_waiting_counts_per_second_of_steps_not_of_the_idle_time_between_them():
+    m = Machine()
+    cpu = m.governor()
+    m.now += 20.0  # nothing to do for 20 s
+    m.idle += 2 * 20.0
+    m.step(cpu, 4.0, waited_per_s=0.9, idle_cores=0.0)  # then one long step beside a busy process
+    assert cpu.threads == 1
+
+
+def test_no_look_before_interval_s_of_steps():
+    m = Machine()
+    cpu = m.governor()
+    m.step(cpu, INTERVAL_S / 2, waited_per_s=1.0, idle_cores=0.0)
+    assert cpu.threads == 2
+    m.step(cpu, INTERVAL_S / 2, waited_per_s=1.0, idle_cores=0.0)
+    assert cpu.threads == 1
+
+
+def test_each_round_trip_waits_twice_as_long_before_the_next_try_up_to_max_hold():
+    m = Machine()
+    cpu = m.governor()
+    holds = []
+    for _ in range(7):
+        m.step(cpu, INTERVAL_S, waited_per_s=0.9, idle_cores=0.0)  # given back to a core still shared: off
+        assert cpu.threads == 1
+        dropped_at = m.now
+        while cpu.threads == 1:  # the other process pauses now and then: a core looks idle at every look
+            m.step(cpu, INTERVAL_S, waited_per_s=0.0, idle_cores=0.9)
+        holds.append(m.now - dropped_at)
+    assert holds == [INTERVAL_S, 1.0, 2.0, 4.0, 8.0, MAX_HOLD_S, MAX_HOLD_S]
+
+
+def test_one_thread_at_a_time_from_many():
+    m = Machine()
+    cpu = m.governor(threads=4)
+    for expected in (3, 2, 1, 1):
+        m.step(cpu, INTERVAL_S, waited_per_s=0.8, idle_cores=0.0)
+        assert cpu.threads == expected
+    for expected in (2, 3, 4):  # three cores go idle: the threads come back one look at a time
+        m.step(cpu, INTERVAL_S, waited_per_s=0.0, idle_cores=3.0)
+        assert cpu.threads == expected
+    m.step(cpu, INTERVAL_S, waited_per_s=0.0, idle_cores=3.0)
+    assert cpu.threads == 4 and m.set_to == [3, 2, 1, 2, 3, 4]
+
+
+@pytest.mark.skipif(not readable(), reason="no scheduler statistics (Linux /proc) here")
+def test_the_readings_are_the_kernels_counters():
+    before_delay, before_idle = run_delay_s(), idle_s()
+    assert 0 <= before_delay <= run_delay_s() and 0 <= before_idle <= idle_s()
+    assert idle_s(frozenset()) == 0
+
+
+def test_no_governor_off_the_cpu_or_when_off():
+    assert cpu_threads_for(False, torch.device("cpu")) is None
+    assert cpu_threads_for(True, torch.device("cuda")) is None
+    if readable() and torch.get_num_threads() >= 2:
+        assert cpu_threads_for(True, torch.device("cpu")).max_threads == torch.get_num_threads()
+
+
+@pytest.mark.skipif(not readable() or not hasattr(os, "sched_setaffinity"), reason="Linux scheduler needed")
+def test_two_threads_on_one_core_drop_to_one():
+    """In a process pinned to one core, torch's two threads take turns at it: each waits about half the time, and
+    the governor, reading the real counters, takes one off; with the core never idle, it does not come back."""
+    script = textwrap.dedent(
+        """
+        import os, time
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        import torch
+        torch.set_num_threads(2)
+        from executor.cpu_threads import CpuThreads
+        cpu = CpuThreads(2)
+        a = torch.randn(384, 384)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            for _ in range(20):
+                a = torch.tanh(a @ a)
+            cpu.after_step(time.perf_counter() - started)
+        print(cpu.threads, torch.get_num_threads())
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["1", "1"], out.stderr
