@@ -12,6 +12,12 @@ So after every INTERVAL_S of steps the governor looks at two things over the tim
 - the idle time of the cores it may run on (/proc/stat): more than RESTORE_IDLE of a core idle while it runs on
   fewer threads than it started with, and it takes one back. A thread given back to a core that is still shared
   comes off again at the next look; each such round trip doubles the wait before the next try (up to MAX_HOLD_S).
+
+A step that follows a pause (INTERVAL_S or more, nearly without steps) is looked at before it runs, from the cores'
+idle time alone: in the pause the engine's threads took nothing, so the cores other processes did not leave idle
+are theirs. Fewer than the threads less half a core left idle, one thread fewer before the step; more than the
+threads and RESTORE_IDLE, one back. A load client that builds its requests before it sends them (GuideLLM does, for
+about 20 s) then meets a first step on one thread, not a 4-5 s one on two.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ INTERVAL_S = 0.5
 DROP_DELAY = 0.5  # seconds of waiting for a core per second: past this, one thread fewer runs faster
 RESTORE_IDLE = 0.75  # cores idle on average: a whole one nearly free
 MAX_HOLD_S = 8.0
+PAUSE_BUSY = 0.1  # a pause: steps took at most this share of the time since the last look
 
 
 def run_delay_s() -> float:
@@ -87,27 +94,47 @@ class CpuThreads:
         self._restore_after = 0.0
         self._restored = False  # the last change gave a thread back
 
+    def before_step(self) -> None:
+        """A step is about to run; after a pause, look first."""
+        now = self._clock()
+        paused = now - self._last[0]
+        if paused >= INTERVAL_S and self._busy <= PAUSE_BUSY * paused:
+            self._look(now, after_steps=False)
+
     def after_step(self, seconds: float) -> None:
         """A step took seconds; once the steps since the last look add up to INTERVAL_S, look again."""
         self._busy += seconds
-        if self._busy < INTERVAL_S:
-            return
-        now, delay, idle = self._clock(), self._delay(), self._idle()
+        if self._busy >= INTERVAL_S:
+            self._look(self._clock(), after_steps=True)
+
+    def _look(self, now: float, after_steps: bool) -> None:
+        delay, idle = self._delay(), self._idle()
         then, delay_then, idle_then = self._last
         self._last = (now, delay, idle)
-        # waiting per second of steps, not of wall time: between steps the threads sleep and wait for nothing
-        waited = max(0.0, delay - delay_then) / self._busy  # (a thread that ended takes its delay with it)
         idle_cores = max(0.0, idle - idle_then) / max(now - then, 1e-9)
+        if after_steps:
+            # waiting per second of steps, not of wall time: between steps the threads sleep and wait for nothing
+            waited = (
+                max(0.0, delay - delay_then) / self._busy
+            )  # (a thread that ended takes its delay with it)
+            crowded, why = (
+                waited > DROP_DELAY,
+                f"its threads waited {waited:.2f} s for a core per second of steps",
+            )
+            spare = idle_cores  # the threads ran: what stayed idle was left over
+        else:
+            spare = (
+                idle_cores - self.threads
+            )  # the threads slept: they would have taken that many of the idle ones
+            crowded, why = spare < -0.5, f"other processes kept {idle_cores:.2f} cores idle during a pause"
         self._busy = 0.0
-        if self.threads > 1 and waited > DROP_DELAY:
+        if self.threads > 1 and crowded:
             # a round trip (given back, taken off) waits twice as long before the next try
             self._hold_s = min(2 * self._hold_s, MAX_HOLD_S) if self._restored else INTERVAL_S
             self._restore_after = now + self._hold_s
-            self._change(
-                self.threads - 1, f"its threads waited {waited:.2f} s for a core per second of steps"
-            )
-        elif self.threads < self.max_threads and idle_cores > RESTORE_IDLE and now >= self._restore_after:
-            self._change(self.threads + 1, f"{idle_cores:.2f} cores idle")
+            self._change(self.threads - 1, why)
+        elif self.threads < self.max_threads and spare > RESTORE_IDLE and now >= self._restore_after:
+            self._change(self.threads + 1, f"{spare:.2f} cores idle beyond its threads")
         elif self.threads == self.max_threads:
             self._hold_s = max(INTERVAL_S, self._hold_s / 2)  # the cores stayed free: try sooner next time
 

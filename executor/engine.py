@@ -182,6 +182,8 @@ class Engine:
         started = time.perf_counter()
         result = StepResult(self._admit_compiled() if len(self.grammar_queue) else [])
         sched = self.scheduler.schedule()
+        if self.cpu_threads is not None and sched.scheduled:
+            self.cpu_threads.before_step()
         self.kv_block_seconds.charge(self.scheduler.running)
         now = time.time_ns()
         for request, _ in sched.scheduled:

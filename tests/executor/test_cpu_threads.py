@@ -39,10 +39,16 @@ class Machine:
         )
 
     def step(self, cpu: CpuThreads, seconds: float, waited_per_s: float, idle_cores: float) -> None:
+        cpu.before_step()
         self.now += seconds
         self.delay += waited_per_s * seconds
         self.idle += idle_cores * seconds
         cpu.after_step(seconds)
+
+    def pause(self, seconds: float, idle_cores: float) -> None:
+        """No steps for seconds, the engine's threads asleep."""
+        self.now += seconds
+        self.idle += idle_cores * seconds
 
 
 def test_a_thread_comes_off_while_the_threads_wait_for_cores_and_back_when_one_is_idle():
@@ -64,10 +70,37 @@ def test_a_thread_comes_off_while_the_threads_wait_for_cores_and_back_when_one_i
 def test_waiting_counts_per_second_of_steps_not_of_the_idle_time_between_them():
     m = Machine()
     cpu = m.governor()
-    m.now += 20.0  # nothing to do for 20 s
-    m.idle += 2 * 20.0
-    m.step(cpu, 4.0, waited_per_s=0.9, idle_cores=0.0)  # then one long step beside a busy process
+    m.pause(20.0, idle_cores=2.0)  # nothing to do for 20 s on a quiet machine
+    m.step(
+        cpu, 4.0, waited_per_s=0.9, idle_cores=0.0
+    )  # then one long step beside a process that just started
+    assert m.set_to == [1]
+
+
+def test_after_a_pause_the_cores_others_kept_busy_decide_before_the_step():
+    m = Machine()
+    cpu = m.governor()
+    m.pause(10.0, idle_cores=1.8)  # the gateway and Redis took a little: both threads run the next step
+    cpu.before_step()
+    assert cpu.threads == 2
+    m.pause(
+        10.0, idle_cores=1.0
+    )  # a client builds its requests on one core: the step after runs on the other
+    cpu.before_step()
+    assert m.set_to == [1]
+    m.step(cpu, 1.0, waited_per_s=0.0, idle_cores=0.0)  # while it lasts, one thread
     assert cpu.threads == 1
+    m.pause(
+        10.0, idle_cores=1.2
+    )  # one core idle, the other the client's: the engine's thread would take the idle one
+    cpu.before_step()
+    assert cpu.threads == 1
+    m.pause(10.0, idle_cores=1.95)  # the client is done
+    cpu.before_step()
+    assert m.set_to == [1, 2]
+    m.step(cpu, 0.1, waited_per_s=0.0, idle_cores=0.0)
+    cpu.before_step()  # steps since: not a pause
+    assert cpu.threads == 2
 
 
 def test_no_look_before_interval_s_of_steps():
