@@ -123,7 +123,10 @@ def guidellm_command(
     # fixed default seed sends the same prompts at every level, which the prefix cache would then serve)
     seed = sum(map(ord, workload.name)) * 1000 + concurrency
     return [
-        "nice", "-n", "19",  # it is busy Python on the server's two cores: it should not take them
+        # it is busy Python on the server's two cores. Its niceness only ranks it within its own session: with
+        # Linux's autogroups (sched_autogroup_enabled) a server started in a session of its own still shares a
+        # core with it half and half, which the executor's thread governor (executor/cpu_threads.py) answers
+        "nice", "-n", "19",
         str(guidellm), "run",
         "--backend", f"kind=openai_http,target={url},model={MODEL_NAME}",
         "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": model_dir}),
@@ -160,10 +163,10 @@ def server_command(
     if system == "kvserve":
         kvserve = Path(sys.executable).parent / "kvserve"
         command = [str(kvserve), "up", "--port", str(port), "--max-model-len", "2048", "--log-format", "text"]
-        # GuideLLM shares the server's cores (at niceness 19), which a deployment's clients do not. Beside an
-        # executor at kvserve up's default niceness of 10 it takes about 12% of a core, stalling the executor's
-        # OpenMP threads at every barrier (a 16-prompt burst: 45.5 against 58.9 output tok/s at niceness 0);
-        # beside vLLM's processes, at 0, about 1.5%. So kvserve runs at 0 too, as vLLM does
+        # GuideLLM shares the server's cores, which a deployment's clients do not. Beside an executor at kvserve
+        # up's default niceness of 10 it took about 12% of a core, stalling the executor's OpenMP threads at every
+        # barrier (a 16-prompt burst: 45.5 against 58.9 output tok/s at niceness 0). So kvserve runs at 0, as
+        # vLLM's processes do
         command += ["--executor-niceness", "0"]
         return command + extra, env
     if system == "vllm":
