@@ -28,6 +28,7 @@ SOURCES = tuple(
     for name in (
         "bindings.cpp",
         "decode_attention_cpu.cpp",
+        "decoder_stack_cpu.cpp",
         "fused_cpu.cpp",
         "prefill_attention_cpu.cpp",
         "quantized_gemm_cpu.cpp",
@@ -37,7 +38,9 @@ SOURCES = tuple(
 HEADERS = tuple(
     _CSRC / name
     for name in (
+        "cpu_kernels.h",
         "cpu_vec.h",
+        "decoder_stack_cpu.h",
         "dynamic_parallel.h",
         "int8_dot_kernel.h",
         "panel_kernel.h",

@@ -49,6 +49,11 @@ class PackedLinear(nn.Module):
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
 
+    @property
+    def uses_cpu_kernels(self) -> bool:
+        """Whether the weight is in the C++ kernels' panels (else oneDNN's layout)."""
+        return self._ops is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:

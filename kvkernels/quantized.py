@@ -177,6 +177,11 @@ class QuantizedLinear(nn.Module):
         return self._weight if self._panels is None else self._panels.unpack()
 
     @property
+    def panels(self) -> PanelWeight | None:
+        """The weight in the CPU kernels' panels once pack() ran, else None."""
+        return self._panels
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the weight as served (bias aside)."""
         return self._weight.nbytes if self._panels is None else self._panels.nbytes

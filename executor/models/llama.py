@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvkernels.backend import Kernels
+from kvkernels.decoder_stack import StackLayer, build_decoder_stack
 
 
 @dataclass(slots=True)
@@ -189,6 +190,35 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # a plain attribute, not a buffer: it must stay float32 when the weights are cast to bf16
         self.inv_freq = rope_inv_freq(spec)
+        self.decoder_stack = None  # fuse_decode_layers() sets it where it can serve
+
+    def fuse_decode_layers(self) -> bool:
+        """Run steps of decodes through the C++ decoder stack (kvkernels/decoder_stack.py) where the kernels and
+        the packed weights allow: the same kernels and results, less host work. Call after Kernels.prepare."""
+        self.decoder_stack = None
+        if self.kernels.name != "torch" or self.spec.qk_norm:
+            return False
+        layers = [
+            StackLayer(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                layer.input_layernorm.eps,
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+            for layer in self.model.layers
+        ]
+        if any(
+            layer.input_layernorm.eps != layer.post_attention_layernorm.eps for layer in self.model.layers
+        ):
+            return False
+        attention = self.model.layers[0].self_attn
+        self.decoder_stack = build_decoder_stack(
+            layers, attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.scale
+        )
+        return self.decoder_stack is not None
 
     def forward(
         self,
@@ -201,9 +231,16 @@ class DecoderLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(input_ids)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, batch)
+        if self.decoder_stack is not None and input_ids.shape[0] == batch.block_table.shape[0]:
+            # a step of decodes, one token per sequence
+            keys, values = zip(*kv_caches, strict=True)
+            x, residual = self.decoder_stack.forward(
+                x, cos, sin, keys, values, batch.block_table, batch.seq_lens, batch.slot_mapping
+            )
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, kv_cache, batch)
         norm = self.model.norm
         return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 

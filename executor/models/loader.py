@@ -171,4 +171,5 @@ def build_model(
         if isinstance(layer, QuantizedLinear):
             layer.int8_activations = quantized_activations == "int8"
     kernels.prepare(model, device, dtype)
+    model.fuse_decode_layers()
     return model

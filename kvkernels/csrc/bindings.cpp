@@ -1,26 +1,8 @@
 // The CPU kernels as one Python module (kvkernels/cpu_extension.py builds it).
 #include <torch/extension.h>
 
-torch::Tensor decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                               torch::Tensor block_table, torch::Tensor seq_lens, double scale);
-void prefill_attention_(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
-                        const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                        const at::Tensor& query_start_loc, double scale);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps);
-void rotary_embedding_(at::Tensor query, at::Tensor key, const at::Tensor& cos, const at::Tensor& sin);
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
-                       const at::Tensor& slot_mapping);
-at::Tensor silu_and_mul(const at::Tensor& x);
-at::Tensor pack_gemm_weight(const at::Tensor& weight);
-at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quantized_weight(const at::Tensor& values, const at::Tensor& scales,
-                                                                     const c10::optional<at::Tensor>& offsets,
-                                                                     int64_t bits, int64_t zero_point);
-at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                          const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
-                          const c10::optional<at::Tensor>& bias, bool int8_activations);
-bool int8_dot_available();
+#include "cpu_kernels.h"
+#include "decoder_stack_cpu.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
@@ -40,4 +22,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "to int8 in blocks of 32 and multiplied as integers (needs int8_dot_available())");
   m.def("int8_dot_available", &int8_dot_available,
         "whether quantized_gemm takes int8_activations here (AVX-512 VNNI and VBMI)");
+  pybind11::class_<DecoderStack>(m, "DecoderStack", "a decode step's decoder layers in one call")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double>(), "num_heads, num_kv_heads, head_dim, scale")
+      .def("add_layer", &DecoderStack::add_layer,
+           "input_norm, post_norm, eps, then qkv, o, gate_up and down as (weight, scales, offsets, bias, "
+           "out_features, bits, zero_point, int8_activations), bits 0 for small_gemm's float panels")
+      .def("forward", &DecoderStack::forward,
+           "(the last layer's addition, the residual before it) of a step of decodes, one token per sequence");
 }

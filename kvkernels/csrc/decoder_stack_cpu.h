@@ -1,0 +1,50 @@
+// The decoder layers of a decode step as one object holding each layer's weights (decoder_stack_cpu.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <tuple>
+#include <vector>
+
+// (weight, scales, offsets, bias, out_features, bits, zero_point, int8_activations): bits 0 is a float weight in
+// small_gemm's panels; 4 or 8, quantized_gemm's panels with their scales and offsets
+using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                              c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool>;
+
+struct StackLinear {
+  explicit StackLinear(LinearArgs args);
+  at::Tensor operator()(const at::Tensor& x) const;
+
+  at::Tensor weight;
+  c10::optional<at::Tensor> scales, offsets, bias;
+  int64_t out_features = 0, bits = 0, zero_point = 0;
+  bool int8_activations = false;
+};
+
+struct StackLayer {
+  at::Tensor input_norm, post_norm;
+  double eps;
+  StackLinear qkv, o, gate_up, down;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps, LinearArgs qkv, LinearArgs o,
+                 LinearArgs gate_up, LinearArgs down);
+
+  // (the last layer's addition, the residual stream before it), as the Python loop leaves them
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                                             const std::vector<at::Tensor>& key_caches,
+                                             const std::vector<at::Tensor>& value_caches,
+                                             const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                             const at::Tensor& slot_mapping) const;
+
+ private:
+  std::vector<StackLayer> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+};
