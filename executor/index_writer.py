@@ -74,6 +74,9 @@ class IndexWriter:
         self._pending_removed: set[str] = set()
         self._pending_stats: dict[str, float] | None = None
         self._last_stats: dict[str, float] | None = None  # what a republish writes again
+        # the load as Redis holds it: a step that changes nothing a reader sees (most decode steps at one stream)
+        # costs no round trip, whose client and server time would stall the engine's threads
+        self._published_load: dict[str, float] | None = None
         self._cached_hashes = cached_hashes
         self._lost = threading.Event()  # Redis lost the blocks set: the next publish writes it whole
         # whether another live executor could start a request at once, as of the last heartbeat: only then is
@@ -126,8 +129,9 @@ class IndexWriter:
         stats: dict[str, float] | None = None,
     ) -> None:
         """One round trip: block hashes cached and evicted since the last call, the load, the stats when given
-        (ExecutorStats.to_hash()), fresh TTLs, and on a heartbeat the registration again. While Redis is failing,
-        changes wait for the next heartbeat."""
+        (ExecutorStats.to_hash()), fresh TTLs, and on a heartbeat the registration again; none at all when nothing
+        is new (no blocks, no stats, no heartbeat, the load as last written). While Redis is failing, changes
+        wait for the next heartbeat."""
         for h in added:
             self._pending_removed.discard(h.hex())
             self._pending_added.add(h.hex())
@@ -140,6 +144,9 @@ class IndexWriter:
             return
         blocks = keys.blocks_key(self.executor_id)
         republish = self._lost.is_set()
+        unchanged = not (self._pending_added or self._pending_removed or self._pending_stats is not None)
+        if unchanged and not (heartbeat or republish) and load == self._published_load:
+            return
         # a republish replaces the set in one transaction: no reader, and no heartbeat checking the marker,
         # sees it half written
         pipe = self.client.pipeline(transaction=republish)
@@ -174,6 +181,7 @@ class IndexWriter:
         if republish:
             log.info("republished %d cached blocks to Redis", len(self._pending_added))
         self._failing = False
+        self._published_load = dict(load)
         self._check_marker(replies, marker_reply)
         self._pending_added.clear()
         self._pending_removed.clear()

@@ -62,7 +62,7 @@ class EngineStats:
         return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     def load(self) -> dict[str, float]:
-        """What routing needs, published every step (the executor's load in Redis)."""
+        """What routing needs, published after each step that changes it (the executor's load in Redis)."""
         return {
             "running": self.running,
             "waiting": self.waiting,

@@ -69,6 +69,25 @@ def test_stats_go_out_with_the_load_and_wait_out_a_failure(redis_url):
     assert not client.exists(keys.stats_key("reg-c"))
 
 
+def test_a_step_that_changes_nothing_a_reader_sees_makes_no_round_trip(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    index = IndexWriter(client, "reg-d")
+    index.register({"address": "tcp://127.0.0.1:4"})
+    index.publish([], [], LOAD)
+    client.delete(keys.load_key("reg-d"))  # a write now would bring it back
+    index.publish([], [], dict(LOAD))
+    assert not client.exists(keys.load_key("reg-d"))
+    index.publish([], [], {**LOAD, "kv_usage": 0.75})  # the load moved
+    assert client.hget(keys.load_key("reg-d"), "kv_usage") == "0.75"
+    client.delete(keys.load_key("reg-d"))
+    index.publish([b"\x0d"], [], {**LOAD, "kv_usage": 0.75})  # a block cached
+    assert held(client, "reg-d") == {"0d"} and client.exists(keys.load_key("reg-d"))
+    client.delete(keys.load_key("reg-d"))
+    index.publish([], [], {**LOAD, "kv_usage": 0.75}, heartbeat=True)  # a heartbeat writes all of it
+    assert client.hget(keys.load_key("reg-d"), "running") == "1"
+    index.deregister()
+
+
 def test_changes_that_failed_to_publish_go_out_with_the_next_write(redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     index = IndexWriter(client, "reg-b")
