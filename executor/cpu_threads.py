@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from kvkernels.cpu_extension import cpu_kernels, kernels_enabled
+
 log = logging.getLogger("kvserve.engine")
 
 INTERVAL_S = 0.5
@@ -145,8 +147,13 @@ class CpuThreads:
         log.info("CPU forward pass on %d of %d threads: %s", threads, self.max_threads, why)
 
 
-def cpu_threads_for(enabled: bool, device: torch.device) -> CpuThreads | None:
-    """The governor for an engine on device, or None: off, not the CPU, one thread, or no scheduler statistics."""
+def cpu_threads_for(enabled: bool, device: torch.device, dtype: torch.dtype) -> CpuThreads | None:
+    """The governor for an engine on device, or None: off, not the CPU, one thread, no scheduler statistics, or
+    a forward pass not on the C++ kernels. Those split work by output, so a result is the same on any number of
+    threads; torch's own CPU ops (bfloat16, KVSERVE_CPU_KERNELS=0) round differently on one thread than on two,
+    and a seeded request would then answer differently as the machine's load moved the thread count."""
     if not enabled or device.type != "cpu" or torch.get_num_threads() < 2 or not readable():
+        return None
+    if dtype != torch.float32 or not kernels_enabled() or cpu_kernels() is None:
         return None
     return CpuThreads(torch.get_num_threads())

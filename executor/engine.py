@@ -65,7 +65,7 @@ class Engine:
         self.grammar_queue = GrammarQueue(models.tokenizer, models.vocab_size, models.eos_token_ids, config)
         self.intake = Intake(models, config, num_blocks, self.device, self.grammar_queue)
         log_kv_capacity(num_blocks, block_bytes, self.block_size, self.dtype, self.max_model_len)
-        self.cpu_threads = cpu_threads_for(config.adaptive_cpu_threads, self.device)
+        self.cpu_threads = cpu_threads_for(config.adaptive_cpu_threads, self.device, self.dtype)
 
     # -- requests ---------------------------------------------------------------------------------
 

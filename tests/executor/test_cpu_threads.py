@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from executor import LLM, SamplingParams
 from executor.cpu_threads import (
     INTERVAL_S,
     MAX_HOLD_S,
@@ -20,6 +21,7 @@ from executor.cpu_threads import (
     readable,
     run_delay_s,
 )
+from kvkernels.cpu_extension import cpu_kernels
 
 
 class Machine:
@@ -146,11 +148,35 @@ def test_the_readings_are_the_kernels_counters():
     assert idle_s(frozenset()) == 0
 
 
-def test_no_governor_off_the_cpu_or_when_off():
-    assert cpu_threads_for(False, torch.device("cpu")) is None
-    assert cpu_threads_for(True, torch.device("cuda")) is None
-    if readable() and torch.get_num_threads() >= 2:
-        assert cpu_threads_for(True, torch.device("cpu")).max_threads == torch.get_num_threads()
+def test_no_governor_off_the_cpu_or_when_off_or_off_the_cpu_kernels(monkeypatch):
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert cpu_threads_for(False, cpu, f32) is None
+    assert cpu_threads_for(True, torch.device("cuda"), f32) is None
+    # torch's own ops round differently on another thread count: a seeded answer would move with the load
+    assert cpu_threads_for(True, cpu, torch.bfloat16) is None
+    if readable() and torch.get_num_threads() >= 2 and cpu_kernels() is not None:
+        assert cpu_threads_for(True, cpu, f32).max_threads == torch.get_num_threads()
+        monkeypatch.setenv("KVSERVE_CPU_KERNELS", "0")
+        assert cpu_threads_for(True, cpu, f32) is None
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels are not built here")
+def test_a_seeded_answer_is_the_same_on_one_thread_as_on_two(tiny_models):
+    """What lets the governor move the thread count: the C++ kernels' results do not depend on it."""
+    llm = LLM(tiny_models["llama"], device="cpu", kv_cache_memory="16MiB", max_model_len=256)
+    params = [SamplingParams(max_tokens=48, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(4)]
+    prompts = [f"killed {i}" for i in range(4)]
+    threads = torch.get_num_threads()
+    answers = []
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            answers.append(
+                [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert answers[0] == answers[1]
 
 
 @pytest.mark.skipif(not readable() or not hasattr(os, "sched_setaffinity"), reason="Linux scheduler needed")
