@@ -198,6 +198,10 @@ class DecoderLM(nn.Module):
         self.decoder_stack = None
         if self.kernels.name != "torch" or self.spec.qk_norm:
             return False
+        if any(
+            layer.input_layernorm.eps != layer.post_attention_layernorm.eps for layer in self.model.layers
+        ):
+            return False
         layers = [
             StackLayer(
                 layer.input_layernorm.weight,
@@ -210,10 +214,6 @@ class DecoderLM(nn.Module):
             )
             for layer in self.model.layers
         ]
-        if any(
-            layer.input_layernorm.eps != layer.post_attention_layernorm.eps for layer in self.model.layers
-        ):
-            return False
         attention = self.model.layers[0].self_attn
         self.decoder_stack = build_decoder_stack(
             layers, attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.scale
