@@ -8,6 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
   m.def("prefill_attention_", &prefill_attention_,
         "paged causal attention of the chunks of two or more tokens, into out (float32, CPU)");
+  m.def("rms_norm", &rms_norm, "rms_norm(x) * weight over the last dimension, as torch computes it");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding of query and key, in place");
   m.def("reshape_and_cache", &reshape_and_cache, "write keys and values into the paged cache (slot -1: skip)");

@@ -12,6 +12,7 @@ at::Tensor decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor v
 void prefill_attention_(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                         const at::Tensor& query_start_loc, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
 void rotary_embedding_(at::Tensor query, at::Tensor key, const at::Tensor& cos, const at::Tensor& sin);

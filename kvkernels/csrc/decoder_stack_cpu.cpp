@@ -40,16 +40,18 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(const at::Tensor& embed
               " value caches");
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.size(0) == block_table.size(0),
               "decoder stack: decode steps only, one token per sequence");
-  const int64_t T = embeddings.size(0), H = embeddings.size(1);
+  const int64_t T = embeddings.size(0);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const auto cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  // the attention kernel's index types, converted once for all layers
+  const auto table = block_table.to(at::kInt).contiguous(), lens = seq_lens.to(at::kInt).contiguous();
   at::Tensor x = embeddings, residual;
   for (int64_t l = 0; l < L; ++l) {
     const StackLayer& layer = layers_[l];
     at::Tensor h;
     if (l == 0) {
       residual = x;
-      h = at::rms_norm(x, {H}, layer.input_norm, layer.eps);
+      h = rms_norm(x, layer.input_norm, layer.eps);
     } else {
       std::tie(h, residual) = add_rms_norm(x, residual, layer.input_norm, layer.eps);
     }
@@ -61,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(const at::Tensor& embed
     auto v = parts[2].view({T, num_kv_heads_, head_dim_});
     rotary_embedding_(q, k, cos_c, sin_c);
     reshape_and_cache(k, v, key_caches[l], value_caches[l], slot_mapping);
-    auto o = decode_attention(q, key_caches[l], value_caches[l], block_table, seq_lens, scale_);
+    auto o = decode_attention(q, key_caches[l], value_caches[l], table, lens, scale_);
     h = layer.o(o.reshape({T, -1}));
     std::tie(h, residual) = add_rms_norm(h, residual, layer.post_norm, layer.eps);
     x = layer.down(silu_and_mul(layer.gate_up(h)));

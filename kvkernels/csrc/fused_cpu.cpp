@@ -6,6 +6,7 @@
 // function torch's kernels call, and the build turns off fused multiply-add contraction), so results match the
 // torch path bit for bit.
 #include "cpu_vec.h"
+#include "torch_row_sum.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,47 +27,73 @@ void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, ": CPU tensors only");
 }
 
-}  // namespace
-
-// (rms_norm(x + residual) * weight, x + residual) over the last dimension. The mean of squares is torch's own
-// reduction (its summation order is what HF's RMSNorm computes, bit for bit); the rest is one pass a row.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps) {
-  check_rows(x, "add_rms_norm");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x and residual differ in shape");
-  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
-              "add_rms_norm: contiguous tensors only");
-  TORCH_CHECK(residual.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "add_rms_norm: float32 only");
-  const int64_t H = x.size(-1), rows = H ? x.numel() / H : 0;
-  TORCH_CHECK(weight.numel() == H, "add_rms_norm: weight has ", weight.numel(), " entries for rows of ", H);
-  auto summed = at::empty_like(x);
-  auto out = at::empty_like(x);
-  const float* a = x.data_ptr<float>();
-  const float* b = residual.data_ptr<float>();
-  float* s = summed.data_ptr<float>();
-  at::parallel_for(0, rows * H, 32768, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    for (; i + Vec::size() <= end; i += Vec::size()) (Vec::loadu(a + i) + Vec::loadu(b + i)).store(s + i);
-    for (; i < end; ++i) s[i] = a[i] + b[i];
-  });
-  const auto variance = summed.pow(2).mean(-1, true).contiguous();
-  const float* var = variance.data_ptr<float>();
+// out = rms_norm(s) * weight for rows of s: torch's x * rsqrt(mean(x^2) + eps), then * weight (its rsqrt is
+// 1 / sqrt, each correctly rounded). The mean of squares is summed in torch's order (torch_row_sum.h); where that
+// order is unknown here, by torch's own pow and mean.
+void rms_norm_rows(const at::Tensor& summed, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t H = summed.size(-1), rows = H ? summed.numel() / H : 0;
+  const float* s = summed.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
+  // torch splits one row's sum over threads from 32768 elements: another order
+  const int64_t lanes = H < 32768 ? torch_order::sum_lanes() : 0;
+  at::Tensor variance;
+  if (lanes == 0) variance = summed.pow(2).mean(-1, true).contiguous();
+  const float* var = lanes == 0 ? variance.data_ptr<float>() : nullptr;
   at::parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* sr = s + r * H;
       float* orow = o + r * H;
-      // torch: x * rsqrt(mean(x^2) + eps), then * weight; its rsqrt is 1 / sqrt, each correctly rounded
-      const float inv = 1.f / std::sqrt(var[r] + feps);
+      const float mean = var != nullptr ? var[r]
+                                        : torch_order::sum_of_squares(sr, H, H < lanes ? 1 : lanes) /
+                                              static_cast<float>(H);
+      const float inv = 1.f / std::sqrt(mean + feps);
       const Vec vinv(inv);
       int64_t i = 0;
       for (; i + Vec::size() <= H; i += Vec::size()) ((Vec::loadu(sr + i) * vinv) * Vec::loadu(w + i)).store(orow + i);
       for (; i < H; ++i) orow[i] = (sr[i] * inv) * w[i];
     }
   });
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& weight, const char* what) {
+  check_rows(x, what);
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), what, ": contiguous tensors only");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, what, ": float32 only");
+  TORCH_CHECK(weight.numel() == x.size(-1), what, ": weight has ", weight.numel(), " entries for rows of ",
+              x.size(-1));
+}
+
+}  // namespace
+
+// rms_norm(x) * weight over the last dimension, as torch's rms_norm
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm(x, weight, "rms_norm");
+  auto out = at::empty_like(x);
+  rms_norm_rows(x, weight, eps, out);
+  return out;
+}
+
+// (rms_norm(x + residual) * weight, x + residual) over the last dimension
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_norm(x, weight, "add_rms_norm");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x and residual differ in shape");
+  TORCH_CHECK(residual.is_contiguous() && residual.scalar_type() == at::kFloat,
+              "add_rms_norm: residual must be contiguous float32");
+  const int64_t n = x.numel();
+  auto summed = at::empty_like(x);
+  auto out = at::empty_like(x);
+  const float* a = x.data_ptr<float>();
+  const float* b = residual.data_ptr<float>();
+  float* s = summed.data_ptr<float>();
+  at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + Vec::size() <= end; i += Vec::size()) (Vec::loadu(a + i) + Vec::loadu(b + i)).store(s + i);
+    for (; i < end; ++i) s[i] = a[i] + b[i];
+  });
+  rms_norm_rows(summed, weight, eps, out);
   return {out, summed};
 }
 

@@ -54,6 +54,25 @@ def test_add_rms_norm_is_bit_identical_to_torch(tokens: int) -> None:
     assert torch.equal(normed, F.rms_norm(x + residual, (576,), weight, 1e-5))
 
 
+# row lengths through every branch of torch's summation order (kvkernels/csrc/torch_row_sum.h): shorter than a
+# vector, vectors but no group of four, groups short of a level, one and two levels of the cascade, a tail of
+# vectors and of elements, and past the 32768 from which torch splits a row over threads
+@pytest.mark.parametrize("hidden", [3, 10, 20, 48, 100, 576, 960, 1024, 1100, 2048, 4100, 8192, 20003, 33000])
+def test_rms_norm_sums_in_torchs_order(hidden: int) -> None:
+    generator = torch.Generator().manual_seed(hidden)
+    # magnitudes over several orders, so that a different order of additions would show in the last bits
+    rows = torch.randn(3, hidden, generator=generator) * torch.exp(
+        torch.randn(3, hidden, generator=generator) * 3
+    )
+    residual = torch.randn(3, hidden, generator=generator)
+    weight = torch.rand(hidden, generator=generator) + 0.5
+    summed = rows + residual
+    hf = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    assert torch.equal(cpu_kernels().rms_norm(summed, weight, 1e-6), hf)
+    assert torch.equal(cpu_kernels().add_rms_norm(rows, residual, weight, 1e-6)[0], hf)
+    assert torch.equal(F.rms_norm(summed, (hidden,), weight, 1e-6), hf)
+
+
 def test_each_op_falls_back_to_torch_where_the_kernels_are_off(monkeypatch) -> None:
     monkeypatch.setattr(layer_ops, "cpu_kernels", lambda: None)
     q, k, _ = qkv_views(3)
