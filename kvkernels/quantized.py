@@ -96,7 +96,9 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
 class PanelWeight:
     """A QuantizedWeight in the panels the CPU kernel reads (kvkernels/csrc/quantized_gemm_cpu.cpp): values
     [panels, K, 16] int8, or [panels, K, 8] bytes of two 4-bit values each stored plus zero_point (8 for signed
-    values, so that they lie in 0..15); scales and offsets [panels, K / group_size, 16] float32.
+    values, so that they lie in 0..15); scales and offsets [panels, K / group_size, 16], float16 where every one
+    of them is exactly a float16 (GGUF's blocks carry float16 scales and offsets: Q4_1 then reads 20 bytes a
+    block of 32 weights, not 24), else float32.
 
     int8_activations: the GEMM quantizes its input to int8 in blocks of 32 and multiplies integers (AVX-512 VNNI,
     as llama.cpp's CPU path does; several times fewer instructions than converting the weights to floats, which
@@ -120,6 +122,10 @@ class PanelWeight:
         values, scales, offsets = ops.pack_quantized_weight(
             weight.values, weight.scales, weight.offsets, weight.bits, zero_point
         )
+        extras = (scales,) if offsets is None else (scales, offsets)
+        if all(torch.equal(t.half().float(), t) for t in extras):
+            scales = scales.half()
+            offsets = None if offsets is None else offsets.half()
         return PanelWeight(
             values,
             scales,
@@ -145,8 +151,10 @@ class PanelWeight:
             nibbles = self.values[panels, :, columns % 8].view(torch.uint8).to(torch.int16)
             high = (columns >= 8).unsqueeze(-1)
             values = (torch.where(high, nibbles >> 4, nibbles & 0xF) - self.zero_point).to(torch.int8)
-        offsets = None if self.offsets is None else self.offsets[panels, :, columns]
-        return QuantizedWeight(values, self.scales[panels, :, columns], offsets, self.group_size, self.bits)
+        offsets = None if self.offsets is None else self.offsets[panels, :, columns].float()
+        return QuantizedWeight(
+            values, self.scales[panels, :, columns].float(), offsets, self.group_size, self.bits
+        )
 
     def rows(self, rows: torch.Tensor) -> QuantizedWeight:
         """The given output rows as a QuantizedWeight [len(rows), K]."""

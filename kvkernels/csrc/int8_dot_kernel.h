@@ -22,6 +22,8 @@
 // point is 128).
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -60,6 +62,12 @@ inline void quantize_row(const float* x, int64_t K, int8_t* values, float* scale
   }
 }
 
+// a panel group's 16 scales or offsets: float32, or float16 where the weights' own were (GGUF's blocks)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // byte permutes into VPDPBUSD's order: lane c of the result holds column c's inputs k..k+3
 inline __m512i transpose_8bit() {  // four rows of 16 bytes: byte 4c + i <- row i, column c
   alignas(64) int8_t idx[64];
@@ -77,9 +85,10 @@ inline __m512i transpose_4bit(int first) {
 }
 
 // y[r, 0:cols] = x[r, :] . W (+ bias) for MR rows over one panel: q its K rows of 16 bytes (BITS 8, signed) or 8
-// (BITS 4, unsigned nibbles, zero_point 0 or 8); scales, offsets (or null): [K / G, 16]; G a multiple of 32.
-template <int MR, int BITS>
-void kernel(const Rows* x, const int8_t* q, const float* scales, const float* offsets, int64_t G, float zero_point,
+// (BITS 4, unsigned nibbles, zero_point 0 or 8); scales, offsets (or null): [K / G, 16] of S (float or c10::Half);
+// G a multiple of 32.
+template <int MR, int BITS, typename S>
+void kernel(const Rows* x, const int8_t* q, const S* scales, const S* offsets, int64_t G, float zero_point,
             const float* bias, float* y, int64_t ldy, int64_t cols) {
   const int64_t K = x[0].K, blocks_per_group = G / kBlock;
   __m512 out[MR];
@@ -121,9 +130,9 @@ void kernel(const Rows* x, const int8_t* q, const float* scales, const float* of
         xsum[r] += x[r].sums[b];
       }
     }
-    const __m512 s = _mm512_loadu_ps(scales + g * kCols);
+    const __m512 s = load16(scales + g * kCols);
     __m512 c = _mm512_mul_ps(_mm512_set1_ps(-zp), s);
-    if (offsets != nullptr) c = _mm512_add_ps(c, _mm512_loadu_ps(offsets + g * kCols));
+    if (offsets != nullptr) c = _mm512_add_ps(c, load16(offsets + g * kCols));
     for (int r = 0; r < MR; ++r)
       out[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[r]), _mm512_fmadd_ps(s, dots[r], out[r]));
   }
@@ -134,12 +143,15 @@ void kernel(const Rows* x, const int8_t* q, const float* scales, const float* of
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(out[r], add));
 }
 
-using Kernel = void (*)(const Rows*, const int8_t*, const float*, const float*, int64_t, float, const float*, float*,
-                        int64_t, int64_t);
-constexpr Kernel kKernels8[kRows + 1] = {nullptr,      &kernel<1, 8>, &kernel<2, 8>, &kernel<3, 8>,
-                                         &kernel<4, 8>, &kernel<5, 8>, &kernel<6, 8>};
-constexpr Kernel kKernels4[kRows + 1] = {nullptr,      &kernel<1, 4>, &kernel<2, 4>, &kernel<3, 4>,
-                                         &kernel<4, 4>, &kernel<5, 4>, &kernel<6, 4>};
+template <typename S>
+using Kernel = void (*)(const Rows*, const int8_t*, const S*, const S*, int64_t, float, const float*, float*, int64_t,
+                        int64_t);
+template <typename S>
+constexpr Kernel<S> kKernels8[kRows + 1] = {nullptr,         &kernel<1, 8, S>, &kernel<2, 8, S>, &kernel<3, 8, S>,
+                                            &kernel<4, 8, S>, &kernel<5, 8, S>, &kernel<6, 8, S>};
+template <typename S>
+constexpr Kernel<S> kKernels4[kRows + 1] = {nullptr,         &kernel<1, 4, S>, &kernel<2, 4, S>, &kernel<3, 4, S>,
+                                            &kernel<4, 4, S>, &kernel<5, 4, S>, &kernel<6, 4, S>};
 
 }  // namespace int8_dot
 #endif

@@ -5,10 +5,12 @@
 // weights, so int8 reads a quarter of float32's and 4 bits an eighth. The layout is small_gemm_cpu.cpp's, in
 // integers: panels of 16 output columns whose K rows lie one after another ([panels, K, 16] int8; 4 bits: 8 bytes a
 // row of K, column j in the low nibble of byte j and column j + 8 in its high nibble), and the scales and offsets
-// beside them as [panels, K / G, 16] floats. The kernel converts each row of 16 integers to floats in registers,
-// makes them weights with one multiply-add by the group's scale and offset (once per k, shared by the 6 rows of the
-// register block), and then runs panel_kernel.h's 6 x 16 block of multiply-adds. Signed 4-bit values are stored
-// plus 8 (zero_point) and the kernel subtracts 8 scales per group in registers, so Q4_0 costs no offsets in memory.
+// beside them as [panels, K / G, 16] float32, or float16 where they are float16 values (GGUF's: Q4_1 then reads 20
+// bytes a block of 32 weights as its file holds them, not 24). The kernel converts each row of 16 integers to floats
+// in registers, makes them weights with one multiply-add by the group's scale and offset (once per k, shared by the
+// 6 rows of the register block), and then runs panel_kernel.h's 6 x 16 block of multiply-adds. Signed 4-bit values
+// are stored plus 8 (zero_point) and the kernel subtracts 8 scales per group in registers, so Q4_0 costs no offsets
+// in memory.
 //
 // Past 6 rows, converting again for every row block cost 10-15% over float32 at 16-64 rows (the conversion is
 // about half a block's instructions). So the first row block also writes the floats it made to a buffer of the
@@ -40,17 +42,35 @@ using panel_gemm::kRows;
 template <int BITS>
 constexpr int64_t kRowBytes = BITS == 8 ? kCols : kCols / 2;  // bytes of one row of K in a panel
 
-// One group's scale and offset for the panel's 16 columns; a zero point subtracts zero_point scales.
+inline float scale_at(const float* p, int64_t j) { return p[j]; }
+inline float scale_at(const c10::Half* p, int64_t j) { return static_cast<float>(p[j]); }
+
+#if defined(CPU_CAPABILITY_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int64_t j = 0; j < 8; ++j) f[j] = scale_at(p, j);
+  return _mm256_load_ps(f);
+#endif
+}
+#endif
+
+// One group's scale and offset for the panel's 16 columns, from float32 or float16 (S); a zero point subtracts
+// zero_point scales.
 struct Group {
 #if defined(CPU_CAPABILITY_AVX2)
   __m256 s_lo, s_hi, m_lo, m_hi;
-  Group(const float* scales, const float* offsets, float zero_point) {
+  template <typename S>
+  Group(const S* scales, const S* offsets, float zero_point) {
     const __m256 zero = _mm256_set1_ps(-zero_point);
-    s_lo = _mm256_loadu_ps(scales), s_hi = _mm256_loadu_ps(scales + 8);
+    s_lo = load8(scales), s_hi = load8(scales + 8);
     m_lo = _mm256_mul_ps(zero, s_lo), m_hi = _mm256_mul_ps(zero, s_hi);
     if (offsets != nullptr) {
-      m_lo = _mm256_add_ps(m_lo, _mm256_loadu_ps(offsets));
-      m_hi = _mm256_add_ps(m_hi, _mm256_loadu_ps(offsets + 8));
+      m_lo = _mm256_add_ps(m_lo, load8(offsets));
+      m_hi = _mm256_add_ps(m_hi, load8(offsets + 8));
     }
   }
   // the 16 weights of one row of K: integers to floats in registers, then one multiply-add each half
@@ -70,10 +90,11 @@ struct Group {
   }
 #else
   float s[kCols], m[kCols];
-  Group(const float* scales, const float* offsets, float zero_point) {
+  template <typename S>
+  Group(const S* scales, const S* offsets, float zero_point) {
     for (int64_t j = 0; j < kCols; ++j) {
-      s[j] = scales[j];
-      m[j] = -zero_point * s[j] + (offsets != nullptr ? offsets[j] : 0.f);
+      s[j] = scale_at(scales, j);
+      m[j] = -zero_point * s[j] + (offsets != nullptr ? scale_at(offsets, j) : 0.f);
     }
   }
   template <int BITS>
@@ -87,11 +108,11 @@ struct Group {
 };
 
 // y[r, 0:cols] = x[r, :] . W for MR rows over one panel of W: q its K rows of 16 (BITS 8) or 8 bytes (BITS 4);
-// scales, offsets (or null): [K / G, 16]; bias null or [cols]. The weights become floats in registers, once per
+// scales, offsets (or null): [K / G, 16] of S (float or c10::Half); bias null or [cols]. The weights become floats in registers, once per
 // row of K for all MR rows, as they stream by; with store, they are also written there ([K, 16]) for the row
 // blocks that follow.
-template <int MR, int BITS>
-void kernel(const float* x, int64_t ldx, const int8_t* q, const float* scales, const float* offsets, int64_t K,
+template <int MR, int BITS, typename S>
+void kernel(const float* x, int64_t ldx, const int8_t* q, const S* scales, const S* offsets, int64_t K,
             int64_t G, float zero_point, const float* bias, float* y, int64_t ldy, int64_t cols, float* store) {
 #if defined(CPU_CAPABILITY_AVX2)
   __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
@@ -135,12 +156,15 @@ void kernel(const float* x, int64_t ldx, const int8_t* q, const float* scales, c
 #endif
 }
 
-using Kernel = void (*)(const float*, int64_t, const int8_t*, const float*, const float*, int64_t, int64_t, float,
+template <typename S>
+using Kernel = void (*)(const float*, int64_t, const int8_t*, const S*, const S*, int64_t, int64_t, float,
                         const float*, float*, int64_t, int64_t, float*);
-constexpr Kernel kKernels8[kRows + 1] = {nullptr,      &kernel<1, 8>, &kernel<2, 8>, &kernel<3, 8>,
-                                         &kernel<4, 8>, &kernel<5, 8>, &kernel<6, 8>};
-constexpr Kernel kKernels4[kRows + 1] = {nullptr,      &kernel<1, 4>, &kernel<2, 4>, &kernel<3, 4>,
-                                         &kernel<4, 4>, &kernel<5, 4>, &kernel<6, 4>};
+template <typename S>
+constexpr Kernel<S> kKernels8[kRows + 1] = {nullptr,         &kernel<1, 8, S>, &kernel<2, 8, S>, &kernel<3, 8, S>,
+                                            &kernel<4, 8, S>, &kernel<5, 8, S>, &kernel<6, 8, S>};
+template <typename S>
+constexpr Kernel<S> kKernels4[kRows + 1] = {nullptr,         &kernel<1, 4, S>, &kernel<2, 4, S>, &kernel<3, 4, S>,
+                                            &kernel<4, 4, S>, &kernel<5, 4, S>, &kernel<6, 4, S>};
 
 // [N, C] -> [ceil(N / 16), C, 16]: column j of panel p is row p * 16 + j of t (zeros past N)
 at::Tensor to_panels(const at::Tensor& t) {
@@ -153,7 +177,8 @@ at::Tensor to_panels(const at::Tensor& t) {
 #if defined(KVSERVE_INT8_DOT)
 // quantized_gemm with int8 activations: the rows quantized once, then each thread's runs of panels, all row blocks
 // of a panel while its bytes are in L1
-void int8_dot_gemm(const at::Tensor& x, const int8_t* qp, const float* sp, const float* m, int64_t N, int64_t G,
+template <typename S>
+void int8_dot_gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* m, int64_t N, int64_t G,
                    int64_t bits, int64_t zero_point, const float* b, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), blocks = K / int8_dot::kBlock;
   const int64_t groups = K / G, row_bytes = bits == 8 ? kCols : kCols / 2, panels = (N + kCols - 1) / kCols;
@@ -168,7 +193,7 @@ void int8_dot_gemm(const at::Tensor& x, const int8_t* qp, const float* sp, const
   });
   for (int64_t r = 0; r < M; ++r)
     rows[r] = {values.data() + r * K, block_scales.data() + r * blocks, block_sums.data() + r * blocks, K};
-  const int8_dot::Kernel* kernels = bits == 8 ? int8_dot::kKernels8 : int8_dot::kKernels4;
+  const int8_dot::Kernel<S>* kernels = bits == 8 ? int8_dot::kKernels8<S> : int8_dot::kKernels4<S>;
   float* yp = y.data_ptr<float>();
   const auto zp = static_cast<float>(zero_point);
   const int64_t run = std::clamp<int64_t>(panels / (8 * at::get_num_threads()), 1, 16);
@@ -185,6 +210,50 @@ void int8_dot_gemm(const at::Tensor& x, const int8_t* qp, const float* sp, const
   });
 }
 #endif
+
+// quantized_gemm with float32 activations: the weights become floats in registers
+template <typename S>
+void float_gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* m, int64_t N, int64_t G, int64_t bits,
+                int64_t zero_point, const float* b, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const int64_t groups = K / G, row_bytes = bits == 8 ? kCols : kCols / 2, panels = (N + kCols - 1) / kCols;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const Kernel<S>* kernels = bits == 8 ? kKernels8<S> : kKernels4<S>;
+  const auto zp = static_cast<float>(zero_point);
+  // the first row block converts the weights in registers as they stream by; with more rows it also keeps them
+  // as floats in a buffer of the thread's, which stays in cache while the float32 kernel passes the other blocks
+  // over it: the conversion is paid once a weight at any batch size
+  auto run_panel = [&](int64_t p, std::vector<float>& weights) {
+    const int64_t col = p * kCols, cols = std::min(kCols, N - col);
+    const float* bias_p = b == nullptr ? nullptr : b + col;
+    const int64_t first = std::min<int64_t>(kRows, M);
+    kernels[first](xp, ldx, qp + p * K * row_bytes, sp + p * groups * kCols,
+                   m == nullptr ? nullptr : m + p * groups * kCols, K, G, zp, bias_p, yp + col, N, cols,
+                   M > kRows ? weights.data() : nullptr);
+    for (int64_t r = kRows; r < M; r += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, M - r);
+      panel_gemm::kKernels[rows](xp + r * ldx, ldx, weights.data(), K, bias_p, yp + r * N + col, N, cols, nullptr,
+                                 0);
+    }
+  };
+  // a work item is a run of panels: one integer panel of a decode row takes well under a microsecond, about what
+  // taking it from the shared counter costs when two threads contend for it
+  const int64_t run = std::clamp<int64_t>(panels / (8 * at::get_num_threads()), 1, 16);
+  parallel_dynamic((panels + run - 1) / run, [&] { return std::vector<float>(M <= kRows ? 0 : K * kCols); },
+                   [&](int64_t item, std::vector<float>& weights) {
+                     for (int64_t p = item * run, end = std::min(panels, p + run); p < end; ++p) run_panel(p, weights);
+                   });
+}
+
+template <typename S>
+void gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* m, int64_t N, int64_t G, int64_t bits,
+          int64_t zero_point, const float* b, bool int8_activations, at::Tensor& y) {
+#if defined(KVSERVE_INT8_DOT)
+  if (int8_activations) return int8_dot_gemm(x, qp, sp, m, N, G, bits, zero_point, b, y);
+#endif
+  float_gemm(x, qp, sp, m, N, G, bits, zero_point, b, y);
+}
 
 }  // namespace
 
@@ -240,14 +309,15 @@ at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const a
   const int64_t panels = values.size(0);
   TORCH_CHECK(panels * kCols >= N && panels * kCols < N + kCols, "quantized_gemm: N does not fit");
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == panels && scales.size(2) == kCols && scales.size(1) > 0 &&
-                  K % scales.size(1) == 0 && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
-              "quantized_gemm: packed scales [panels, K / group_size, 16] float32");
+                  K % scales.size(1) == 0 && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "quantized_gemm: packed scales [panels, K / group_size, 16] float32 or float16");
   const int64_t groups = scales.size(1), G = K / groups;
-  const float* m = nullptr;
-  if (offsets.has_value() && offsets->defined()) {
-    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() && offsets->scalar_type() == at::kFloat,
-                "quantized_gemm: packed offsets shaped as the scales");
-    m = offsets->data_ptr<float>();
+  const bool offsets_given = offsets.has_value() && offsets->defined();
+  if (offsets_given) {
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
+                    offsets->scalar_type() == scales.scalar_type(),
+                "quantized_gemm: packed offsets shaped and typed as the scales");
   }
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -260,39 +330,14 @@ at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const a
   if (int8_activations) {
     TORCH_CHECK(int8_dot_available(), "quantized_gemm: int8 activations need AVX-512 VNNI and VBMI");
     TORCH_CHECK(K % 32 == 0 && G % 32 == 0, "quantized_gemm: int8 activations need groups of whole blocks of 32");
-#if defined(KVSERVE_INT8_DOT)
-    int8_dot_gemm(x, values.data_ptr<int8_t>(), scales.data_ptr<float>(), m, N, G, bits, zero_point, b, y);
-#endif
-    return y;
   }
-  const float* xp = x.data_ptr<float>();
   const int8_t* qp = values.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const Kernel* kernels = bits == 8 ? kKernels8 : kKernels4;
-  const auto zp = static_cast<float>(zero_point);
-  // the first row block converts the weights in registers as they stream by; with more rows it also keeps them
-  // as floats in a buffer of the thread's, which stays in cache while the float32 kernel passes the other blocks
-  // over it: the conversion is paid once a weight at any batch size
-  auto run_panel = [&](int64_t p, std::vector<float>& weights) {
-    const int64_t col = p * kCols, cols = std::min(kCols, N - col);
-    const float* bias_p = b == nullptr ? nullptr : b + col;
-    const int64_t first = std::min<int64_t>(kRows, M);
-    kernels[first](xp, ldx, qp + p * K * row_bytes, sp + p * groups * kCols,
-                   m == nullptr ? nullptr : m + p * groups * kCols, K, G, zp, bias_p, yp + col, N, cols,
-                   M > kRows ? weights.data() : nullptr);
-    for (int64_t r = kRows; r < M; r += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, M - r);
-      panel_gemm::kKernels[rows](xp + r * ldx, ldx, weights.data(), K, bias_p, yp + r * N + col, N, cols, nullptr,
-                                 0);
-    }
-  };
-  // a work item is a run of panels: one integer panel of a decode row takes well under a microsecond, about what
-  // taking it from the shared counter costs when two threads contend for it
-  const int64_t run = std::clamp<int64_t>(panels / (8 * at::get_num_threads()), 1, 16);
-  parallel_dynamic((panels + run - 1) / run, [&] { return std::vector<float>(M <= kRows ? 0 : K * kCols); },
-                   [&](int64_t item, std::vector<float>& weights) {
-                     for (int64_t p = item * run, end = std::min(panels, p + run); p < end; ++p) run_panel(p, weights);
-                   });
+  if (scales.scalar_type() == at::kHalf) {
+    gemm(x, qp, scales.data_ptr<c10::Half>(), offsets_given ? offsets->data_ptr<c10::Half>() : nullptr, N, G, bits,
+         zero_point, b, int8_activations, y);
+  } else {
+    gemm(x, qp, scales.data_ptr<float>(), offsets_given ? offsets->data_ptr<float>() : nullptr, N, G, bits,
+         zero_point, b, int8_activations, y);
+  }
   return y;
 }

@@ -1,7 +1,8 @@
 """The CPU GEMM over quantized weights (kvkernels/csrc/quantized_gemm_cpu.cpp) and QuantizedLinear around it, against
 float64 products of the dequantized weights: every row remainder of its 6-row kernel and the many-row path,
 widths that are not a multiple of its 16-column panels, a scale per row or per group of 32 or 128 inputs, 8 and
-4 bits (signed and unsigned), with and without offsets; and the torch fallback where the kernels are off.
+4 bits (signed and unsigned), with and without offsets, scales and offsets held as float32 or (where they are
+float16 values, as GGUF's are) as float16; and the torch fallback where the kernels are off.
 
 Both input paths: float32 activations, and activations quantized to int8 in blocks of 32 (int8_dot_kernel.h,
 where the CPU has AVX-512 VNNI), the latter against float64 products of the same quantized activations and within
@@ -29,14 +30,25 @@ needs_int8_dot = pytest.mark.skipif(not INT8_DOT, reason="int8 activations need 
 
 
 def _weight(
-    n: int, k: int, group: int | None, bits: int, offsets: bool, signed: bool, seed: int
+    n: int,
+    k: int,
+    group: int | None,
+    bits: int,
+    offsets: bool,
+    signed: bool,
+    seed: int,
+    half: bool = False,
 ) -> QuantizedWeight:
+    """Random integers with scales (and offsets), float16 values where half (as a GGUF block's)."""
     gen = torch.Generator().manual_seed(seed)
     group = k if group is None else group
     low, high = (-128, 128) if bits == 8 else ((-8, 8) if signed else (0, 16))
     values = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
     shifts = torch.randn(n, k // group, generator=gen) * 0.05 if offsets else None
+    if half:
+        scales = scales.half().float()
+        shifts = None if shifts is None else shifts.half().float()
     return QuantizedWeight(values, scales, shifts, group, bits)
 
 
@@ -83,18 +95,22 @@ CASES = [
     ],
     ids=["float32-activations", "int8-activations"],
 )
+@pytest.mark.parametrize("half", [False, True], ids=["float32-scales", "float16-scales"])
 @pytest.mark.parametrize(("bits", "group", "offsets", "signed"), CASES)
 def test_matches_float64_for_every_row_remainder_group_and_width(
-    bits, group, offsets, signed, int8_activations
+    bits, group, offsets, signed, half, int8_activations
 ) -> None:
     """Float32 activations against float64 of the same; int8 ones against float64 of the same quantized
     activations, and within that quantization's rounding of the exact product."""
     ops = cpu_kernels()
     for n in (50, 32):
-        weight = _weight(n, 256, group, bits, offsets, signed, seed=n + bits)
+        weight = _weight(n, 256, group, bits, offsets, signed, seed=n + bits, half=half)
         panels = PanelWeight.pack(weight, ops, int8_activations)
         assert panels.values.shape == (-(-n // 16), 256, 16 if bits == 8 else 8)
+        assert panels.scales.dtype == (torch.float16 if half else torch.float32)
         assert panels.int8_activations == int8_activations
+        unpacked = panels.unpack()
+        assert torch.equal(unpacked.scales, weight.scales) and unpacked.scales.dtype == torch.float32
         bias = torch.randn(n) if n == 50 else None
         for rows in ROWS:
             x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
