@@ -26,6 +26,8 @@
 
 #include <cstdint>
 
+#include "prefetch.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define KVSERVE_INT8_DOT 1
 #include <immintrin.h>
@@ -35,6 +37,12 @@ namespace int8_dot {
 constexpr int64_t kBlock = 32;  // activations a scale
 constexpr int64_t kCols = 16;   // output columns a panel holds
 constexpr int kRows = 6;        // rows a kernel call holds in registers
+// bytes ahead of its reads that the kernel asks L2 for. A thread's run of panels is one contiguous stream, but
+// the hardware prefetchers start over at each run and the 4-bit path computes a while per line: measured in one
+// process, alternating over the default model's 120 layer GEMMs at one row, 4096 bytes ahead made Q4_1 1.17-1.22x
+// and Q8_0 1.05-1.13x faster (1024 ahead: 1.01x and 1.03x; 8192: 1.10x and 1.12x; 16384: 1.03x and 1.07x; into
+// L1 instead, Q8_0 0.91-0.94x).
+constexpr int64_t kPrefetchBytes = 4096;
 
 // A row's activations as int8 in blocks of 32: values [K], scales [K / 32] and scale * sum(values) [K / 32].
 struct Rows {
@@ -106,6 +114,7 @@ void kernel(const Rows* x, const int8_t* q, const S* scales, const S* offsets, i
       const int64_t k0 = b * kBlock;
       if constexpr (BITS == 8) {
         for (int64_t k = k0; k < k0 + kBlock; k += 4) {
+          prefetch_l2(q + k * kCols + kPrefetchBytes);
           const __m512i raw = _mm512_loadu_si512(q + k * kCols);
           const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(t8, raw), flip);
           for (int r = 0; r < MR; ++r)
@@ -114,6 +123,7 @@ void kernel(const Rows* x, const int8_t* q, const S* scales, const S* offsets, i
         }
       } else {
         for (int64_t k = k0; k < k0 + kBlock; k += 8) {
+          prefetch_l2(q + k * (kCols / 2) + kPrefetchBytes);
           const __m512i raw = _mm512_loadu_si512(q + k * (kCols / 2));
           const __m512i lo = _mm512_and_si512(raw, nibble);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);

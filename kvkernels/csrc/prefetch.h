@@ -3,9 +3,9 @@
 #pragma once
 
 // the 64-byte line at p, towards L2
-inline void prefetch_l2(const float* p) {
+inline void prefetch_l2(const void* p) {
 #if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 #else
   __builtin_prefetch(p, 0, 2);
 #endif
