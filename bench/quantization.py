@@ -3,7 +3,9 @@
 
 - kvserve float32, int8, Q8_0 GGUF and Q4_1 GGUF (bench/quantized_models.py), each as `kvserve up`;
 - llama.cpp's `llama-server` on the same two GGUF files, with --llama-server PATH (built outside the repository,
-  as ../shared/PEERS.md says; run as PEERS.md runs it);
+  as ../shared/PEERS.md says; run as PEERS.md runs it). Both servers of a file are up at once and measured in
+  --rounds alternating rounds, each first in every other: the median round of each, and the median of kvserve's
+  ratios round by round;
 - HF transformers `generate`, float32, at one stream (bench/throughput.py's runner, no HTTP);
 
 with the memory of each one's weights: kvserve's as its executor logs them (quantized at their own size), the
@@ -11,8 +13,8 @@ GGUF file's size for llama-server (it maps the file as it is), the parameters' b
 also GuideLLM chat at 16 streams against kvserve int8 and vLLM's CPU build float32 (bench/guidellm.py's runner).
 
     python -m bench.quantization [--variants float32,int8,q8_0,q4_1] [--streams 1,16] [--max-tokens 128]
-                                 [--requests-per-stream 4] [--llama-server PATH] [--no-hf] [--guidellm]
-                                 [--port 8350] [--out bench/results/quantization]
+                                 [--requests-per-stream 4] [--llama-server PATH] [--rounds 3] [--no-hf]
+                                 [--guidellm] [--port 8350] [--out bench/results/quantization]
 
 Writes summary.json and summary.md under --out, and each server's log beside them. Run it on a quiet machine.
 """
@@ -27,6 +29,7 @@ import re
 import subprocess
 import sys
 from argparse import Namespace
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -65,32 +68,42 @@ def measure_streams(url: str, streams: list[int], args: Namespace) -> dict[str, 
     return rates
 
 
-def serve(label: str, command: list[str], env: dict[str, str], args: Namespace) -> tuple[dict, str]:
-    """Start a server, measure it, stop it; its rates (empty if it never served: its log says why) and its
-    log."""
+@contextmanager
+def started(label: str, command: list[str], env: dict[str, str], port: int, args: Namespace):
+    """A server up for the block: its URL, or None where it never served (its log, under --out, says why)."""
     log_path = args.out / f"{label}.server.log"
     print(f"starting {label}: {' '.join(command)}", flush=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        rates = {}
         try:
-            guidellm.wait_ready(f"http://127.0.0.1:{args.port}", process)
-            rates = measure_streams(f"http://127.0.0.1:{args.port}", args.streams, args)
-        except RuntimeError as error:  # it exited or never served: the other systems still run
-            print(f"  {label}: {error}; see {log_path}", flush=True)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                guidellm.wait_ready(url, process)
+            except RuntimeError as error:  # it exited or never served: the other systems still run
+                print(f"  {label}: {error}; see {log_path}", flush=True)
+                url = None
+            yield url
         finally:
             guidellm.stop(process)
-    return rates, log_path.read_text()
 
 
-def run_kvserve(name: str, args: Namespace) -> dict:
+def kvserve_server(name: str, port: int, args: Namespace) -> tuple[str, list[str], dict[str, str]]:
     model, quantization = variant_model(name)
     extra = ["--model", model, "--quantization", quantization, "--served-model-name", guidellm.MODEL_NAME]
-    command, env = guidellm.server_command("kvserve", args.peers, model, args.port, extra)
-    rates, log = serve(f"kvserve-{name}", command, env, args)
-    logged = WEIGHTS_LOGGED.findall(log)
+    command, env = guidellm.server_command("kvserve", args.peers, model, port, extra)
+    return f"kvserve-{name}", command, env
+
+
+def llama_server(name: str, port: int, args: Namespace) -> tuple[str, list[str], dict[str, str]]:
+    command = [str(args.llama_server), "-m", str(GGUF_FILES[name]()), "-np", "32", "-kvu", "-c", "8192",
+               "-t", "2", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    return f"llama-server-{name}", command, dict(os.environ)
+
+
+def kvserve_row(name: str, label: str, rates: dict, args: Namespace) -> dict:
+    logged = WEIGHTS_LOGGED.findall((args.out / f"{label}.server.log").read_text())
     return {
         "system": f"kvserve {name}",
         "weight_mib": float(logged[-1]) if logged else None,
@@ -98,12 +111,59 @@ def run_kvserve(name: str, args: Namespace) -> dict:
     }
 
 
-def run_llama_server(name: str, args: Namespace) -> dict:
-    gguf = GGUF_FILES[name]()
-    command = [str(args.llama_server), "-m", str(gguf), "-np", "32", "-kvu", "-c", "8192", "-t", "2",
-               "--host", "127.0.0.1", "--port", str(args.port)]  # fmt: skip
-    rates, _ = serve(f"llama-server-{name}", command, dict(os.environ), args)
-    return {"system": f"llama-server {name}", "weight_mib": gguf.stat().st_size / 2**20, "streams": rates}
+def llama_row(name: str, rates: dict) -> dict:
+    size = GGUF_FILES[name]().stat().st_size
+    return {"system": f"llama-server {name}", "weight_mib": size / 2**20, "streams": rates}
+
+
+def run_kvserve(name: str, args: Namespace) -> dict:
+    label, command, env = kvserve_server(name, args.port, args)
+    with started(label, command, env, args.port, args) as url:
+        rates = {} if url is None else measure_streams(url, args.streams, args)
+    return kvserve_row(name, label, rates, args)
+
+
+def median_rates(rounds: list[dict]) -> dict:
+    """Per concurrency: the median round's rate and its tpot, all rounds' counts and rates."""
+    merged = {}
+    for count in rounds[0]:
+        runs = [r[count] for r in rounds if count in r]
+        middle = sorted(runs, key=lambda run: run["output_tok_s"])[len(runs) // 2]
+        merged[count] = {
+            "output_tok_s": middle["output_tok_s"],
+            "tpot_p50_ms": middle["tpot_p50_ms"],
+            "completed": sum(run["completed"] for run in runs),
+            "failed": sum(run["failed"] for run in runs),
+            "rounds": [run["output_tok_s"] for run in runs],
+        }
+    return merged
+
+
+def run_pair(name: str, args: Namespace) -> list[dict]:
+    """kvserve and llama-server on one GGUF file, both up at once and measured in --rounds alternating rounds
+    (each goes first in every other): a decode at one stream is bound by memory bandwidth, which on a shared
+    machine drifts by 15-30% within minutes, so measuring one system after the other measured that drift too."""
+    kv_label, kv_command, kv_env = kvserve_server(name, args.port, args)
+    ll_label, ll_command, ll_env = llama_server(name, args.port + 1, args)
+    rounds = {"kvserve": [], "llama": []}
+    with (
+        started(kv_label, kv_command, kv_env, args.port, args) as kv_url,
+        started(ll_label, ll_command, ll_env, args.port + 1, args) as ll_url,
+    ):
+        systems = [("kvserve", kv_url), ("llama", ll_url)]
+        for r in range(args.rounds):
+            for system, url in systems if r % 2 == 0 else systems[::-1]:
+                if url is not None:
+                    print(f"round {r + 1}, {system} {name}", flush=True)
+                    rounds[system].append(measure_streams(url, args.streams, args))
+    kv_rates = median_rates(rounds["kvserve"]) if rounds["kvserve"] else {}
+    ll_rates = median_rates(rounds["llama"]) if rounds["llama"] else {}
+    for count, rate in kv_rates.items():
+        if count in ll_rates:
+            ratios = [k / v for k, v in zip(rate["rounds"], ll_rates[count]["rounds"], strict=True) if v > 0]
+            rate["vs_llama_server"] = sorted(ratios)[len(ratios) // 2] if ratios else None
+            rate["vs_llama_server_rounds"] = ratios
+    return [kvserve_row(name, kv_label, kv_rates, args), llama_row(name, ll_rates)]
 
 
 def run_hf_generate(args: Namespace) -> dict:
@@ -156,14 +216,20 @@ def markdown(results: list[dict], streams: list[int], max_tokens: int) -> str:
         cells = []
         for s in streams:
             rate = r["streams"].get(str(s))
-            cells.append(
-                "—"
-                if rate is None
-                else f"{rate['output_tok_s']:.1f}" + (f" ({rate['failed']} failed)" if rate["failed"] else "")
-            )
+            if rate is None:
+                cells.append("—")
+                continue
+            cell = f"{rate['output_tok_s']:.1f}"
+            if rate.get("vs_llama_server") is not None:
+                cell += f" ({rate['vs_llama_server']:.2f}x llama-server)"
+            cells.append(cell + (f" ({rate['failed']} failed)" if rate["failed"] else ""))
         weight = "—" if r["weight_mib"] is None else f"{r['weight_mib']:.0f}"
         lines.append(f"| {r['system']} | {' | '.join(cells)} | {weight} |")
-    return f"{max_tokens} output tokens per request, temperature 0, EOS ignored\n\n" + "\n".join(lines) + "\n"
+    note = (
+        f"{max_tokens} output tokens per request, temperature 0, EOS ignored; a GGUF file's kvserve and"
+        " llama-server rows: the median of alternating rounds, and kvserve's median ratio over the rounds"
+    )
+    return note + "\n\n" + "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests-per-stream", type=int, default=4, help="requests each client sends")
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds of kvserve and llama-server on a GGUF file"
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
     parser.add_argument(
         "--guidellm", action="store_true", help="GuideLLM chat, 16 streams: kvserve int8 vs vLLM"
@@ -191,15 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [v for v in variants if v not in VARIANTS]:
         parser.error(f"--variants: unknown variant {unknown[0]!r} ({', '.join(VARIANTS)})")
     args.streams = [int(s) for s in args.streams.split(",") if s]
-    if not args.streams or min(args.streams) < 1 or args.max_tokens < 1 or args.requests_per_stream < 1:
-        parser.error("--streams, --max-tokens and --requests-per-stream must be at least 1")
+    if (
+        not args.streams
+        or min(args.streams) < 1
+        or min(args.max_tokens, args.requests_per_stream, args.rounds) < 1
+    ):
+        parser.error("--streams, --max-tokens, --requests-per-stream and --rounds must be at least 1")
     if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
         parser.error(f"--llama-server: {args.llama_server} is not an executable file")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    results = [run_kvserve(name, args) for name in variants]
-    if args.llama_server is not None:
-        results += [run_llama_server(name, args) for name in variants if name in GGUF_FILES]
+    paired = [name for name in variants if args.llama_server is not None and name in GGUF_FILES]
+    results = [run_kvserve(name, args) for name in variants if name not in paired]
+    for name in paired:
+        results += run_pair(name, args)
     if not args.no_hf and 1 in args.streams:
         results.append(run_hf_generate(args))
     report = {"prompt": PROMPT, "max_tokens": args.max_tokens, "results": results}
