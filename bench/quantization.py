@@ -28,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -40,6 +41,7 @@ from bench.prompts import FixedPrompt
 from bench.quantized_models import GGUF_FILES, VARIANTS, variant_model
 
 PROMPT = "Write a short story about a robot."
+SETTLE_S = 2.0
 WEIGHTS_LOGGED = re.compile(r"weights: ([\d.]+) MiB")
 
 
@@ -154,6 +156,9 @@ def run_pair(name: str, args: Namespace) -> list[dict]:
         for r in range(args.rounds):
             for system, url in systems if r % 2 == 0 else systems[::-1]:
                 if url is not None:
+                    # the other server's threads wind down first (llama.cpp's spin a while after a batch), so
+                    # that neither starts its turn beside the other's leftovers
+                    time.sleep(SETTLE_S)
                     print(f"round {r + 1}, {system} {name}", flush=True)
                     rounds[system].append(measure_streams(url, args.streams, args))
     kv_rates = median_rates(rounds["kvserve"]) if rounds["kvserve"] else {}
