@@ -95,8 +95,12 @@ CASES = [
     ],
     ids=["float32-activations", "int8-activations"],
 )
-@pytest.mark.parametrize("half", [False, True], ids=["float32-scales", "float16-scales"])
-@pytest.mark.parametrize(("bits", "group", "offsets", "signed"), CASES)
+@pytest.mark.parametrize(
+    ("bits", "group", "offsets", "signed", "half"),
+    # float32 scales for every case; float16 ones (GGUF's) for the block forms GGUF has: Q8_0, Q4_0, Q4_1
+    [(*case, False) for case in CASES]
+    + [(8, 32, False, True, True), (4, 32, False, True, True), (4, 32, True, False, True)],
+)
 def test_matches_float64_for_every_row_remainder_group_and_width(
     bits, group, offsets, signed, half, int8_activations
 ) -> None:
