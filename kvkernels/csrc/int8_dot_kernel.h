@@ -156,12 +156,11 @@ void kernel(const Rows* x, const int8_t* q, const S* scales, const S* offsets, i
 template <typename S>
 using Kernel = void (*)(const Rows*, const int8_t*, const S*, const S*, int64_t, float, const float*, float*, int64_t,
                         int64_t);
-template <typename S>
-constexpr Kernel<S> kKernels8[kRows + 1] = {nullptr,         &kernel<1, 8, S>, &kernel<2, 8, S>, &kernel<3, 8, S>,
-                                            &kernel<4, 8, S>, &kernel<5, 8, S>, &kernel<6, 8, S>};
-template <typename S>
-constexpr Kernel<S> kKernels4[kRows + 1] = {nullptr,         &kernel<1, 4, S>, &kernel<2, 4, S>, &kernel<3, 4, S>,
-                                            &kernel<4, 4, S>, &kernel<5, 4, S>, &kernel<6, 4, S>};
+// kKernels<BITS, S>[rows] for 1 <= rows <= kRows
+template <int BITS, typename S>
+constexpr Kernel<S> kKernels[kRows + 1] = {nullptr,            &kernel<1, BITS, S>, &kernel<2, BITS, S>,
+                                           &kernel<3, BITS, S>, &kernel<4, BITS, S>, &kernel<5, BITS, S>,
+                                           &kernel<6, BITS, S>};
 
 }  // namespace int8_dot
 #endif

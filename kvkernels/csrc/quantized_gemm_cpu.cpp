@@ -159,12 +159,11 @@ void kernel(const float* x, int64_t ldx, const int8_t* q, const S* scales, const
 template <typename S>
 using Kernel = void (*)(const float*, int64_t, const int8_t*, const S*, const S*, int64_t, int64_t, float,
                         const float*, float*, int64_t, int64_t, float*);
-template <typename S>
-constexpr Kernel<S> kKernels8[kRows + 1] = {nullptr,         &kernel<1, 8, S>, &kernel<2, 8, S>, &kernel<3, 8, S>,
-                                            &kernel<4, 8, S>, &kernel<5, 8, S>, &kernel<6, 8, S>};
-template <typename S>
-constexpr Kernel<S> kKernels4[kRows + 1] = {nullptr,         &kernel<1, 4, S>, &kernel<2, 4, S>, &kernel<3, 4, S>,
-                                            &kernel<4, 4, S>, &kernel<5, 4, S>, &kernel<6, 4, S>};
+// kIntKernels<BITS, S>[rows] for 1 <= rows <= kRows
+template <int BITS, typename S>
+constexpr Kernel<S> kIntKernels[kRows + 1] = {nullptr,            &kernel<1, BITS, S>, &kernel<2, BITS, S>,
+                                              &kernel<3, BITS, S>, &kernel<4, BITS, S>, &kernel<5, BITS, S>,
+                                              &kernel<6, BITS, S>};
 
 // [N, C] -> [ceil(N / 16), C, 16]: column j of panel p is row p * 16 + j of t (zeros past N)
 at::Tensor to_panels(const at::Tensor& t) {
@@ -193,7 +192,7 @@ void int8_dot_gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* 
   });
   for (int64_t r = 0; r < M; ++r)
     rows[r] = {values.data() + r * K, block_scales.data() + r * blocks, block_sums.data() + r * blocks, K};
-  const int8_dot::Kernel<S>* kernels = bits == 8 ? int8_dot::kKernels8<S> : int8_dot::kKernels4<S>;
+  const int8_dot::Kernel<S>* kernels = bits == 8 ? int8_dot::kKernels<8, S> : int8_dot::kKernels<4, S>;
   float* yp = y.data_ptr<float>();
   const auto zp = static_cast<float>(zero_point);
   // Within one block of rows a GEMM streams its weights, and a thread's run of panels is one stream the hardware
@@ -226,7 +225,7 @@ void float_gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* m, 
   const int64_t groups = K / G, row_bytes = bits == 8 ? kCols : kCols / 2, panels = (N + kCols - 1) / kCols;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const Kernel<S>* kernels = bits == 8 ? kKernels8<S> : kKernels4<S>;
+  const Kernel<S>* kernels = bits == 8 ? kIntKernels<8, S> : kIntKernels<4, S>;
   const auto zp = static_cast<float>(zero_point);
   // the first row block converts the weights in registers as they stream by; with more rows it also keeps them
   // as floats in a buffer of the thread's, which stays in cache while the float32 kernel passes the other blocks
