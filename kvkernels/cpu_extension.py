@@ -46,6 +46,7 @@ HEADERS = tuple(
         "panel_kernel.h",
         "prefetch.h",
         "softmax_row.h",
+        "stealing_parallel.h",
     )
 )  # included by the sources: part of the build's name, not compiled alone
 # no fused multiply-add contraction: the fused operations then round exactly as torch's separate ones do

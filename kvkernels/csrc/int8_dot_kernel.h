@@ -43,6 +43,8 @@ constexpr int kRows = 6;        // rows a kernel call holds in registers
 // and Q8_0 1.05-1.13x faster (1024 ahead: 1.01x and 1.03x; 8192: 1.10x and 1.12x; 16384: 1.03x and 1.07x; into
 // L1 instead, Q8_0 0.91-0.94x).
 constexpr int64_t kPrefetchBytes = 4096;
+// bytes of weights a thread claims at a time at one block of rows (quantized_gemm_cpu.cpp)
+constexpr int64_t kStealBytes = 32768;
 
 // A row's activations as int8 in blocks of 32: values [K], scales [K / 32] and scale * sum(values) [K / 32].
 struct Rows {

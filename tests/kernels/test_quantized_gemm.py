@@ -197,6 +197,42 @@ def test_a_strided_input_and_two_threads() -> None:
         torch.set_num_threads(previous)
 
 
+@needs_int8_dot
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_splitting_a_row_block_give_every_panel_once(threads) -> None:
+    """At up to 6 rows each thread takes its own range of panels and then the rest of the others' from their backs
+    (stealing_parallel.h): over any number of panels, ranges of a chunk or less, more threads than cores, the
+    result is one thread's bit for bit, so no panel is left out or done twice."""
+    ops = cpu_kernels()
+    previous = torch.get_num_threads()
+    for bits, k in ((8, 256), (4, 512), (8, 2048)):  # chunks of 8, 8 and 1 panels
+        weight = _weight(16 * 41, k, 32, bits, bits == 4, bits == 8, seed=k)
+        p = PanelWeight.pack(weight, ops, True)
+        for rows in (1, 6):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            for n in (1, 16, 17, 130, 16 * 41):
+                panels = -(-n // 16)
+                args = (
+                    x,
+                    p.values[:panels],
+                    p.scales[:panels],
+                    None if p.offsets is None else p.offsets[:panels],
+                    n,
+                    bits,
+                    p.zero_point,
+                    None,
+                    True,
+                )
+                try:
+                    torch.set_num_threads(1)
+                    alone = ops.quantized_gemm(*args)
+                    torch.set_num_threads(threads)
+                    for _ in range(3):
+                        assert torch.equal(ops.quantized_gemm(*args), alone), (bits, k, rows, n)
+                finally:
+                    torch.set_num_threads(previous)
+
+
 @needs_kernels
 def test_refuses_what_does_not_fit_and_takes_no_rows() -> None:
     ops = cpu_kernels()
