@@ -37,14 +37,12 @@ namespace int8_dot {
 constexpr int64_t kBlock = 32;  // activations a scale
 constexpr int64_t kCols = 16;   // output columns a panel holds
 constexpr int kRows = 6;        // rows a kernel call holds in registers
-// bytes ahead of its reads that the kernel asks L2 for. A thread's run of panels is one contiguous stream, but
-// the hardware prefetchers start over at each run and the 4-bit path computes a while per line: measured in one
+// bytes ahead of its reads that the kernel asks L2 for. A thread's panels are contiguous streams, but the
+// hardware prefetchers start over at each one and the 4-bit path computes a while per line: measured in one
 // process, alternating over the default model's 120 layer GEMMs at one row, 4096 bytes ahead made Q4_1 1.17-1.22x
 // and Q8_0 1.05-1.13x faster (1024 ahead: 1.01x and 1.03x; 8192: 1.10x and 1.12x; 16384: 1.03x and 1.07x; into
 // L1 instead, Q8_0 0.91-0.94x).
 constexpr int64_t kPrefetchBytes = 4096;
-// bytes of weights a thread claims at a time at one block of rows (quantized_gemm_cpu.cpp)
-constexpr int64_t kStealBytes = 32768;
 
 // A row's activations as int8 in blocks of 32: values [K], scales [K / 32] and scale * sum(values) [K / 32].
 struct Rows {

@@ -110,9 +110,9 @@ struct Group {
 };
 
 // y[r, 0:cols] = x[r, :] . W for MR rows over one panel of W: q its K rows of 16 (BITS 8) or 8 bytes (BITS 4);
-// scales, offsets (or null): [K / G, 16] of S (float or c10::Half); bias null or [cols]. The weights become floats in registers, once per
-// row of K for all MR rows, as they stream by; with store, they are also written there ([K, 16]) for the row
-// blocks that follow.
+// scales, offsets (or null): [K / G, 16] of S (float or c10::Half); bias null or [cols]. The weights become floats
+// in registers, once per row of K for all MR rows, as they stream by; with store, they are also written there
+// ([K, 16]) for the row blocks that follow.
 template <int MR, int BITS, typename S>
 void kernel(const float* x, int64_t ldx, const int8_t* q, const S* scales, const S* offsets, int64_t K,
             int64_t G, float zero_point, const float* bias, float* y, int64_t ldy, int64_t cols, float* store) {
@@ -176,8 +176,11 @@ at::Tensor to_panels(const at::Tensor& t) {
 }
 
 #if defined(KVSERVE_INT8_DOT)
-// quantized_gemm with int8 activations: the rows quantized once, then each thread's runs of panels, all row blocks
-// of a panel while its bytes are in L1
+// bytes of weights a thread claims at a time at one block of rows
+constexpr int64_t kStealBytes = 32768;
+
+// quantized_gemm with int8 activations: the rows quantized once, then each thread's panels, all row blocks of a
+// panel while its bytes are in L1
 template <typename S>
 void int8_dot_gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* m, int64_t N, int64_t G,
                    int64_t bits, int64_t zero_point, const float* b, at::Tensor& y) {
@@ -215,7 +218,7 @@ void int8_dot_gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* 
     // model's 120 layer GEMMs at one row (one process, alternating): Q4_1 1.10x faster, Q8_0 the same alone and
     // 1.07-1.08x faster beside two processes taking about a fifth of a core in bursts, as a gateway and a load
     // client do.
-    const int64_t chunk = std::max<int64_t>(1, int8_dot::kStealBytes / (K * row_bytes));
+    const int64_t chunk = std::max<int64_t>(1, kStealBytes / (K * row_bytes));
     parallel_stealing(panels, chunk, run_panels);
     return;
   }
