@@ -54,6 +54,12 @@ TOY_DECODE_SHAPES = {"toy": (4, 2, 64)}
 
 # input dtype -> largest error allowed, relative to 1 + |expected| (see _max_error)
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+# fp8 (e4m3) weights and activations: the norm of the error against the product of the dequantized weights, relative
+# to the product's norm. e4m3 keeps 3 mantissa bits, about 2^-4 of each factor before the sums average it down.
+FP8_TOLERANCE = 0.05
+# (rows, inputs, outputs) of the default model's linear layers at a decode, a small and a large batch
+FP8_CASES = [(1, 576, 1536), (33, 576, 640), (256, 1536, 576), (256, 576, 49152)]
+TOY_FP8_CASES = [(1, 64, 32), (17, 64, 48)]
 # name -> (q_lens, seq_lens, heads, kv_heads, head_dim, block_size, num_kv_splits)
 ATTENTION_CASES = {
     "mixed-gqa3-d64-b16": ([1, 1, 20, 9, 1], [1, 37, 20, 50, 33], 9, 3, 64, 16, None),
@@ -113,16 +119,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--e2e-backends",
-        default="triton,triton-eager,torch",
-        help="e2e: attention backends whose greedy tokens are compared; -eager: no CUDA graphs",
+        default="triton,triton-eager,torch,triton+fp8",
+        help="e2e: attention backends whose greedy tokens are compared; -eager: no CUDA graphs, +Q: --quantization Q",
     )
     parser.add_argument("--e2e-concurrency", default="1,8", help="e2e: concurrent requests")
+    parser.add_argument(
+        "--profiling-quantizations",
+        default="auto,fp8",
+        help="e2e: the engine sized by profiling GPU memory is started once with each of these --quantization",
+    )
     parser.add_argument("--e2e-prompt-len", type=int, default=128)
     parser.add_argument("--e2e-output-len", type=int, default=32)
     parser.add_argument(
         "--throughput-backends",
-        default="triton,triton-eager",
-        help="figures: backends timed (graphs on, off)",
+        default="triton,triton-eager,triton+fp8",
+        help="figures: backends timed (graphs on, off; fp8 weights and activations)",
     )
     parser.add_argument("--concurrency", default="1,64,256", help="figures: concurrent requests timed")
     parser.add_argument("--prompt-len", type=int, default=512, help="figures: prompt tokens")
@@ -130,6 +141,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for name in ("concurrency", "e2e_concurrency"):
         setattr(args, name, [int(n) for n in getattr(args, name).split(",")])
+    from executor.engine_config import QUANTIZATIONS
+
+    args.profiling_quantizations = args.profiling_quantizations.split(",")
+    if unknown := [q for q in args.profiling_quantizations if q not in QUANTIZATIONS]:
+        parser.error(f"--profiling-quantizations: {', '.join(unknown)} not in {', '.join(QUANTIZATIONS)}")
     for name in ("e2e_backends", "throughput_backends"):
         setattr(args, name, getattr(args, name).split(","))
         for backend in getattr(args, name):
@@ -138,6 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             except ValueError as error:
                 parser.error(f"--{name.replace('_', '-')}: {error}")
     args.attention_cases, args.tolerance, args.decode_shapes = ATTENTION_CASES, TOLERANCE, DECODE_SHAPES
+    args.fp8_cases = FP8_CASES
     if args.toy:
         vars(args).update(TOY_SIZES)
         args.attention_cases, args.tolerance, args.decode_shapes = (
@@ -145,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             TOY_TOLERANCE,
             TOY_DECODE_SHAPES,
         )
+        args.fp8_cases = TOY_FP8_CASES
     return args
 
 
@@ -209,9 +227,12 @@ def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float() - expected).abs() / (1 + expected.abs())).max().item()
 
 
-def correctness(device: str, cases: dict, tolerance: dict) -> Iterator[dict]:
-    """Each Triton kernel against its torch twin, in each input dtype. A case that raises is reported failed with
-    its error, and the next still runs (after a CUDA fault, which poisons the process, they fail too)."""
+def correctness(
+    device: str, cases: dict, tolerance: dict, fp8_cases: list[tuple[int, int, int]]
+) -> Iterator[dict]:
+    """Each Triton kernel against its torch twin, in each input dtype, then the fp8 layer. A case that raises is
+    reported failed with its error, and the next still runs (after a CUDA fault, which poisons the process, they
+    fail too)."""
     checks = [(f"paged_attention/{name}", case) for name, case in cases.items()]
     checks += [
         (kernel, None) for kernel in ("reshape_and_cache", "rms_norm", "add_rms_norm", "rotary_embedding")
@@ -227,6 +248,34 @@ def correctness(device: str, cases: dict, tolerance: dict) -> Iterator[dict]:
                 continue
             limit = 0.0 if kernel == "reshape_and_cache" else tol  # a copy: exact
             yield row | {"max_error": error, "ok": error <= limit}
+    yield from fp8_correctness(device, fp8_cases)
+
+
+def fp8_correctness(device: str, cases: list[tuple[int, int, int]]) -> Iterator[dict]:
+    """--quantization fp8's layer against the float product of its dequantized weights. On a CUDA device the
+    row must have gone through torch's scaled matmul (w8a8), else it is not ok: the emulation would pass for it."""
+    from kvkernels.weight_quantization import Fp8Linear
+
+    for rows, inputs, outputs in cases:
+        row = {"kernel": f"fp8_linear/{rows}x{inputs}x{outputs}", "dtype": "float8_e4m3fn"}
+        try:
+            g = torch.Generator(device=device).manual_seed(rows)
+            linear = torch.nn.Linear(inputs, outputs, bias=False, device=device, dtype=torch.bfloat16)
+            torch.nn.init.normal_(linear.weight, std=inputs**-0.5, generator=g)
+            layer = Fp8Linear(linear)
+            x = torch.randn(rows, inputs, generator=g, device=device).to(torch.bfloat16)
+            expected = x.float() @ layer.dequantize(torch.float32).t()
+            error = ((layer(x).float() - expected).norm() / expected.norm()).item()
+        except Exception as failure:
+            traceback.print_exc()
+            yield row | {"error": repr(failure), "ok": False}
+            continue
+        scaled = layer._scaled
+        yield row | {
+            "max_error": error,
+            "scaled_mm": scaled,
+            "ok": error <= FP8_TOLERANCE and (scaled or device != "cuda"),
+        }
 
 
 def _kernel_error(kernel: str, case: tuple | None, dtype: torch.dtype, device: str) -> float:
@@ -399,7 +448,7 @@ def section_rows(
     key: str, args: argparse.Namespace, peak: float | None, clock: gpu_e2e.EngineClock
 ) -> Iterator[dict]:
     if key == "correctness":
-        return correctness(args.device, args.attention_cases, args.tolerance)
+        return correctness(args.device, args.attention_cases, args.tolerance, args.fp8_cases)
     if key == "decode_attention":
         return decode_benchmark(args, peak)
     if args.no_model:

@@ -31,14 +31,19 @@ ENGINE_START_GUESS_S = 30.0
 BUDGET_SPENT = "time budget spent"
 
 
-def split_backend(backend: str) -> tuple[str, bool]:
-    """'triton-eager' -> ('triton', True): the attention backend, and whether CUDA graphs are off."""
+def split_backend(backend: str) -> tuple[str, bool, str]:
+    """'triton-eager+fp8' -> ('triton', True, 'fp8'): the attention backend, whether CUDA graphs are off, and the
+    weights' --quantization (auto where none is named)."""
     from executor import ATTENTION_BACKENDS
+    from executor.engine_config import QUANTIZATIONS
 
-    name, _, mode = backend.partition("-")
+    engine, _, quantization = backend.partition("+")
+    name, _, mode = engine.partition("-")
     if name not in ATTENTION_BACKENDS or mode not in ("", "eager"):
         raise ValueError(f"{backend!r} is not auto, torch or triton, optionally with -eager")
-    return name, mode == "eager"
+    if "+" in backend and quantization not in QUANTIZATIONS:
+        raise ValueError(f"{backend!r}: +{quantization} is not a quantization ({', '.join(QUANTIZATIONS)})")
+    return name, mode == "eager", quantization or "auto"
 
 
 class EngineClock:
@@ -107,13 +112,14 @@ def _serve(
 ) -> Iterator[dict]:
     from executor import SamplingParams
 
-    name, enforce_eager = split_backend(backend)
+    name, enforce_eager, quantization = split_backend(backend)
     llm = clock.build(
         args.model,
         device=args.device,
         attention_backend=name,
         kv_cache_memory=args.kv_cache_memory,
         enforce_eager=enforce_eager,
+        quantization=quantization,
         max_num_seqs=max(workload.concurrency),  # no graphs captured for batches never run
     )
     graphs = llm.engine.runner.decode_graphs
@@ -138,6 +144,7 @@ def _serve(
         total = sum(len(t) for t in tokens)
         row = {
             "backend": backend,
+            "quantization": quantization,
             "cuda_graphs": graphs is not None,
             "engine_start_s": round(clock.last_build_s, 1),
             "concurrency": n,
@@ -153,35 +160,40 @@ def _serve(
 
 
 def profiled_start(args: argparse.Namespace, clock: EngineClock) -> Iterator[dict]:
-    """One engine with the serving defaults and no kv_cache_memory, then a few requests through it."""
+    """One engine with the serving defaults and no kv_cache_memory, then a few requests through it, for each of
+    args.profiling_quantizations: quantized weights leave the KV cache more of the device."""
     if args.device != "cuda":
         yield {"skipped": "needs CUDA"}  # elsewhere the pool is a fixed default: nothing is profiled
         return
-    if not clock.has_room():
-        yield {"skipped": BUDGET_SPENT}
-        return
-    try:
-        row = _profiled_row(args, clock)
-    except Exception as error:
-        traceback.print_exc()
-        row = {"error": repr(error), "traceback": traceback.format_exc()}
-    _free_device_memory(args.device)  # the engine went with _profiled_row's frame
-    yield row
+    for quantization in args.profiling_quantizations:
+        if not clock.has_room():
+            yield {"quantization": quantization, "skipped": BUDGET_SPENT}
+            continue
+        try:
+            row = _profiled_row(args, clock, quantization)
+        except Exception as error:
+            traceback.print_exc()
+            row = {"quantization": quantization, "error": repr(error), "traceback": traceback.format_exc()}
+        _free_device_memory(args.device)  # the engine went with _profiled_row's frame
+        yield row
 
 
-def _profiled_row(args: argparse.Namespace, clock: EngineClock) -> dict:
+def _profiled_row(args: argparse.Namespace, clock: EngineClock, quantization: str) -> dict:
     from executor import SamplingParams
+    from executor.kv_sizing import weight_bytes
 
     with _engine_log_lines() as lines:
-        llm = clock.build(args.model, device="cuda")
+        llm = clock.build(args.model, device="cuda", quantization=quantization)
     n = max(args.e2e_concurrency)
     prompts = [[7 + i] * args.e2e_prompt_len for i in range(n)]
     params = SamplingParams(max_tokens=args.e2e_output_len, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     return {
         "backend": llm.engine.kernels.name,
+        "quantization": quantization,
         "cuda_graphs": llm.engine.runner.decode_graphs is not None,
         "engine_start_s": round(clock.last_build_s, 1),
+        "weight_bytes": weight_bytes(llm.engine.runner.model),
         "kv_blocks": llm.stats().kv_blocks_total,
         "block_size": llm.engine.block_size,
         "profiling_log": next((line for line in lines if line.startswith("profiling:")), None),

@@ -102,7 +102,9 @@ class Fp8Linear(nn.Module):
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ids of W, as an embedding table tied to this layer looks them up."""
-        return (self.weight_fp8[ids].float() * self.scale[ids].unsqueeze(-1)).to(dtype)
+        # gathered as bytes: indexing kernels for float8 itself are not on every device in every torch
+        rows = self.weight_fp8.view(torch.uint8)[ids].view(torch.float8_e4m3fn)
+        return (rows.float() * self.scale[ids].unsqueeze(-1)).to(dtype)
 
     def extra_repr(self) -> str:
         return (

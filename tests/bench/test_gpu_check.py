@@ -27,9 +27,12 @@ def test_defaults_are_the_issues_workload():
     args = gpu_check.parse_args([])
     assert args.section == "all"
     assert (args.decode_batch, args.decode_context) == (64, 2048)
-    assert args.concurrency == [1, 64, 256] and args.throughput_backends == ["triton", "triton-eager"]
+    assert args.concurrency == [1, 64, 256]
+    assert args.throughput_backends == ["triton", "triton-eager", "triton+fp8"]
     assert (args.prompt_len, args.output_len) == (512, 128)
-    assert args.e2e_backends == ["triton", "triton-eager", "torch"] and args.e2e_concurrency == [1, 8]
+    assert args.e2e_backends == ["triton", "triton-eager", "torch", "triton+fp8"]
+    assert args.e2e_concurrency == [1, 8]
+    assert args.profiling_quantizations == ["auto", "fp8"]
     assert gpu_check.parse_args(["--concurrency", "2,8", "--e2e-backends", "torch"]).e2e_backends == ["torch"]
 
 
@@ -89,7 +92,8 @@ def test_kernel_sections_at_toy_sizes(tmp_path):
     argv = ["--section", "figures", "--toy", "--device", device, "--no-model", "--out", str(figures)]
     assert gpu_check.main(argv) == 0
     report = json.loads(kernels.read_text())
-    assert len(report["correctness"]) == 2 * 5 and all(case["ok"] for case in report["correctness"])
+    assert len(report["correctness"]) == 2 * 5 + len(gpu_check.TOY_FP8_CASES)
+    assert all(case["ok"] for case in report["correctness"])
     assert "decode_attention" not in report and report["seconds"] > 0
     report = json.loads(figures.read_text())
     variants = {row["variant"] for row in report["decode_attention"]}
@@ -136,7 +140,7 @@ def test_a_kernel_case_that_raises_is_reported_and_the_next_still_runs(monkeypat
 
     monkeypatch.setattr(gpu_check, "_kernel_error", rms_norm_raises)
     device = "cpu" if INTERPRETING else "cuda"
-    rows = list(gpu_check.correctness(device, gpu_check.TOY_ATTENTION_CASES, {torch.float32: 2e-5}))
+    rows = list(gpu_check.correctness(device, gpu_check.TOY_ATTENTION_CASES, {torch.float32: 2e-5}, []))
     assert [row["kernel"] for row in rows][-3:] == ["rms_norm", "add_rms_norm", "rotary_embedding"]
     failed = [row for row in rows if not row["ok"]]
     assert [row["kernel"] for row in failed] == ["rms_norm"] and "no kernel" in failed[0]["error"]
@@ -150,3 +154,19 @@ def test_unknown_e2e_backend_is_refused(capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--throughput-backends", "torch-graphs"])
     assert "--throughput-backends: 'torch-graphs'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--throughput-backends", "triton+q4"])
+    assert "'triton+q4': +q4 is not a quantization (auto, none, int8, fp8)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--profiling-quantizations", "auto,fp4"])
+    assert "--profiling-quantizations: fp4 not in auto, none, int8, fp8" in capsys.readouterr().err
+
+
+def test_fp8_layer_is_held_to_its_dequantized_product():
+    """Emulated off a Hopper GPU (the dequantized weights with bf16 activations: within the tolerance by far); on
+    one through torch's scaled matmul, which a CUDA row must have used to pass."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = list(gpu_check.fp8_correctness(device, gpu_check.TOY_FP8_CASES))
+    assert [row["kernel"] for row in rows] == ["fp8_linear/1x64x32", "fp8_linear/17x64x48"]
+    assert all(row["ok"] and row["dtype"] == "float8_e4m3fn" for row in rows), rows
+    assert all(0 < row["max_error"] < gpu_check.FP8_TOLERANCE for row in rows)

@@ -37,7 +37,9 @@ def test_no_engine_starts_that_the_deadline_has_no_room_for(monkeypatch):
     args = toy_args("unused")
     clock = gpu_e2e.EngineClock(time.perf_counter() + gpu_e2e.ENGINE_START_GUESS_S / 2)
     rows = list(gpu_e2e.throughput(args, clock))  # the first build's guess is the constant
-    assert rows == [{"backend": b, "skipped": "time budget spent"} for b in ("triton", "triton-eager")]
+    assert rows == [
+        {"backend": b, "skipped": "time budget spent"} for b in ("triton", "triton-eager", "triton+fp8")
+    ]
     clock.last_build_s = 0.1  # after a build, its own time
     assert clock.has_room()
 
@@ -51,6 +53,11 @@ def test_the_engine_log_lines_are_caught_whatever_logging_is_set_to(tiny_models)
     with gpu_e2e._engine_log_lines() as lines:
         gpu_e2e.EngineClock(float("inf")).build(tiny_models["llama"], device="cpu", kv_cache_memory="8MiB")
     assert any(line.startswith("KV cache: ") for line in lines)
+
+
+def test_a_backend_names_its_quantization():
+    assert gpu_e2e.split_backend("triton") == ("triton", False, "auto")
+    assert gpu_e2e.split_backend("triton-eager+fp8") == ("triton", True, "fp8")
 
 
 @pytest.mark.parametrize("backend", ["triton-fast", "eager"])

@@ -26,6 +26,27 @@ REPORT = {
             "output_tokens": 256,
             "tokens_matching_first_backend": 0.25,
         },
+        {
+            "backend": "triton+fp8",
+            "quantization": "fp8",
+            "cuda_graphs": True,
+            "concurrency": 8,
+            "output_tokens": 256,
+            "tokens_matching_first_backend": 0.5,
+        },
+    ],
+    "profiling": [
+        {
+            "backend": "triton",
+            "quantization": "fp8",
+            "cuda_graphs": True,
+            "engine_start_s": 9.5,
+            "weight_bytes": 150 * 2**20,
+            "kv_blocks": 1000,
+            "block_size": 16,
+            "profiling_log": "profiling: ...",
+            "output_tokens": 256,
+        }
     ],
     "throughput": [{"backend": "torch", "concurrency": 256, "skipped": "time budget spent"}],
 }
@@ -42,7 +63,10 @@ def test_problems_name_failed_kernels_sections_backends_and_disagreement():
         "agreement: triton failed",
         "torch at 8: 25% of tokens as the first backend",
     ]
-    assert gpu_report.notes(REPORT) == ["throughput: time budget spent"]
+    assert gpu_report.notes(REPORT) == [
+        "throughput: time budget spent",
+        "profiling sized 1000 KV blocks (fp8)",
+    ]
 
 
 def test_markdown_names_failures_errors_and_skips():
@@ -58,6 +82,11 @@ def test_markdown_names_failures_errors_and_skips():
         and "| torch | no | 8 | 256 | 25% |" in markdown
     )
     assert "- torch at 256: skipped (time budget spent)" in markdown
+    assert "| triton+fp8 | yes | 8 | 256 | 50% |" in markdown  # reported, not judged
+    assert (
+        "Started without --kv-cache-memory (fp8) (triton, CUDA graphs on, 9.5 s): 150 MiB of weights"
+        in markdown
+    )
 
 
 def test_stage_notes(tmp_path):

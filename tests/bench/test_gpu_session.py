@@ -53,10 +53,12 @@ def test_dry_run_passes_every_stage_with_only_the_images_packages(default_model,
     )
     assert done.stdout.rstrip().endswith(summary)
     e2e = json.loads((out / "e2e.json").read_text())
-    assert [row["backend"] for row in e2e["end_to_end"]] == ["triton", "triton-eager", "torch"]
+    rows = e2e["end_to_end"]
+    assert [row["backend"] for row in rows] == ["triton", "triton-eager", "torch", "triton+fp8"]
+    assert all(row["output_tokens"] > 0 for row in rows)
     assert e2e["profiling"] == [{"skipped": "needs CUDA"}]
     figures = json.loads((out / "figures.json").read_text())
-    assert {row["backend"] for row in figures["throughput"]} == {"triton", "triton-eager"}
+    assert {row["backend"] for row in figures["throughput"]} == {"triton", "triton-eager", "triton+fp8"}
     assert len(figures["decode_attention"]) == 5
     markdown = (out / "gpu_report.md").read_text()
     assert "Missing" not in markdown and "Greedy tokens by backend" in markdown
