@@ -29,6 +29,10 @@ import torch
 # until a build has been timed)
 ENGINE_START_GUESS_S = 30.0
 BUDGET_SPENT = "time budget spent"
+# Two correct backends may part ways where the first one's top two tokens were this close (in nats: their logits'
+# difference): bf16 logits of 16 to 32 are a step of 0.125 apart, and kernels that sum in another order move the
+# hidden state by a few such steps. Where they part at a wider margin, one of them computed something else.
+NEAR_TIE_NATS = 0.25
 
 
 def split_backend(backend: str) -> tuple[str, bool, str]:
@@ -94,13 +98,13 @@ def _each_backend(
     args: argparse.Namespace, backends: list[str], workload: Workload, clock: EngineClock
 ) -> Iterator[dict]:
     """A backend that fails is reported with its error, and the next one still runs."""
-    first_tokens: dict[int, list[list[int]]] = {}  # concurrency -> the first backend's tokens
+    first_runs: dict[int, list] = {}  # concurrency -> the first backend's outputs
     for backend in backends:
         if not clock.has_room():
             yield {"backend": backend, "skipped": BUDGET_SPENT}
             continue
         try:
-            yield from _serve(args, backend, workload, clock, first_tokens)
+            yield from _serve(args, backend, workload, clock, first_runs)
         except Exception as error:
             traceback.print_exc()
             yield {"backend": backend, "error": repr(error), "traceback": traceback.format_exc()}
@@ -108,7 +112,7 @@ def _each_backend(
 
 
 def _serve(
-    args: argparse.Namespace, backend: str, workload: Workload, clock: EngineClock, first_tokens: dict
+    args: argparse.Namespace, backend: str, workload: Workload, clock: EngineClock, first_runs: dict
 ) -> Iterator[dict]:
     from executor import SamplingParams
 
@@ -125,7 +129,11 @@ def _serve(
     graphs = llm.engine.runner.decode_graphs
     rng = random.Random(0)  # every backend gets the same prompts
     vocab = llm.engine.vocab_size
-    params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
+    # untimed runs compare tokens, and where they part, the first backend's top two logprobs there
+    logprobs = None if workload.timed else 2
+    params = SamplingParams(
+        max_tokens=workload.output_len, temperature=0.0, ignore_eos=True, logprobs=logprobs
+    )
     for n in workload.concurrency:
         if clock.past_deadline():
             yield {"backend": backend, "concurrency": n, "skipped": BUDGET_SPENT}
@@ -136,10 +144,13 @@ def _serve(
         start = time.perf_counter()
         outputs = llm.generate(prompts[:n], params)  # the tokens reach the host: no sync needed
         seconds = time.perf_counter() - start
-        tokens = [list(out.outputs[0].token_ids) for out in outputs]
-        expected = first_tokens.setdefault(n, tokens)
+        runs = [out.outputs[0] for out in outputs]
+        first = first_runs.setdefault(n, runs)
+        tokens = [list(run.token_ids) for run in runs]
         same = sum(
-            a == b for got, want in zip(tokens, expected, strict=True) for a, b in zip(got, want, strict=True)
+            a == b
+            for got, want in zip(runs, first, strict=True)
+            for a, b in zip(got.token_ids, want.token_ids, strict=True)
         )
         total = sum(len(t) for t in tokens)
         row = {
@@ -155,8 +166,28 @@ def _serve(
             "output_tok_s": round(total / seconds, 1),
             "tokens_matching_first_backend": round(same / total, 3),
         }
+        if not workload.timed:
+            margins = [parting_margin(want, got) for got, want in zip(runs, first, strict=True)]
+            parted = [m for m in margins if m is not None]
+            row |= {
+                "sequences_parted": len(parted),
+                "parted_at_near_ties": sum(m <= NEAR_TIE_NATS for m in parted),
+                "widest_parting_nats": round(max(parted), 3) if parted else None,
+            }
         print(json.dumps(row), file=sys.stderr, flush=True)
         yield row
+
+
+def parting_margin(first, other) -> float | None:
+    """Where other's greedy tokens first differ from first's: first's top-2 logprob margin there (in nats), or
+    inf where other's token was not among first's top two; None where they never differ."""
+    for position, (a, b) in enumerate(zip(first.token_ids, other.token_ids, strict=True)):
+        if a != b:
+            top = first.logprobs[position].top
+            if b not in (token for token, _ in top[:2]):
+                return float("inf")
+            return top[0][1] - top[1][1]
+    return None
 
 
 def profiled_start(args: argparse.Namespace, clock: EngineClock) -> Iterator[dict]:

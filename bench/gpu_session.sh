@@ -127,7 +127,7 @@ stage kernels "$(allot 90)" "$python" -m bench.gpu_check --section kernels "${ch
 # pytest ends itself in time to write its JUnit file: it starts no test once its session timeout has passed, and
 # the per-test timeout bounds the one running then. Where pytest-timeout is missing (env says so) or older than
 # 2.3 (no session timeout), what it lacks is left out rather than fail pytest's arguments.
-limit=$(allot 120)
+limit=$(allot 180) # the first GPU session's 120 ran 43 of the 85 tests
 per_test_s=45
 timeouts=()
 case $("$python" -c 'import importlib.metadata as m; print(m.version("pytest-timeout"))' 2>/dev/null) in

@@ -9,6 +9,8 @@ import time
 import pytest
 
 from bench import gpu_check, gpu_e2e
+from executor.llm import CompletionOutput
+from executor.sampler import TokenLogprobs
 
 
 def toy_args(model: str, *extra: str):
@@ -26,6 +28,7 @@ def test_a_failing_backend_is_reported_and_the_next_still_runs(tiny_models, monk
     rows = list(gpu_e2e.agreement(args, gpu_e2e.EngineClock(float("inf"))))
     assert rows[0]["backend"] == "torch" and rows[0]["output_tokens"] == 2 * 3
     assert rows[0]["tokens_matching_first_backend"] == 1.0 and rows[0]["cuda_graphs"] is False
+    assert rows[0]["sequences_parted"] == 0 and rows[0]["widest_parting_nats"] is None
     assert rows[1]["backend"] == "triton" and "ZeroDivisionError" in rows[1]["error"]
 
 
@@ -53,6 +56,24 @@ def test_the_engine_log_lines_are_caught_whatever_logging_is_set_to(tiny_models)
     with gpu_e2e._engine_log_lines() as lines:
         gpu_e2e.EngineClock(float("inf")).build(tiny_models["llama"], device="cpu", kv_cache_memory="8MiB")
     assert any(line.startswith("KV cache: ") for line in lines)
+
+
+def _run(tokens: list[int], top: list[list[tuple[int, float]]] | None = None):
+    logprobs = (
+        None
+        if top is None
+        else [TokenLogprobs(t, row[0][1], 1, row) for t, row in zip(tokens, top, strict=True)]
+    )
+    return CompletionOutput(0, "", tokens, logprobs=logprobs)
+
+
+def test_sequences_that_part_are_judged_by_the_first_ones_margin_where_they_part():
+    first = _run([5, 6, 7], [[(5, -0.1), (9, -3.0)], [(6, -0.6), (8, -0.7)], [(7, -0.2), (1, -2.0)]])
+    assert gpu_e2e.parting_margin(first, _run([5, 6, 7])) is None
+    assert gpu_e2e.parting_margin(first, _run([5, 8, 2])) == pytest.approx(0.1)  # a near tie at the 2nd
+    assert gpu_e2e.parting_margin(first, _run([9, 6, 7])) == pytest.approx(2.9)
+    assert gpu_e2e.parting_margin(first, _run([5, 4, 7])) == float("inf")  # not even the first's runner-up
+    assert 0.1 <= gpu_e2e.NEAR_TIE_NATS < 2.9
 
 
 def test_a_backend_names_its_quantization():

@@ -25,6 +25,9 @@ REPORT = {
             "concurrency": 8,
             "output_tokens": 256,
             "tokens_matching_first_backend": 0.25,
+            "sequences_parted": 3,
+            "parted_at_near_ties": 1,
+            "widest_parting_nats": 2.5,
         },
         {
             "backend": "triton+fp8",
@@ -33,6 +36,9 @@ REPORT = {
             "concurrency": 8,
             "output_tokens": 256,
             "tokens_matching_first_backend": 0.5,
+            "sequences_parted": 8,
+            "parted_at_near_ties": 0,
+            "widest_parting_nats": float("inf"),
         },
     ],
     "profiling": [
@@ -61,7 +67,7 @@ def test_problems_name_failed_kernels_sections_backends_and_disagreement():
         "decode_attention raised RuntimeError('out of memory')",
         "2 of 3 kernel cases failed",
         "agreement: triton failed",
-        "torch at 8: 25% of tokens as the first backend",
+        "torch at 8: 2 of 8 sequences parted from the first backend's past a near tie (widest 2.5 nats)",
     ]
     assert gpu_report.notes(REPORT) == [
         "throughput: time budget spent",
@@ -79,7 +85,7 @@ def test_markdown_names_failures_errors_and_skips():
     assert "**decode_attention failed**: `RuntimeError('out of memory')`" in markdown
     assert (
         "- triton failed: `ValueError('capture')`" in markdown
-        and "| torch | no | 8 | 256 | 25% |" in markdown
+        and "| torch | no | 8 | 256 | 25% | 3 (1) | 2.5 |" in markdown
     )
     assert "- torch at 256: skipped (time budget spent)" in markdown
     assert "| triton+fp8 | yes | 8 | 256 | 50% |" in markdown  # reported, not judged
