@@ -124,6 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--e2e-concurrency", default="1,8", help="e2e: concurrent requests")
     parser.add_argument(
+        "--e2e-dtypes",
+        default="float32,bfloat16",
+        help="e2e: each backend's greedy tokens in each dtype (judged in float32 only; see gpu_e2e)",
+    )
+    parser.add_argument(
         "--profiling-quantizations",
         default="auto,fp8",
         help="e2e: the engine sized by profiling GPU memory is started once with each of these --quantization",
@@ -144,6 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from executor.engine_config import QUANTIZATIONS
 
     args.profiling_quantizations = args.profiling_quantizations.split(",")
+    args.e2e_dtypes = args.e2e_dtypes.split(",")
+    if unknown := [d for d in args.e2e_dtypes if d not in ("auto", "float32", "bfloat16", "float16")]:
+        parser.error(f"--e2e-dtypes: {', '.join(unknown)} not in auto, float32, bfloat16, float16")
     if unknown := [q for q in args.profiling_quantizations if q not in QUANTIZATIONS]:
         parser.error(f"--profiling-quantizations: {', '.join(unknown)} not in {', '.join(QUANTIZATIONS)}")
     for name in ("e2e_backends", "throughput_backends"):

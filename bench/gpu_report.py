@@ -17,10 +17,10 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-# bf16 rounding can flip a near-tie between two tokens, and greedy decoding then goes its own way from there, so
-# a backend is judged by where its sequences part from the first backend's: only at near ties (gpu_e2e's
-# NEAR_TIE_NATS). A wrong kernel parts at the first confident token. Quantized weights move the logits by more
-# than rounding: their rows are reported, not judged; fp8's own check is its layer's error in the kernels stage.
+# Rounding can flip a near-tie between two tokens, and greedy decoding then goes its own way from there, so a
+# backend is judged by where its sequences part from the first backend's: only at near ties (gpu_e2e's
+# NEAR_TIE_NATS). A wrong kernel parts at the first confident token. gpu_e2e marks the rows it judges: float32,
+# unquantized. fp8's own check is its layer's error in the kernels stage.
 UNQUANTIZED = ("auto", "none")
 # what each stage of gpu_session.sh leaves in $OUT; "model" leaves its verdict in the summary alone
 STAGE_FILES = {
@@ -46,7 +46,7 @@ def problems(report: dict) -> list[str]:
             if "error" in row:
                 found.append(f"{label}: {row.get('backend', 'engine')} failed")
     for row in report.get("end_to_end", []):
-        if row.get("quantization", "auto") not in UNQUANTIZED or "sequences_parted" not in row:
+        if not row.get("judged"):
             continue
         wide = row["sequences_parted"] - row["parted_at_near_ties"]
         if wide:
@@ -183,6 +183,7 @@ def _engine_lines(report: dict, key: str, header: list[str], cells) -> list[str]
 def agreement_lines(report: dict) -> list[str]:
     header = [
         "backend",
+        "dtype",
         "CUDA graphs",
         "concurrent requests",
         "output tokens",
@@ -195,6 +196,7 @@ def agreement_lines(report: dict) -> list[str]:
         graphs = "yes" if r["cuda_graphs"] else "no"
         return [
             r["backend"],
+            r.get("dtype"),
             graphs,
             r["concurrency"],
             r["output_tokens"],
@@ -206,7 +208,7 @@ def agreement_lines(report: dict) -> list[str]:
     lines = _engine_lines(report, "end_to_end", header, cells)
     return [
         "Greedy tokens by backend: where a sequence parts from the first backend's, the first's top two tokens "
-        "must have been a near tie there (quantized weights are reported, not judged):",
+        "must have been a near tie there (judged in float32 without quantization; the other rows are reported):",
         *lines,
     ]
 

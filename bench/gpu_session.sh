@@ -135,7 +135,12 @@ case $("$python" -c 'import importlib.metadata as m; print(m.version("pytest-tim
     1.* | 2.[0-2] | 2.[0-2].*) timeouts=(--timeout "$per_test_s") ;;
     *) timeouts=(--timeout "$per_test_s" --session-timeout $((limit > per_test_s + 25 ? limit - per_test_s - 15 : 10))) ;;
 esac
-stage tests "$limit" "$python" -m pytest -p no:cacheprovider -v -rfE --continue-on-collection-errors \
+# the tests' default model is the stand-in: that machine cannot fetch the default model's package
+test_model=()
+if ((model_ok && !dry_run)); then
+    test_model=(env KVSERVE_TEST_MODEL="$model")
+fi
+stage tests "$limit" "${test_model[@]}" "$python" -m pytest -p no:cacheprovider -v -rfE --continue-on-collection-errors \
     "${timeouts[@]}" --junitxml "$out/tests.xml" "${collect[@]}" "${tests[@]}"
 
 # the engine stages start no engine that would not be up 20 s before their timeout

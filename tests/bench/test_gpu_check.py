@@ -33,6 +33,7 @@ def test_defaults_are_the_issues_workload():
     assert args.e2e_backends == ["triton", "triton-eager", "torch", "triton+fp8"]
     assert args.e2e_concurrency == [1, 8]
     assert args.profiling_quantizations == ["auto", "fp8"]
+    assert args.e2e_dtypes == ["float32", "bfloat16"]
     assert gpu_check.parse_args(["--concurrency", "2,8", "--e2e-backends", "torch"]).e2e_backends == ["torch"]
 
 

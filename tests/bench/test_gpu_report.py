@@ -21,6 +21,8 @@ REPORT = {
         {"backend": "triton", "error": "ValueError('capture')"},
         {
             "backend": "torch",
+            "dtype": "float32",
+            "judged": True,
             "cuda_graphs": False,
             "concurrency": 8,
             "output_tokens": 256,
@@ -32,6 +34,8 @@ REPORT = {
         {
             "backend": "triton+fp8",
             "quantization": "fp8",
+            "dtype": "bfloat16",
+            "judged": False,
             "cuda_graphs": True,
             "concurrency": 8,
             "output_tokens": 256,
@@ -85,10 +89,10 @@ def test_markdown_names_failures_errors_and_skips():
     assert "**decode_attention failed**: `RuntimeError('out of memory')`" in markdown
     assert (
         "- triton failed: `ValueError('capture')`" in markdown
-        and "| torch | no | 8 | 256 | 25% | 3 (1) | 2.5 |" in markdown
+        and "| torch | float32 | no | 8 | 256 | 25% | 3 (1) | 2.5 |" in markdown
     )
     assert "- torch at 256: skipped (time budget spent)" in markdown
-    assert "| triton+fp8 | yes | 8 | 256 | 50% |" in markdown  # reported, not judged
+    assert "| triton+fp8 | bfloat16 | yes | 8 | 256 | 50% |" in markdown  # reported, not judged
     assert (
         "Started without --kv-cache-memory (fp8) (triton, CUDA graphs on, 9.5 s): 150 MiB of weights"
         in markdown

@@ -54,7 +54,11 @@ def test_dry_run_passes_every_stage_with_only_the_images_packages(default_model,
     assert done.stdout.rstrip().endswith(summary)
     e2e = json.loads((out / "e2e.json").read_text())
     rows = e2e["end_to_end"]
-    assert [row["backend"] for row in rows] == ["triton", "triton-eager", "torch", "triton+fp8"]
+    backends = ["triton", "triton-eager", "torch", "triton+fp8"]
+    assert [(row["dtype"], row["backend"]) for row in rows] == [
+        (dtype, backend) for dtype in ("float32", "bfloat16") for backend in backends
+    ]
+    assert [row["judged"] for row in rows] == [True, True, True, False] + [False] * 4
     assert all(row["output_tokens"] > 0 for row in rows)
     assert e2e["profiling"] == [{"skipped": "needs CUDA"}]
     figures = json.loads((out / "figures.json").read_text())
