@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for name in ("concurrency", "e2e_concurrency"):
         setattr(args, name, [int(n) for n in getattr(args, name).split(",")])
-    from executor.engine_config import QUANTIZATIONS
+    from executor import QUANTIZATIONS
 
     args.profiling_quantizations = args.profiling_quantizations.split(",")
     args.e2e_dtypes = args.e2e_dtypes.split(",")

@@ -42,8 +42,7 @@ JUDGED_DTYPE = "float32"
 def split_backend(backend: str) -> tuple[str, bool, str]:
     """'triton-eager+fp8' -> ('triton', True, 'fp8'): the attention backend, whether CUDA graphs are off, and the
     weights' --quantization (auto where none is named)."""
-    from executor import ATTENTION_BACKENDS
-    from executor.engine_config import QUANTIZATIONS
+    from executor import ATTENTION_BACKENDS, QUANTIZATIONS
 
     engine, _, quantization = backend.partition("+")
     name, _, mode = engine.partition("-")
@@ -222,8 +221,7 @@ def profiled_start(args: argparse.Namespace, clock: EngineClock) -> Iterator[dic
 
 
 def _profiled_row(args: argparse.Namespace, clock: EngineClock, quantization: str) -> dict:
-    from executor import SamplingParams
-    from executor.kv_sizing import weight_bytes
+    from executor import SamplingParams, weight_bytes
 
     with _engine_log_lines() as lines:
         llm = clock.build(args.model, device="cuda", quantization=quantization)

@@ -11,6 +11,7 @@ __all__ = [
     "default_gguf",
     "weight_bytes",
     "ATTENTION_BACKENDS",
+    "QUANTIZATIONS",
 ]
 
 
@@ -38,4 +39,8 @@ def __getattr__(name: str):
         from executor.engine_config import ATTENTION_BACKENDS
 
         return ATTENTION_BACKENDS
+    if name == "QUANTIZATIONS":  # the --quantization choices
+        from executor.engine_config import QUANTIZATIONS
+
+        return QUANTIZATIONS
     raise AttributeError(f"module 'executor' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from bench import gpu_check, gpu_e2e
-from executor.llm import CompletionOutput
+from executor import CompletionOutput
 from executor.sampler import TokenLogprobs
 
 
