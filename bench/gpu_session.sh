@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks, as one device call of about 6 minutes (a second call still fits the 15 minutes
-# a task is lent). Six stages, each its own process under its own timeout, each leaving its result in $OUT as it
-# ends, so a stage that fails, hangs or faults the GPU loses nothing before it and stops nothing after it:
+# Everything a GPU session checks, as one device call of about 5 minutes (the first H200 sessions ran 260-267 s
+# and took ~30 s to start; a second call still fits the 15 minutes a task is lent). Six stages, each its own
+# process under its own timeout, each leaving its result in $OUT as it ends, so a stage that fails, hangs or
+# faults the GPU loses nothing before it and stops nothing after it:
 #
 #   env      device, versions, and whether every module the later stages import imports   env.json
 #   model    the stand-in model (below); where it fails, e2e is skipped and figures times no engine
-#   kernels  each Triton kernel against its torch twin (gpu_check --section kernels)       kernels.json
+#   kernels  each Triton kernel against its torch twin; the fp8 layer (gpu_check --section kernels)  kernels.json
 #   tests    the test files with CUDA cases, with a per-test timeout                        tests.xml (JUnit)
-#   e2e      greedy tokens of each attention backend; one engine sized by GPU memory profiling  e2e.json
-#   figures  decode attention as a share of HBM bandwidth; output tok/s at 1/64/256 requests, graphs on and off
-#                                                                                           figures.json
+#   e2e      greedy tokens of each backend, float32 (judged) and bf16; the engine sized by GPU memory
+#            profiling, with and without fp8                                                e2e.json
+#   figures  decode attention as a share of HBM bandwidth; output tok/s at 1/64/256 requests, graphs on and
+#            off, fp8                                                                       figures.json
 # plus session.log (every stage's output), summary.txt (one line, rewritten as each stage ends) and gpu_report.md
 # (bench/gpu_report.py: the README's markdown). That is 8 files, all a device call brings back.
 #
