@@ -23,7 +23,7 @@
 #   run(command="bash bench/gpu_session.sh", carry=[".gpu"], timeout_s=600)
 #   python -m bench.gpu_report FILES_AT                # here, if the run ended before its own gpu_report.md
 #
-# bash bench/gpu_session.sh --dry-run: the same stages on a CPU machine, in under a minute: Triton's interpreter,
+# bash bench/gpu_session.sh --dry-run: the same stages on a CPU machine, in about a minute: Triton's interpreter,
 # toy sizes, a 2-layer stand-in packed from the default model, the test files collected but not run (the suite
 # runs them), the profiled engine reported as needing CUDA. tests/bench/test_gpu_session.py runs it.
 #
