@@ -155,13 +155,12 @@ def _serve(
         seconds = time.perf_counter() - start
         runs = [out.outputs[0] for out in outputs]
         first = first_runs.setdefault(n, runs)
-        tokens = [list(run.token_ids) for run in runs]
         same = sum(
             a == b
             for got, want in zip(runs, first, strict=True)
             for a, b in zip(got.token_ids, want.token_ids, strict=True)
         )
-        total = sum(len(t) for t in tokens)
+        total = sum(len(run.token_ids) for run in runs)
         row = {
             "backend": backend,
             "quantization": quantization,
