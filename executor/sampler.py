@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.sampling_state import SamplingState
+from kvkernels.sampling_ops import argmax_rows
 from shared.sampling_params import SamplingParams
 
 
@@ -259,7 +260,7 @@ class Sampler:
         penalised = apply_penalties(logits, rows)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if len(random) < len(rows):  # argmax over the vocabulary costs as much as drawing: only where needed
-            token_ids = penalised.argmax(dim=-1)
+            token_ids = argmax_rows(penalised)
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if random:

@@ -26,6 +26,7 @@ _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     _CSRC / name
     for name in (
+        "argmax_cpu.cpp",
         "bindings.cpp",
         "decode_attention_cpu.cpp",
         "decoder_stack_cpu.cpp",

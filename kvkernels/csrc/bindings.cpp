@@ -6,6 +6,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
+  m.def("argmax_rows", &argmax_rows, "torch's argmax over each row of [rows, vocab] float32 logits");
   m.def("prefill_attention_", &prefill_attention_,
         "paged causal attention of the chunks of two or more tokens, into out (float32, CPU)");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight over the last dimension, as torch computes it");

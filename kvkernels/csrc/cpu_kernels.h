@@ -28,3 +28,4 @@ at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const a
                           const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
                           const c10::optional<at::Tensor>& bias, bool int8_activations);
 bool int8_dot_available();
+at::Tensor argmax_rows(const at::Tensor& logits);
