@@ -168,7 +168,7 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if any(greedy):
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(1, argmax_rows(logits).unsqueeze(1), 1.0)
         probs = torch.where(torch.tensor(greedy, device=logits.device).unsqueeze(1), one_hot, probs)
     return probs
 

@@ -489,8 +489,9 @@ def test_requests_waiting_for_their_grammars_are_bounded_and_a_compile_past_its_
 def test_a_request_that_waits_too_long_without_starting_is_handed_back_as_busy(tiny_models):
     with _local_service(tiny_models["llama"], max_num_seqs=1, max_waiting_time=0.3) as (service, client, _):
         client.generate("long", PROMPT_B, max_tokens=900, temperature=0.0, ignore_eos=True)
-        client.generate("behind", PROMPT_B, max_tokens=3, temperature=0.0)
+        # before the send: the executor's wait can start before a line after the send runs
         sent = time.monotonic()
+        client.generate("behind", PROMPT_B, max_tokens=3, temperature=0.0)
         while not isinstance(msg := client.receive(), protocol.RequestError):
             assert isinstance(msg, protocol.StepBatch)
             assert all(u.request_id == "long" and u.finish_reason is None for u in msg.outputs)
