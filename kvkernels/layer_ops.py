@@ -11,7 +11,8 @@ from kvkernels import torch_twins
 from kvkernels.cpu_extension import cpu_kernels
 
 
-def _cpu_kernels_for(x: torch.Tensor):
+def cpu_kernels_for(x: torch.Tensor):
+    """The C++ kernels where they serve x (float32 on the CPU), else None."""
     return cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
 
 
@@ -19,7 +20,7 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); unfused, the add then torch's own rms_norm."""
-    ops = _cpu_kernels_for(x)
+    ops = cpu_kernels_for(x)
     if ops is not None and x.is_contiguous() and residual.is_contiguous() and weight.dtype == torch.float32:
         return ops.add_rms_norm(x, residual, weight, eps)
     summed = x + residual
@@ -31,7 +32,7 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary embedding of query [T, Hq, D] and key [T, Hkv, D]; the CPU kernel rotates them in
     place (they are fresh projections), the torch twin returns new tensors."""
-    ops = _cpu_kernels_for(query)
+    ops = cpu_kernels_for(query)
     if ops is not None and key.dtype == torch.float32 and cos.dtype == torch.float32:
         ops.rotary_embedding_(query, key, cos.contiguous(), sin.contiguous())
         return query, key
@@ -40,7 +41,7 @@ def rotary_embedding(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate, then up) -> silu(gate) * up, [T, I]."""
-    ops = _cpu_kernels_for(x)
+    ops = cpu_kernels_for(x)
     if ops is not None and x.stride(-1) == 1:
         return ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)

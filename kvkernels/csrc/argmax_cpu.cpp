@@ -15,6 +15,9 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
+// the larger, or NaN where either is, as at::vec::maximum
+inline float nan_max(float a, float b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); }
+
 int64_t row_argmax(const float* x, int64_t n) {
   constexpr int64_t W = Vec::size();
   float best = -std::numeric_limits<float>::infinity();
@@ -24,9 +27,9 @@ int64_t row_argmax(const float* x, int64_t n) {
     for (i = W; i + W <= n; i += W) lanes = at::vec::maximum(lanes, Vec::loadu(x + i));  // a NaN stays NaN
     float values[W];
     lanes.store(values);
-    for (int64_t l = 0; l < W; ++l) best = std::isnan(best) || std::isnan(values[l]) ? NAN : std::max(best, values[l]);
+    for (int64_t l = 0; l < W; ++l) best = nan_max(best, values[l]);
   }
-  for (; i < n; ++i) best = std::isnan(best) || std::isnan(x[i]) ? NAN : std::max(best, x[i]);
+  for (; i < n; ++i) best = nan_max(best, x[i]);
   if (std::isnan(best)) {
     for (int64_t j = 0; j < n; ++j)
       if (std::isnan(x[j])) return j;

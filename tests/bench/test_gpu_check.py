@@ -148,19 +148,25 @@ def test_a_kernel_case_that_raises_is_reported_and_the_next_still_runs(monkeypat
     assert gpu_report.problems({"correctness": rows}) == ["1 of 5 kernel cases failed"]
 
 
-def test_unknown_e2e_backend_is_refused(capsys):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--e2e-backends", "triton-fast"], "--e2e-backends: 'triton-fast' is not auto, torch or triton"),
+        (["--throughput-backends", "torch-graphs"], "--throughput-backends: 'torch-graphs'"),
+        (
+            ["--throughput-backends", "triton+q4"],
+            "'triton+q4': +q4 is not a quantization (auto, none, int8, fp8)",
+        ),
+        (
+            ["--profiling-quantizations", "auto,fp4"],
+            "--profiling-quantizations: fp4 not in auto, none, int8, fp8",
+        ),
+    ],
+)
+def test_unknown_e2e_backend_is_refused(capsys, argv, message):
     with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--e2e-backends", "triton-fast"])
-    assert "--e2e-backends: 'triton-fast' is not auto, torch or triton" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--throughput-backends", "torch-graphs"])
-    assert "--throughput-backends: 'torch-graphs'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--throughput-backends", "triton+q4"])
-    assert "'triton+q4': +q4 is not a quantization (auto, none, int8, fp8)" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--profiling-quantizations", "auto,fp4"])
-    assert "--profiling-quantizations: fp4 not in auto, none, int8, fp8" in capsys.readouterr().err
+        gpu_check.parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_fp8_layer_is_held_to_its_dequantized_product():
