@@ -41,11 +41,14 @@ HEADERS = tuple(
     for name in (
         "cpu_kernels.h",
         "cpu_vec.h",
+        "decode_attention_cpu.h",
         "decoder_stack_cpu.h",
         "dynamic_parallel.h",
+        "fused_rows.h",
         "int8_dot_kernel.h",
         "panel_kernel.h",
         "prefetch.h",
+        "quantized_gemm_cpu.h",
         "softmax_row.h",
         "stealing_parallel.h",
     )

@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecoderStack::add_layer,
            "input_norm, post_norm, eps, then qkv, o, gate_up and down as (weight, scales, offsets, bias, "
            "out_features, bits, zero_point, int8_activations), bits 0 for small_gemm's float panels")
+      .def("team_rows", &DecoderStack::team_rows,
+           "the most sequences a step may hold to run on one team of threads (0: it never does)")
       .def("forward", &DecoderStack::forward,
            "(the last layer's addition, the residual before it) of a step of decodes, one token per sequence");
 }

@@ -4,8 +4,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
+
+#include "quantized_gemm_cpu.h"
 
 // (weight, scales, offsets, bias, out_features, bits, zero_point, int8_activations): bits 0 is a float weight in
 // small_gemm's panels; 4 or 8, quantized_gemm's panels with their scales and offsets
@@ -20,6 +23,9 @@ struct StackLinear {
   c10::optional<at::Tensor> scales, offsets, bias;
   int64_t out_features = 0, bits = 0, zero_point = 0;
   bool int8_activations = false;
+#if defined(KVSERVE_INT8_DOT)
+  std::optional<Int8DotWeights> int8_weights;  // where the layer multiplies int8 activations
+#endif
 };
 
 struct StackLayer {
@@ -36,6 +42,9 @@ class DecoderStack {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps, LinearArgs qkv, LinearArgs o,
                  LinearArgs gate_up, LinearArgs down);
 
+  // the most sequences a step may hold to run on one team of threads (forward_team), 0 where it never does
+  int64_t team_rows() const;
+
   // (the last layer's addition, the residual stream before it), as the Python loop leaves them
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                                              const std::vector<at::Tensor>& key_caches,
@@ -44,7 +53,16 @@ class DecoderStack {
                                              const at::Tensor& slot_mapping) const;
 
  private:
+  // forward's layers on one OpenMP team, where every linear layer multiplies int8 activations and the rows fit
+  // one kernel call
+  std::tuple<at::Tensor, at::Tensor> forward_team(const at::Tensor& embeddings, const at::Tensor& cos,
+                                                  const at::Tensor& sin, const std::vector<at::Tensor>& key_caches,
+                                                  const std::vector<at::Tensor>& value_caches,
+                                                  const at::Tensor& table, const at::Tensor& lens,
+                                                  const at::Tensor& slot_mapping, int threads) const;
+
   std::vector<StackLayer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
+  bool int8_dot_ = true;  // every linear layer so far has int8_weights
 };

@@ -6,6 +6,7 @@
 // function torch's kernels call, and the build turns off fused multiply-add contraction), so results match the
 // torch path bit for bit.
 #include "cpu_vec.h"
+#include "fused_rows.h"
 #include "torch_row_sum.h"
 
 #include <ATen/ATen.h>
@@ -14,6 +15,60 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+
+namespace fused {
+
+using Vec = at::vec::Vectorized<float>;
+
+// torch splits one row's sum over threads from 32768 elements: another order
+bool norm_in_torch_order(int64_t H) { return H < 32768 && torch_order::sum_lanes() > 0; }
+
+void scale_row(const float* s, const float* w, int64_t H, float inv, float* out) {
+  const Vec vinv(inv);
+  int64_t i = 0;
+  for (; i + Vec::size() <= H; i += Vec::size()) ((Vec::loadu(s + i) * vinv) * Vec::loadu(w + i)).store(out + i);
+  for (; i < H; ++i) out[i] = (s[i] * inv) * w[i];
+}
+
+void rms_norm_row(const float* s, const float* w, int64_t H, float eps, float* out) {
+  const int64_t lanes = torch_order::sum_lanes();
+  const float mean = torch_order::sum_of_squares(s, H, H < lanes ? 1 : lanes) / static_cast<float>(H);
+  scale_row(s, w, H, 1.f / std::sqrt(mean + eps), out);
+}
+
+void add(const float* a, const float* b, int64_t n, float* s) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(a + i) + Vec::loadu(b + i)).store(s + i);
+  for (; i < n; ++i) s[i] = a[i] + b[i];
+}
+
+void rotate_head(float* x, const float* c, const float* sn, int64_t half) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= half; i += Vec::size()) {
+    const Vec x1 = Vec::loadu(x + i), x2 = Vec::loadu(x + half + i);
+    const Vec lo = x1 * Vec::loadu(c + i) - x2 * Vec::loadu(sn + i);
+    const Vec hi = x2 * Vec::loadu(c + half + i) + x1 * Vec::loadu(sn + half + i);
+    lo.store(x + i);
+    hi.store(x + half + i);
+  }
+  for (; i < half; ++i) {
+    const float x1 = x[i], x2 = x[half + i];
+    x[i] = x1 * c[i] - x2 * sn[i];
+    x[half + i] = x2 * c[half + i] + x1 * sn[half + i];
+  }
+}
+
+void silu_and_mul_row(const float* g, const float* u, int64_t I, float* out) {
+  const Vec one(1.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= I; i += Vec::size()) {
+    const Vec gv = Vec::loadu(g + i);
+    ((gv / (one + gv.neg().exp())) * Vec::loadu(u + i)).store(out + i);
+  }
+  for (; i < I; ++i) out[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+}
+
+}  // namespace fused
 
 namespace {
 
@@ -36,23 +91,15 @@ void rms_norm_rows(const at::Tensor& summed, const at::Tensor& weight, double ep
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  // torch splits one row's sum over threads from 32768 elements: another order
-  const int64_t lanes = H < 32768 ? torch_order::sum_lanes() : 0;
   at::Tensor variance;
-  if (lanes == 0) variance = summed.pow(2).mean(-1, true).contiguous();
-  const float* var = lanes == 0 ? variance.data_ptr<float>() : nullptr;
+  if (!fused::norm_in_torch_order(H)) variance = summed.pow(2).mean(-1, true).contiguous();
+  const float* var = variance.defined() ? variance.data_ptr<float>() : nullptr;
   at::parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* sr = s + r * H;
-      float* orow = o + r * H;
-      const float mean = var != nullptr ? var[r]
-                                        : torch_order::sum_of_squares(sr, H, H < lanes ? 1 : lanes) /
-                                              static_cast<float>(H);
-      const float inv = 1.f / std::sqrt(mean + feps);
-      const Vec vinv(inv);
-      int64_t i = 0;
-      for (; i + Vec::size() <= H; i += Vec::size()) ((Vec::loadu(sr + i) * vinv) * Vec::loadu(w + i)).store(orow + i);
-      for (; i < H; ++i) orow[i] = (sr[i] * inv) * w[i];
+      if (var == nullptr)
+        fused::rms_norm_row(s + r * H, w, H, feps, o + r * H);
+      else
+        fused::scale_row(s + r * H, w, H, 1.f / std::sqrt(var[r] + feps), o + r * H);
     }
   });
 }
@@ -88,33 +135,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const float* a = x.data_ptr<float>();
   const float* b = residual.data_ptr<float>();
   float* s = summed.data_ptr<float>();
-  at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    for (; i + Vec::size() <= end; i += Vec::size()) (Vec::loadu(a + i) + Vec::loadu(b + i)).store(s + i);
-    for (; i < end; ++i) s[i] = a[i] + b[i];
-  });
+  at::parallel_for(0, n, 32768,
+                   [&](int64_t begin, int64_t end) { fused::add(a + begin, b + begin, end - begin, s + begin); });
   rms_norm_rows(summed, weight, eps, out);
   return {out, summed};
 }
 
 namespace {
-
-// x[0:h], x[h:2h] <- x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2 (rotate-half, as HF writes it)
-inline void rotate_head(float* x, const float* c, const float* sn, int64_t half) {
-  int64_t i = 0;
-  for (; i + Vec::size() <= half; i += Vec::size()) {
-    const Vec x1 = Vec::loadu(x + i), x2 = Vec::loadu(x + half + i);
-    const Vec lo = x1 * Vec::loadu(c + i) - x2 * Vec::loadu(sn + i);
-    const Vec hi = x2 * Vec::loadu(c + half + i) + x1 * Vec::loadu(sn + half + i);
-    lo.store(x + i);
-    hi.store(x + half + i);
-  }
-  for (; i < half; ++i) {
-    const float x1 = x[i], x2 = x[half + i];
-    x[i] = x1 * c[i] - x2 * sn[i];
-    x[half + i] = x2 * c[half + i] + x1 * sn[half + i];
-  }
-}
 
 void check_heads(const at::Tensor& t, const char* what) {
   check_rows(t, what);
@@ -142,8 +169,8 @@ void rotary_embedding_(at::Tensor query, at::Tensor key, const at::Tensor& cos, 
   const int64_t qs = query.stride(0), ks = key.stride(0);
   at::parallel_for(0, T, grain((Hq + Hkv) * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t h = 0; h < Hq; ++h) rotate_head(q + t * qs + h * D, c + t * D, sn + t * D, D / 2);
-      for (int64_t h = 0; h < Hkv; ++h) rotate_head(k + t * ks + h * D, c + t * D, sn + t * D, D / 2);
+      for (int64_t h = 0; h < Hq; ++h) fused::rotate_head(q + t * qs + h * D, c + t * D, sn + t * D, D / 2);
+      for (int64_t h = 0; h < Hkv; ++h) fused::rotate_head(k + t * ks + h * D, c + t * D, sn + t * D, D / 2);
     }
   });
 }
@@ -188,18 +215,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   auto out = at::empty({T, I}, x.options());
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const Vec one(1.f);
   at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = in + t * xs;
-      const float* u = g + I;
-      float* orow = o + t * I;
-      int64_t i = 0;
-      for (; i + Vec::size() <= I; i += Vec::size()) {
-        const Vec gv = Vec::loadu(g + i);
-        ((gv / (one + gv.neg().exp())) * Vec::loadu(u + i)).store(orow + i);
-      }
-      for (; i < I; ++i) orow[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+      fused::silu_and_mul_row(g, g + I, I, o + t * I);
     }
   });
   return out;

@@ -27,6 +27,7 @@
 #include "cpu_vec.h"
 #include "dynamic_parallel.h"
 #include "int8_dot_kernel.h"
+#include "quantized_gemm_cpu.h"
 #include "panel_kernel.h"
 #include "stealing_parallel.h"
 
@@ -179,53 +180,23 @@ at::Tensor to_panels(const at::Tensor& t) {
 // bytes of weights a thread claims at a time at one block of rows
 constexpr int64_t kStealBytes = 32768;
 
-// quantized_gemm with int8 activations: the rows quantized once, then each thread's panels, all row blocks of a
-// panel while its bytes are in L1
-template <typename S>
-void int8_dot_gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* m, int64_t N, int64_t G,
-                   int64_t bits, int64_t zero_point, const float* b, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), blocks = K / int8_dot::kBlock;
-  const int64_t groups = K / G, row_bytes = bits == 8 ? kCols : kCols / 2, panels = (N + kCols - 1) / kCols;
-  std::vector<int8_t> values(M * K);
-  std::vector<float> block_scales(M * blocks), block_sums(M * blocks);
-  std::vector<int8_dot::Rows> rows(M);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      int8_dot::quantize_row(xp + r * ldx, K, values.data() + r * K, block_scales.data() + r * blocks,
-                             block_sums.data() + r * blocks);
-  });
-  for (int64_t r = 0; r < M; ++r)
-    rows[r] = {values.data() + r * K, block_scales.data() + r * blocks, block_sums.data() + r * blocks, K};
-  const int8_dot::Kernel<S>* kernels = bits == 8 ? int8_dot::kKernels<8, S> : int8_dot::kKernels<4, S>;
-  float* yp = y.data_ptr<float>();
-  const auto zp = static_cast<float>(zero_point);
-  auto run_panels = [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t col = p * kCols, cols = std::min(kCols, N - col);
-      for (int64_t r = 0; r < M; r += int8_dot::kRows) {
-        const int64_t count = std::min<int64_t>(int8_dot::kRows, M - r);
-        kernels[count](rows.data() + r, qp + p * K * row_bytes, sp + p * groups * kCols,
-                       m == nullptr ? nullptr : m + p * groups * kCols, G, zp, b == nullptr ? nullptr : b + col,
-                       yp + r * N + col, N, cols);
-      }
-    }
-  };
-  if (M <= int8_dot::kRows) {
+// quantized_gemm with int8 activations, on torch's threads
+void int8_dot_gemm(const Int8DotWeights& w, const Int8Rows& x, float* y) {
+  auto panels = [&](int64_t begin, int64_t end) { w.run(x, y, begin, end); };
+  if (x.M <= int8_dot::kRows) {
     // Within one block of rows a GEMM streams its weights: each thread reads its own range of panels as one
     // stream, in chunks of about kStealBytes that the other takes from the back once its range is done
     // (stealing_parallel.h). Against runs of a quarter of the panels from a shared counter, over the default
     // model's 120 layer GEMMs at one row (one process, alternating): Q4_1 1.10x faster, Q8_0 the same alone and
     // 1.07-1.08x faster beside two processes taking about a fifth of a core in bursts, as a gateway and a load
     // client do.
-    const int64_t chunk = std::max<int64_t>(1, kStealBytes / (K * row_bytes));
-    parallel_stealing(panels, chunk, run_panels);
+    parallel_stealing(w.panels(), w.chunk(), panels);
     return;
   }
   // Past one block a panel is arithmetic enough that runs from a shared counter balance the threads well
-  const int64_t run = std::clamp<int64_t>(panels / (8 * at::get_num_threads()), 1, 16);
-  parallel_dynamic((panels + run - 1) / run, [] { return 0; },
-                   [&](int64_t item, int) { run_panels(item * run, std::min(panels, (item + 1) * run)); });
+  const int64_t count = w.panels(), run = std::clamp<int64_t>(count / (8 * at::get_num_threads()), 1, 16);
+  parallel_dynamic((count + run - 1) / run, [] { return 0; },
+                   [&](int64_t item, int) { panels(item * run, std::min(count, (item + 1) * run)); });
 }
 #endif
 
@@ -262,15 +233,6 @@ void float_gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* m, 
                    [&](int64_t item, std::vector<float>& weights) {
                      for (int64_t p = item * run, end = std::min(panels, p + run); p < end; ++p) run_panel(p, weights);
                    });
-}
-
-template <typename S>
-void gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* m, int64_t N, int64_t G, int64_t bits,
-          int64_t zero_point, const float* b, bool int8_activations, at::Tensor& y) {
-#if defined(KVSERVE_INT8_DOT)
-  if (int8_activations) return int8_dot_gemm(x, qp, sp, m, N, G, bits, zero_point, b, y);
-#endif
-  float_gemm(x, qp, sp, m, N, G, bits, zero_point, b, y);
 }
 
 }  // namespace
@@ -314,13 +276,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quantized_weight(const at::T
   return {packed, to_panels(scales.contiguous()), packed_offsets};
 }
 
-// x [M, K] (rows contiguous) times pack_quantized_weight's panels for N outputs, bias [N] or undefined -> [M, N]
-at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                          const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
-                          const c10::optional<at::Tensor>& bias, bool int8_activations) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "quantized_gemm: x [M, K] float32");
+namespace {
+
+// quantized_gemm's weight operands for inputs of K, checked
+struct Operands {
+  int64_t K, N, G, bits, zero_point;
+  const int8_t* q;
+  const void* scales;
+  const void* offsets;  // null where there are none
+  bool half;            // scales and offsets float16, else float32
+  const float* bias;    // null where there is none
+};
+
+Operands checked(int64_t K, const at::Tensor& values, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point, const c10::optional<at::Tensor>& bias,
+                 bool int8_activations) {
   TORCH_CHECK(bits == 8 || bits == 4, "quantized_gemm: bits 8 or 4");
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), row_bytes = bits == 8 ? kCols : kCols / 2;
+  const int64_t row_bytes = bits == 8 ? kCols : kCols / 2;
   TORCH_CHECK(values.dim() == 3 && values.size(1) == K && values.size(2) == row_bytes && values.is_contiguous() &&
                   values.scalar_type() == at::kChar,
               "quantized_gemm: packed values [panels, K, ", row_bytes, "] int8 for x's K");
@@ -330,7 +302,7 @@ at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const a
                   K % scales.size(1) == 0 && scales.is_contiguous() &&
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
               "quantized_gemm: packed scales [panels, K / group_size, 16] float32 or float16");
-  const int64_t groups = scales.size(1), G = K / groups;
+  const int64_t G = K / scales.size(1);
   const bool offsets_given = offsets.has_value() && offsets->defined();
   if (offsets_given) {
     TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
@@ -343,19 +315,99 @@ at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const a
                 "quantized_gemm: bias [N] float32");
     b = bias->data_ptr<float>();
   }
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
   if (int8_activations) {
     TORCH_CHECK(int8_dot_available(), "quantized_gemm: int8 activations need AVX-512 VNNI and VBMI");
     TORCH_CHECK(K % 32 == 0 && G % 32 == 0, "quantized_gemm: int8 activations need groups of whole blocks of 32");
   }
-  const int8_t* qp = values.data_ptr<int8_t>();
-  if (scales.scalar_type() == at::kHalf) {
-    gemm(x, qp, scales.data_ptr<c10::Half>(), offsets_given ? offsets->data_ptr<c10::Half>() : nullptr, N, G, bits,
-         zero_point, b, int8_activations, y);
+  return {K, N, G, bits, zero_point, values.data_ptr<int8_t>(), scales.data_ptr(),
+          offsets_given ? offsets->data_ptr() : nullptr, scales.scalar_type() == at::kHalf, b};
+}
+
+}  // namespace
+
+#if defined(KVSERVE_INT8_DOT)
+void Int8Rows::quantize(const float* x, int64_t rows, int64_t k, int64_t ldx) {
+  M = rows, K = k;
+  const int64_t blocks = K / int8_dot::kBlock;
+  values.resize(M * K);
+  scales.resize(M * blocks);
+  sums.resize(M * blocks);
+  each.resize(M);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      int8_dot::quantize_row(x + r * ldx, K, values.data() + r * K, scales.data() + r * blocks,
+                             sums.data() + r * blocks);
+  });
+  for (int64_t r = 0; r < M; ++r)
+    each[r] = {values.data() + r * K, scales.data() + r * blocks, sums.data() + r * blocks, K};
+}
+
+Int8DotWeights::Int8DotWeights(int64_t K, const at::Tensor& values, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
+                               const c10::optional<at::Tensor>& bias) {
+  const Operands op = checked(K, values, scales, offsets, N, bits, zero_point, bias, true);
+  K_ = op.K, N_ = op.N, G_ = op.G, bits_ = op.bits, zero_point_ = op.zero_point;
+  q_ = op.q, scales_ = op.scales, offsets_ = op.offsets, half_ = op.half, bias_ = op.bias;
+}
+
+int64_t Int8DotWeights::panels() const { return (N_ + kCols - 1) / kCols; }
+
+int64_t Int8DotWeights::chunk() const {
+  return std::max<int64_t>(1, kStealBytes / (K_ * (bits_ == 8 ? kCols : kCols / 2)));
+}
+
+template <typename S>
+void Int8DotWeights::run_panels(const Int8Rows& x, float* y, int64_t begin, int64_t end) const {
+  const int64_t groups = K_ / G_, row_bytes = bits_ == 8 ? kCols : kCols / 2, M = x.M;
+  const auto* sp = static_cast<const S*>(scales_);
+  const auto* m = static_cast<const S*>(offsets_);
+  const int8_dot::Kernel<S>* kernels = bits_ == 8 ? int8_dot::kKernels<8, S> : int8_dot::kKernels<4, S>;
+  const auto zp = static_cast<float>(zero_point_);
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t col = p * kCols, cols = std::min(kCols, N_ - col);
+    for (int64_t r = 0; r < M; r += int8_dot::kRows) {
+      const int64_t count = std::min<int64_t>(int8_dot::kRows, M - r);
+      kernels[count](x.each.data() + r, q_ + p * K_ * row_bytes, sp + p * groups * kCols,
+                     m == nullptr ? nullptr : m + p * groups * kCols, G_, zp,
+                     bias_ == nullptr ? nullptr : bias_ + col, y + r * N_ + col, N_, cols);
+    }
+  }
+}
+
+void Int8DotWeights::run(const Int8Rows& x, float* y, int64_t begin, int64_t end) const {
+  if (half_)
+    run_panels<c10::Half>(x, y, begin, end);
+  else
+    run_panels<float>(x, y, begin, end);
+}
+#endif
+
+// x [M, K] (rows contiguous) times pack_quantized_weight's panels for N outputs, bias [N] or undefined -> [M, N]
+at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
+                          const c10::optional<at::Tensor>& bias, bool int8_activations) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "quantized_gemm: x [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1);
+#if defined(KVSERVE_INT8_DOT)
+  if (int8_activations) {
+    const Int8DotWeights weights(K, values, scales, offsets, N, bits, zero_point, bias);
+    auto y = at::empty({M, N}, x.options());
+    if (M == 0) return y;
+    Int8Rows rows;
+    rows.quantize(x.data_ptr<float>(), M, K, x.stride(0));
+    int8_dot_gemm(weights, rows, y.data_ptr<float>());
+    return y;
+  }
+#endif
+  const Operands op = checked(K, values, scales, offsets, N, bits, zero_point, bias, int8_activations);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (op.half) {
+    float_gemm(x, op.q, static_cast<const c10::Half*>(op.scales), static_cast<const c10::Half*>(op.offsets), N,
+               op.G, bits, zero_point, op.bias, y);
   } else {
-    gemm(x, qp, scales.data_ptr<float>(), offsets_given ? offsets->data_ptr<float>() : nullptr, N, G, bits,
-         zero_point, b, int8_activations, y);
+    float_gemm(x, op.q, static_cast<const float*>(op.scales), static_cast<const float*>(op.offsets), N, op.G, bits,
+               zero_point, op.bias, y);
   }
   return y;
 }

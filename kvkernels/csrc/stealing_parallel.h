@@ -42,6 +42,24 @@ struct alignas(64) Range {
   }
 };
 
+// ranges[0..threads) as equal shares of [0, n)
+inline void split(Range* ranges, int threads, int64_t n) {
+  for (int t = 0; t < threads; ++t)
+    ranges[t].bounds.store(
+        Range::pack(static_cast<uint32_t>(n * t / threads), static_cast<uint32_t>(n * (t + 1) / threads)),
+        std::memory_order_relaxed);
+}
+
+// thread self's part: fn(begin, end) over its own range from the front, then what is left of the others' from
+// their backs
+template <typename Fn>
+void work(Range* ranges, int threads, int self, int64_t chunk, Fn& fn) {
+  int64_t begin, end;
+  while (ranges[self].claim(chunk, true, begin, end)) fn(begin, end);
+  for (int other = (self + 1) % threads; other != self; other = (other + 1) % threads)
+    while (ranges[other].claim(chunk, false, begin, end)) fn(begin, end);
+}
+
 }  // namespace stealing
 
 // fn(begin, end) over [0, n) in chunks of at most chunk items: each thread's own range in order from its front,
@@ -54,16 +72,7 @@ void parallel_stealing(int64_t n, int64_t chunk, Fn fn) {
     return;
   }
   std::vector<stealing::Range> ranges(threads);
-  for (int t = 0; t < threads; ++t)
-    ranges[t].bounds.store(stealing::Range::pack(static_cast<uint32_t>(n * t / threads),
-                                                 static_cast<uint32_t>(n * (t + 1) / threads)),
-                           std::memory_order_relaxed);
+  stealing::split(ranges.data(), threads, n);
 #pragma omp parallel num_threads(threads)
-  {
-    const int self = omp_get_thread_num();
-    int64_t begin, end;
-    while (ranges[self].claim(chunk, true, begin, end)) fn(begin, end);
-    for (int other = (self + 1) % threads; other != self; other = (other + 1) % threads)
-      while (ranges[other].claim(chunk, false, begin, end)) fn(begin, end);
-  }
+  stealing::work(ranges.data(), threads, omp_get_thread_num(), chunk, fn);
 }

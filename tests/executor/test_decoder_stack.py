@@ -13,14 +13,18 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels a
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a", "1, 2, 3,"]
 
 
-def _outputs(llm: LLM, params: SamplingParams) -> list[tuple[list[int], list]]:
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
+def _outputs(llm: LLM, params: SamplingParams, prompts: list[str]) -> list[tuple[list[int], list]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize(
-    ("family", "quantization"), [("llama", "none"), ("llama", "int8"), ("qwen2", "int8")]
+    ("family", "quantization", "prompts"),
+    [("llama", "none", 4), ("llama", "int8", 4), ("llama", "int8", 1), ("qwen2", "int8", 4)],
 )
-def test_decode_steps_through_the_stack_equal_the_layer_loop(tiny_models, family, quantization):
+def test_decode_steps_through_the_stack_equal_the_layer_loop(tiny_models, family, quantization, prompts):
+    """int8 weights with int8 activations run on one team of threads (forward_team) up to its rows, the rest one
+    parallel region an operation: both must give the layer loop's bits, one sequence (whose attention is cut into
+    parts of its context) and several."""
     llm = LLM(
         tiny_models[family],
         device="cpu",
@@ -46,13 +50,21 @@ def test_decode_steps_through_the_stack_equal_the_layer_loop(tiny_models, family
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True, logprobs=2),
     ]
-    fused = [_outputs(llm, p) for p in params]
-    assert calls and max(calls) == len(PROMPTS)  # the four sequences decoded together, through the stack
+    chosen = PROMPTS[:prompts]
+    fused = [_outputs(llm, p, chosen) for p in params]
+    assert calls and max(calls) == len(chosen)  # the sequences decoded together, through the stack
+    if quantization == "int8" and cpu_kernels().int8_dot_available():
+        assert stack.team_rows() >= len(chosen)
     model.decoder_stack = None
-    assert [_outputs(llm, p) for p in params] == fused
+    assert [_outputs(llm, p, chosen) for p in params] == fused
 
 
 def test_a_model_with_qk_norm_keeps_the_layer_loop(tiny_models):
     llm = LLM(tiny_models["qwen3"], device="cpu", kv_cache_memory="16MiB", max_model_len=256)
     assert llm.engine.runner.model.decoder_stack is None
     assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
+
+
+def test_float32_weights_never_run_as_a_team(tiny_models):
+    llm = LLM(tiny_models["llama"], device="cpu", kv_cache_memory="16MiB", max_model_len=256)
+    assert llm.engine.runner.model.decoder_stack.team_rows() == 0

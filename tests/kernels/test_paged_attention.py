@@ -67,6 +67,27 @@ def test_cpu_decode_kernel_block_by_block(heads, kv_heads, dim, seq_lens, scale,
     assert torch.allclose(torch_paged.paged_attention(*args, scale=scale), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    ("kv_heads", "seq_lens"), [(3, [333]), (1, [333]), (1, [1, 333]), (1, [40, 17]), (2, [31])]
+)
+def test_cpu_decode_kernel_cuts_a_few_contexts_into_parts(threads, kv_heads, seq_lens):
+    """With fewer (sequence, kv head) items than two a thread, the kernel cuts each context into parts of whole
+    blocks and merges their softmaxes: parts of one block, parts left empty beside a longer sequence (one
+    position), contexts too short to cut, and every thread count up to two parts an item."""
+    if cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    args = random_batch([1] * len(seq_lens), seq_lens, heads=3 * kv_heads, kv_heads=kv_heads, dim=64, seed=11)
+    expected = torch_twins.paged_attention(*args, scale=0.3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch_paged.paged_attention(*args, scale=0.3)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
 def test_cpu_decode_kernel_ignores_what_lies_past_the_context():
     """A partial last block's unused positions hold whatever the pool had there (here NaN): the kernel reads
     them with the rest of the block and must leave them out of the scores and the values."""
