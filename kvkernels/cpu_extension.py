@@ -30,6 +30,7 @@ SOURCES = tuple(
         "bindings.cpp",
         "decode_attention_cpu.cpp",
         "decoder_stack_cpu.cpp",
+        "decoder_stack_team.cpp",
         "fused_cpu.cpp",
         "prefill_attention_cpu.cpp",
         "quantized_gemm_cpu.cpp",

@@ -31,6 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "out_features, bits, zero_point, int8_activations), bits 0 for small_gemm's float panels")
       .def("team_rows", &DecoderStack::team_rows,
            "the most sequences a step may hold to run on one team of threads (0: it never does)")
+      .def("team_rescues", &DecoderStack::team_rescues,
+           "phases of team steps whose missing work a thread did as well (another held it), so far")
+      .def("set_team_wait_us", &DecoderStack::set_team_wait_us,
+           "how long a team thread waits for work another holds before doing it as well (tests: 0)")
       .def("forward", &DecoderStack::forward,
            "(the last layer's addition, the residual before it) of a step of decodes, one token per sequence");
 }

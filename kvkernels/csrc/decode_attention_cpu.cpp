@@ -89,22 +89,25 @@ inline Vec score8(const float* q, const float* key, int64_t stride) {
 #endif
 }
 
-// stats null: o normalized in place. Else o is left unnormalized, and each query head's running maximum and sum
-// go to stats[2 r], stats[2 r + 1] for merge_parts (a part of the context: -inf and 0 where it has no positions)
+// stats null: o normalized. Else o is left unnormalized, and each query head's running maximum and sum go to
+// stats[2 r], stats[2 r + 1] for finish (a part of the context: -inf and 0 where it has no positions). The output
+// accumulates in scratch and o is written once, whole, at the end: the decoder stack's team may run an item twice
+// at once (decoder_stack_team.cpp), and each run must then write only the final values.
 template <int kVec>
 void attend_vec(const Item& it, std::vector<float>& scratch, float* stats) {
   constexpr int64_t D = 8 * kVec;
   const int64_t rows = it.heads * it.group, B = it.B, blocks = (it.n + B - 1) / B;
   const int64_t Bp = (B + 7) / 8 * 8;  // a block's scores, padded to whole vectors (-inf past its positions)
-  scratch.resize(rows * (Bp + D + 2));
+  scratch.resize(rows * (Bp + 2 * D + 2));
   float* scores = scratch.data();  // [rows, Bp]: the block's
   float* qs = scores + rows * Bp;  // [rows, D]: the queries, scaled
-  float* mx = qs + rows * D;
+  float* acc_out = qs + rows * D;  // [rows, D]: the output so far
+  float* mx = acc_out + rows * D;
   float* sum = mx + rows;
   for (int64_t j = 0; j < rows * D; ++j) qs[j] = it.q[j] * it.scale;
   std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
   std::fill(sum, sum + rows, 0.f);
-  std::fill(it.o, it.o + rows * D, 0.f);
+  std::fill(acc_out, acc_out + rows * D, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t len = std::min(B, it.n - b * B), first = static_cast<int64_t>(it.blocks[b]) * B * it.stride;
     const float* kb = it.k + first;
@@ -140,7 +143,7 @@ void attend_vec(const Item& it, std::vector<float>& scratch, float* stats) {
       }
       const int64_t lenp = (len + 7) / 8 * 8;
       const float block_max = max_of(row, lenp);
-      float* orow = it.o + r * D;
+      float* orow = acc_out + r * D;
       Vec acc[kVec];
       for (int i = 0; i < kVec; ++i) acc[i] = Vec::loadu(orow + 8 * i);
       if (block_max > mx[r]) {
@@ -162,21 +165,22 @@ void attend_vec(const Item& it, std::vector<float>& scratch, float* stats) {
     }
   }
   if (stats != nullptr) {
+    std::copy(acc_out, acc_out + rows * D, it.o);
     for (int64_t r = 0; r < rows; ++r) stats[2 * r] = mx[r], stats[2 * r + 1] = sum[r];
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* orow = it.o + r * D;
     const Vec inv(1.f / sum[r]);
-    for (int i = 0; i < kVec; ++i) (Vec::loadu(orow + 8 * i) * inv).store(orow + 8 * i);
+    for (int i = 0; i < kVec; ++i) (Vec::loadu(acc_out + r * D + 8 * i) * inv).store(it.o + r * D + 8 * i);
   }
 }
 
-// any head size, one position at a time
+// any head size, one position at a time; o written once a row, whole (as attend_vec)
 void attend_any(const Item& it, std::vector<float>& scratch) {
   const int64_t n = it.n, d = it.dim, rows = it.heads * it.group;
-  scratch.resize(n);
+  scratch.resize(n + d);
   float* p = scratch.data();
+  float* orow = p + n;
   auto row_at = [&](const float* cache, int64_t j) {
     return cache + (static_cast<int64_t>(it.blocks[j / it.B]) * it.B + j % it.B) * it.stride;
   };
@@ -190,13 +194,12 @@ void attend_any(const Item& it, std::vector<float>& scratch) {
       p[j] = dot * it.scale;
     }
     const float inv = 1.f / exp_minus(p, n, max_of(p, n));
-    float* orow = it.o + r * d;
     std::fill(orow, orow + d, 0.f);
     for (int64_t j = 0; j < n; ++j) {
       const float* vj = row_at(it.v, j) + offset;
       for (int64_t i = 0; i < d; ++i) orow[i] += p[j] * vj[i];
     }
-    for (int64_t i = 0; i < d; ++i) orow[i] *= inv;
+    for (int64_t i = 0; i < d; ++i) it.o[r * d + i] = orow[i] * inv;
   }
 }
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -34,16 +35,22 @@ struct StackLayer {
   StackLinear qkv, o, gate_up, down;
 };
 
+struct TeamWorkspace;  // decoder_stack_team.cpp
+
 class DecoderStack {
  public:
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {}
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale);
+  ~DecoderStack();
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps, LinearArgs qkv, LinearArgs o,
                  LinearArgs gate_up, LinearArgs down);
 
   // the most sequences a step may hold to run on one team of threads (forward_team), 0 where it never does
   int64_t team_rows() const;
+  // phases of team steps whose missing work a thread did as well, so far
+  int64_t team_rescues() const;
+  // how long a team thread waits for work another holds before doing it as well (tests set 0)
+  void set_team_wait_us(int64_t us) { team_wait_us_ = us; }
 
   // (the last layer's addition, the residual stream before it), as the Python loop leaves them
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
@@ -53,8 +60,8 @@ class DecoderStack {
                                              const at::Tensor& slot_mapping) const;
 
  private:
-  // forward's layers on one OpenMP team, where every linear layer multiplies int8 activations and the rows fit
-  // one kernel call
+  // forward's layers on one OpenMP team (decoder_stack_team.cpp), where every linear layer multiplies int8
+  // activations and the rows fit one kernel call
   std::tuple<at::Tensor, at::Tensor> forward_team(const at::Tensor& embeddings, const at::Tensor& cos,
                                                   const at::Tensor& sin, const std::vector<at::Tensor>& key_caches,
                                                   const std::vector<at::Tensor>& value_caches,
@@ -65,4 +72,7 @@ class DecoderStack {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
   bool int8_dot_ = true;  // every linear layer so far has int8_weights
+  mutable std::unique_ptr<TeamWorkspace> team_;  // what forward_team keeps from one step to the next
+  // a thread preempted by another process loses its core for 0.1 ms or more; a chunk of panels takes 1-2 us
+  int64_t team_wait_us_ = 20;
 };

@@ -1,0 +1,355 @@
+// A decode step of a few rows on one OpenMP team (DecoderStack::forward_team), where every linear layer multiplies
+// int8 activations.
+//
+// At a few rows a step streams its weights from memory, and between its GEMMs run small serial steps (norms,
+// rotary, the cache write, attention's merge, SiLU, quantizing the next GEMM's rows). As a parallel region an
+// operation, the threads were started and joined some 150 times a token, each GEMM with tensors to allocate and a
+// cold stream. Here one team runs the step as a sequence of phases, 10 a layer: a lead (one thread's small steps,
+// run by whichever thread claims it first) before each GEMM and before attention, then the GEMM's panels (each
+// thread its stealing_parallel.h range, then the other's) or attention's work items.
+//
+// No thread waits for another at a barrier. On this machine the gateway and the load clients take the executor's
+// cores for 0.1-0.6 ms at a time, about once a token; a thread preempted in the middle of its last chunk of panels
+// held the whole step until it ran again. Instead a thread that finds a phase's work all claimed but not all done
+// waits about 20 us, then does the missing panels or items itself, marks the phase complete and goes on; the
+// preempted thread, once it runs again, finishes what it held and skips to the phase the step has reached. What it
+// then writes, late, are the same bits the other thread wrote, into buffers nothing overwrites during the step:
+// each layer's GEMMs have their own inputs and outputs, rotary writes a copy of the queries, and attention's parts
+// are each layer's own. Leads run once, by their claimant.
+//
+// The arithmetic is the layer loop's, operation for operation, so are the results, bit for bit.
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "decode_attention_cpu.h"
+#include "decoder_stack_cpu.h"
+#include "fused_rows.h"
+#include "quantized_gemm_cpu.h"
+#include "stealing_parallel.h"
+
+#if defined(KVSERVE_INT8_DOT)
+namespace {
+
+// a layer's phases in order; the GEMMs' index among the layer's four is their order
+enum Step : int64_t { kNormQkv, kQkv, kRotary, kAttention, kMergeO, kO, kNormGateUp, kGateUp, kSiluDown, kDown };
+constexpr int64_t kSteps = 10;
+constexpr int64_t kLeads = 5, kGemms = 4;
+
+int64_t lead_index(int64_t step) { return step / 2; }  // the leads are the even steps
+int64_t gemm_index(int64_t step) {  // kQkv, kO, kGateUp, kDown: 0, 1, 2, 3
+  return step == kQkv ? 0 : step == kO ? 1 : step == kGateUp ? 2 : 3;
+}
+
+// one bit a panel (or work item) of a phase, set once it is done
+class DoneBits {
+ public:
+  void reset(int64_t n) {
+    n_ = n;
+    const int64_t words = (n + 63) / 64;
+    if (words > capacity_) {
+      words_.reset(new std::atomic<uint64_t>[words]);
+      capacity_ = words;
+    }
+    for (int64_t w = 0; w < words; ++w) words_[w].store(0, std::memory_order_relaxed);
+  }
+  void mark(int64_t begin, int64_t end) {
+    while (begin < end) {
+      const int64_t w = begin / 64, stop = std::min(end, (w + 1) * 64);
+      words_[w].fetch_or(mask(begin - w * 64, stop - w * 64), std::memory_order_acq_rel);
+      begin = stop;
+    }
+  }
+  bool all() const {
+    for (int64_t w = 0; w * 64 < n_; ++w)
+      if (words_[w].load(std::memory_order_acquire) != mask(0, std::min<int64_t>(64, n_ - w * 64))) return false;
+    return true;
+  }
+  // the first run of unset bits, [begin, end); false where every bit is set
+  bool missing(int64_t& begin, int64_t& end) const {
+    begin = 0;
+    while (begin < n_ && set(begin)) ++begin;
+    end = begin;
+    while (end < n_ && !set(end)) ++end;
+    return begin < n_;
+  }
+
+ private:
+  static uint64_t mask(int64_t from, int64_t to) {  // bits [from, to) of a word
+    return (to - from == 64 ? ~uint64_t{0} : ((uint64_t{1} << (to - from)) - 1)) << from;
+  }
+  bool set(int64_t i) const { return (words_[i / 64].load(std::memory_order_acquire) >> (i % 64)) & 1; }
+
+  std::unique_ptr<std::atomic<uint64_t>[]> words_;
+  int64_t capacity_ = 0, n_ = 0;
+};
+
+}  // namespace
+
+// what forward_team keeps between steps, so that a step allocates little: each GEMM's int8 rows, each phase's done
+// bits, ranges and claims
+struct TeamWorkspace {
+  explicit TeamWorkspace(int64_t layers, int threads)
+      : threads(threads),
+        rows(layers * kGemms),
+        done(layers * (kGemms + 1)),
+        ranges(layers * kGemms * threads),
+        next_item(new std::atomic<int64_t>[layers]),
+        claimed(new std::atomic<bool>[layers * kLeads]) {}
+
+  int threads;
+  std::vector<Int8Rows> rows;            // [layer, gemm]
+  std::vector<DoneBits> done;            // [layer, gemm or attention]
+  std::vector<stealing::Range> ranges;   // [layer, gemm, thread]
+  std::unique_ptr<std::atomic<int64_t>[]> next_item;  // attention's, a layer
+  std::unique_ptr<std::atomic<bool>[]> claimed;       // [layer, lead]
+  std::atomic<bool> busy{false};         // one step at a time
+  std::atomic<int64_t> rescues{0};       // phases whose missing work a thread did as well
+};
+
+std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& embeddings, const at::Tensor& cos,
+                                                              const at::Tensor& sin,
+                                                              const std::vector<at::Tensor>& key_caches,
+                                                              const std::vector<at::Tensor>& value_caches,
+                                                              const at::Tensor& table, const at::Tensor& lens,
+                                                              const at::Tensor& slot_mapping, int threads) const {
+  const int64_t L = static_cast<int64_t>(layers_.size()), T = embeddings.size(0), H = embeddings.size(1);
+  const int64_t D = head_dim_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D, qkv_size = q_size + 2 * kv_size;
+  const int64_t I = layers_[0].gate_up.out_features / 2;
+  TORCH_CHECK(embeddings.scalar_type() == at::kFloat && cos.size(0) == T && cos.size(1) == D &&
+                  sin.sizes() == cos.sizes(),
+              "decoder stack: float32 embeddings and cos, sin [T, head_dim]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
+              "decoder stack: int64 slot_mapping [T]");
+  const at::Tensor slot_c = slot_mapping.contiguous(), cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  const int64_t* slots = slot_c.data_ptr<int64_t>();
+  // every buffer below holds what each layer's linears take and give
+  auto fits = [](const StackLinear& linear, int64_t in, int64_t out) {
+    return linear.int8_weights->in_features() == in && linear.int8_weights->out_features() == out;
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    const StackLayer& layer = layers_[l];
+    TORCH_CHECK(fits(layer.qkv, H, qkv_size) && fits(layer.o, q_size, H) && fits(layer.gate_up, H, 2 * I) &&
+                    fits(layer.down, I, H) && layer.input_norm.numel() == H && layer.post_norm.numel() == H,
+                "decoder stack: layer ", l, "'s shapes disagree with the first layer's and the heads'");
+    const at::Tensor& kc = key_caches[l];
+    TORCH_CHECK(kc.is_contiguous() && value_caches[l].is_contiguous() && kc.sizes() == value_caches[l].sizes() &&
+                    kc.dim() == 4 && kc.size(2) * kc.size(3) == kv_size && kc.scalar_type() == at::kFloat,
+                "decoder stack: contiguous float32 caches [blocks, block_size, kv_heads, head_dim]");
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(slots[t] < kc.size(0) * kc.size(1), "decoder stack: slot ", slots[t], " is outside the cache");
+  }
+  if (!team_ || team_->threads != threads) team_ = std::make_unique<TeamWorkspace>(L, threads);
+  TeamWorkspace& ws = *team_;
+  TORCH_CHECK(!ws.busy.exchange(true), "decoder stack: one step at a time");
+  struct Release {
+    std::atomic<bool>& busy;
+    ~Release() { busy.store(false); }
+  } release{ws.busy};
+
+  // each layer's buffers, [T, width] each: qkv, rotated queries, attention's output, o, gate_up, down
+  const int64_t widths[] = {qkv_size, q_size, q_size, H, 2 * I, H};
+  int64_t per_layer = 0;
+  for (int64_t w : widths) per_layer += T * w;
+  const auto opts = embeddings.options();
+  at::Tensor work = at::empty({L * per_layer}, opts);
+  auto buffer = [&](int64_t l, int which) {
+    float* p = work.data_ptr<float>() + l * per_layer;
+    for (int i = 0; i < which; ++i) p += T * widths[i];
+    return p;
+  };
+  enum { kQkvOut, kQueries, kAttended, kOOut, kGateUpOut, kDownOut };
+  // the leads' own: the residual stream, the norms' output, SiLU's, a token's rotated keys
+  at::Tensor residual = embeddings.contiguous().clone(), h = at::empty({T, H}, opts), act = at::empty({T, I}, opts);
+  std::vector<float> keys(kv_size);
+  float *rp = residual.data_ptr<float>(), *hp = h.data_ptr<float>(), *actp = act.data_ptr<float>();
+  const float *cp = cos_c.data_ptr<float>(), *sp = sin_c.data_ptr<float>();
+
+  std::vector<DecodeAttention> attention;
+  attention.reserve(L);
+  for (int64_t l = 0; l < L; ++l) {
+    attention.emplace_back(T, num_heads_, num_kv_heads_, D, key_caches[l].size(1), table.data_ptr<int32_t>(),
+                           table.size(1), lens.data_ptr<int32_t>(), scale_, threads);
+    for (int64_t g = 0; g < kGemms; ++g) {
+      const StackLinear* linear[] = {&layers_[l].qkv, &layers_[l].o, &layers_[l].gate_up, &layers_[l].down};
+      ws.done[l * (kGemms + 1) + g].reset(linear[g]->int8_weights->panels());
+    }
+    ws.done[l * (kGemms + 1) + kGemms].reset(attention.back().items());
+    ws.next_item[l].store(0, std::memory_order_relaxed);
+    for (int64_t i = 0; i < kLeads; ++i) ws.claimed[l * kLeads + i].store(false, std::memory_order_relaxed);
+  }
+
+  auto linear_of = [&](int64_t l, int64_t g) -> const Int8DotWeights& {
+    const StackLayer& layer = layers_[l];
+    const StackLinear* linear[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    return *linear[g]->int8_weights;
+  };
+  auto gemm_out = [&](int64_t l, int64_t g) {
+    const int which[] = {kQkvOut, kOOut, kGateUpOut, kDownOut};
+    return buffer(l, which[g]);
+  };
+  // GEMM g of layer l takes x [T, K]: quantized, and its panels split into one range a thread
+  auto prepare = [&](int64_t l, int64_t g, const float* x, int64_t K) {
+    ws.rows[l * kGemms + g].quantize(x, T, K, K);
+    stealing::split(ws.ranges.data() + (l * kGemms + g) * threads, threads, linear_of(l, g).panels());
+  };
+  // residual += x (x null: left as it is); h = rms_norm(residual) * weight, row by row
+  auto add_norm = [&](const float* x, const at::Tensor& weight, double eps) {
+    for (int64_t t = 0; t < T; ++t) {
+      if (x != nullptr) fused::add(x + t * H, rp + t * H, H, rp + t * H);
+      fused::rms_norm_row(rp + t * H, weight.data_ptr<float>(), H, static_cast<float>(eps), hp + t * H);
+    }
+  };
+  auto run_lead = [&](int64_t l, int64_t step) {
+    const StackLayer& layer = layers_[l];
+    switch (step) {
+      case kNormQkv:
+        add_norm(l == 0 ? nullptr : buffer(l - 1, kDownOut), layer.input_norm, layer.eps);
+        prepare(l, 0, hp, H);
+        break;
+      case kRotary: {
+        float* kc = key_caches[l].data_ptr<float>();
+        float* vc = value_caches[l].data_ptr<float>();
+        for (int64_t t = 0; t < T; ++t) {
+          const float* row = buffer(l, kQkvOut) + t * qkv_size;
+          float* q = buffer(l, kQueries) + t * q_size;
+          std::memcpy(q, row, q_size * sizeof(float));
+          std::memcpy(keys.data(), row + q_size, kv_size * sizeof(float));
+          for (int64_t head = 0; head < num_heads_; ++head)
+            fused::rotate_head(q + head * D, cp + t * D, sp + t * D, D / 2);
+          for (int64_t head = 0; head < num_kv_heads_; ++head)
+            fused::rotate_head(keys.data() + head * D, cp + t * D, sp + t * D, D / 2);
+          if (slots[t] < 0) continue;
+          std::memcpy(kc + slots[t] * kv_size, keys.data(), kv_size * sizeof(float));
+          std::memcpy(vc + slots[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+        }
+        attention[l].set(buffer(l, kQueries), q_size, kc, vc, buffer(l, kAttended));
+        break;
+      }
+      case kMergeO:
+        attention[l].finish();
+        prepare(l, 1, buffer(l, kAttended), q_size);
+        break;
+      case kNormGateUp:
+        add_norm(buffer(l, kOOut), layer.post_norm, layer.eps);
+        prepare(l, 2, hp, H);
+        break;
+      case kSiluDown: {
+        const float* gu = buffer(l, kGateUpOut);
+        for (int64_t t = 0; t < T; ++t) fused::silu_and_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, I, actp + t * I);
+        prepare(l, 3, actp, I);
+        break;
+      }
+    }
+  };
+
+  const int64_t phases = L * kSteps;
+  std::atomic<int64_t> completed{0};  // phases done, in order
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  auto complete = [&](int64_t p) {
+    int64_t now = completed.load(std::memory_order_relaxed);
+    while (now <= p && !completed.compare_exchange_weak(now, p + 1, std::memory_order_acq_rel)) {
+    }
+  };
+#pragma omp parallel num_threads(threads)
+  {
+    const int self = omp_get_thread_num();
+    std::vector<float> scratch;
+    // until phase p's work is all done (then it is marked complete) or someone else marked it complete; after
+    // team_wait_us_, whatever is missing is done here too
+    const auto wait = std::chrono::microseconds(team_wait_us_);
+    auto settle = [&](int64_t p, DoneBits& done, auto&& redo) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; !done.all(); ++spins) {
+        if (completed.load(std::memory_order_acquire) > p) return;
+        if (wait.count() > 0 && (spins % 64 != 63 || std::chrono::steady_clock::now() - start < wait)) {
+          _mm_pause();
+          continue;
+        }
+        ws.rescues.fetch_add(1, std::memory_order_relaxed);
+        int64_t begin, end;
+        while (done.missing(begin, end)) {
+          redo(begin, end);
+          done.mark(begin, end);
+        }
+      }
+      complete(p);
+    };
+    for (int64_t p = 0; p < phases && !failed.load(std::memory_order_acquire);) {
+      const int64_t reached = completed.load(std::memory_order_acquire);
+      if (reached > p) {
+        p = reached;
+        continue;
+      }
+      const int64_t l = p / kSteps, step = p % kSteps;
+      if (step % 2 == 0) {
+        if (!ws.claimed[l * kLeads + lead_index(step)].exchange(true, std::memory_order_acq_rel)) {
+          try {
+            run_lead(l, step);
+          } catch (...) {
+            error = std::current_exception();
+            failed.store(true, std::memory_order_release);
+          }
+          complete(p);
+        } else {
+          while (completed.load(std::memory_order_acquire) <= p && !failed.load(std::memory_order_acquire))
+            _mm_pause();
+        }
+      } else if (step == kAttention) {
+        DoneBits& done = ws.done[l * (kGemms + 1) + kGemms];
+        DecodeAttention& layer_attention = attention[l];
+        auto items = [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) layer_attention.run(i, scratch);
+        };
+        for (int64_t i = ws.next_item[l].fetch_add(1, std::memory_order_relaxed); i < layer_attention.items();
+             i = ws.next_item[l].fetch_add(1, std::memory_order_relaxed)) {
+          items(i, i + 1);
+          done.mark(i, i + 1);
+        }
+        settle(p, done, items);
+      } else {
+        const int64_t g = gemm_index(step);
+        const Int8DotWeights& weights = linear_of(l, g);
+        const Int8Rows& rows = ws.rows[l * kGemms + g];
+        float* out = gemm_out(l, g);
+        DoneBits& done = ws.done[l * (kGemms + 1) + g];
+        auto panels = [&](int64_t begin, int64_t end) { weights.run(rows, out, begin, end); };
+        auto claimed = [&](int64_t begin, int64_t end) {
+          panels(begin, end);
+          done.mark(begin, end);
+        };
+        stealing::work(ws.ranges.data() + (l * kGemms + g) * threads, threads, self, weights.chunk(), claimed);
+        settle(p, done, panels);
+      }
+      ++p;
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  return {at::from_blob(buffer(L - 1, kDownOut), {T, H}, opts).clone(), residual};
+}
+#else
+struct TeamWorkspace {};
+#endif
+
+DecoderStack::DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale)
+    : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {}
+
+DecoderStack::~DecoderStack() = default;
+
+int64_t DecoderStack::team_rescues() const {
+#if defined(KVSERVE_INT8_DOT)
+  return team_ ? team_->rescues.load() : 0;
+#else
+  return 0;
+#endif
+}
