@@ -228,10 +228,16 @@ def test_a_tenants_burst_waits_behind_itself_not_in_front_of_another_tenant(tena
         reader.start()
     try:
         assert eventually(lambda: first_tokens, timeout=120)  # the burst is being prefilled
+        sent = time.monotonic()
         read("other", send("other", "Hello"))
     finally:
         for reader in readers:
             reader.join(120)
     assert all(answer.startswith(b"HTTP/1.1 200") for answer in answers.values()) and len(first_tokens) == 33
-    ahead = sorted(first_tokens, key=first_tokens.get).index("other")
-    assert ahead < 16, f"{ahead} of the burst's 32 prompts started before the other tenant's"
+    # of the burst's prompts still waiting when the other tenant's arrived (those begun while the test noticed the
+    # first token and sent it came first, rightly), most start after it: first come first served, all would
+    waiting = [name for name in burst if first_tokens[name] >= sent]
+    ahead = sum(first_tokens[name] < first_tokens["other"] for name in waiting)
+    assert ahead <= len(waiting) // 2, (
+        f"{ahead} of the {len(waiting)} waiting prompts started before the other's"
+    )
