@@ -34,18 +34,25 @@ void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor post_norm, double
   layers_.push_back(StackLayer{std::move(input_norm), std::move(post_norm), eps, StackLinear(std::move(qkv)),
                                StackLinear(std::move(o)), StackLinear(std::move(gate_up)),
                                StackLinear(std::move(down))});
-  const StackLayer& layer = layers_.back();
 #if defined(KVSERVE_INT8_DOT)
-  for (const StackLinear* linear : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-    int8_dot_ = int8_dot_ && linear->int8_weights.has_value();
+  // the team's buffers are sized by the heads and the first layer: each layer's linears must take and give those
+  const StackLayer &layer = layers_.back(), &first = layers_.front();
+  const int64_t H = first.input_norm.numel(), I = first.gate_up.out_features / 2, q_size = num_heads_ * head_dim_;
+  auto fits = [](const StackLinear& linear, int64_t in, int64_t out) {
+    return linear.int8_weights.has_value() && linear.int8_weights->in_features() == in &&
+           linear.int8_weights->out_features() == out;
+  };
+  team_fits_ = team_fits_ && fits(layer.qkv, H, q_size + 2 * num_kv_heads_ * head_dim_) &&
+               fits(layer.o, q_size, H) && fits(layer.gate_up, H, 2 * I) && fits(layer.down, I, H) &&
+               layer.input_norm.numel() == H && layer.post_norm.numel() == H;
 #else
-  int8_dot_ = false;
+  team_fits_ = false;
 #endif
 }
 
 int64_t DecoderStack::team_rows() const {
 #if defined(KVSERVE_INT8_DOT)
-  if (int8_dot_ && !layers_.empty() && fused::norm_in_torch_order(layers_[0].input_norm.numel()))
+  if (team_fits_ && !layers_.empty() && fused::norm_in_torch_order(layers_[0].input_norm.numel()))
     return int8_dot::kRows;
 #endif
   return 0;

@@ -71,7 +71,8 @@ class DecoderStack {
   std::vector<StackLayer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
-  bool int8_dot_ = true;  // every linear layer so far has int8_weights
+  // every layer so far has int8_weights for all its linears, of the heads' and the first layer's shapes
+  bool team_fits_ = true;
   mutable std::unique_ptr<TeamWorkspace> team_;  // what forward_team keeps from one step to the next
   // a thread preempted by another process loses its core for 0.1 ms or more; a chunk of panels takes 1-2 us
   int64_t team_wait_us_ = 20;

@@ -125,22 +125,15 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
   const int64_t L = static_cast<int64_t>(layers_.size()), T = embeddings.size(0), H = embeddings.size(1);
   const int64_t D = head_dim_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D, qkv_size = q_size + 2 * kv_size;
   const int64_t I = layers_[0].gate_up.out_features / 2;
-  TORCH_CHECK(embeddings.scalar_type() == at::kFloat && cos.size(0) == T && cos.size(1) == D &&
-                  sin.sizes() == cos.sizes(),
-              "decoder stack: float32 embeddings and cos, sin [T, head_dim]");
+  TORCH_CHECK(embeddings.scalar_type() == at::kFloat && H == layers_[0].input_norm.numel() && cos.size(0) == T &&
+                  cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "decoder stack: float32 embeddings [T, hidden] and cos, sin [T, head_dim]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
               "decoder stack: int64 slot_mapping [T]");
-  const at::Tensor slot_c = slot_mapping.contiguous(), cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  const at::Tensor slot_c = slot_mapping.contiguous();
   const int64_t* slots = slot_c.data_ptr<int64_t>();
-  // every buffer below holds what each layer's linears take and give
-  auto fits = [](const StackLinear& linear, int64_t in, int64_t out) {
-    return linear.int8_weights->in_features() == in && linear.int8_weights->out_features() == out;
-  };
+  // each layer's linears take and give the buffers' shapes (add_layer saw to it); the caches are checked here
   for (int64_t l = 0; l < L; ++l) {
-    const StackLayer& layer = layers_[l];
-    TORCH_CHECK(fits(layer.qkv, H, qkv_size) && fits(layer.o, q_size, H) && fits(layer.gate_up, H, 2 * I) &&
-                    fits(layer.down, I, H) && layer.input_norm.numel() == H && layer.post_norm.numel() == H,
-                "decoder stack: layer ", l, "'s shapes disagree with the first layer's and the heads'");
     const at::Tensor& kc = key_caches[l];
     TORCH_CHECK(kc.is_contiguous() && value_caches[l].is_contiguous() && kc.sizes() == value_caches[l].sizes() &&
                     kc.dim() == 4 && kc.size(2) * kc.size(3) == kv_size && kc.scalar_type() == at::kFloat,
@@ -172,27 +165,24 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
   at::Tensor residual = embeddings.contiguous().clone(), h = at::empty({T, H}, opts), act = at::empty({T, I}, opts);
   std::vector<float> keys(kv_size);
   float *rp = residual.data_ptr<float>(), *hp = h.data_ptr<float>(), *actp = act.data_ptr<float>();
-  const float *cp = cos_c.data_ptr<float>(), *sp = sin_c.data_ptr<float>();
-
-  std::vector<DecodeAttention> attention;
-  attention.reserve(L);
-  for (int64_t l = 0; l < L; ++l) {
-    attention.emplace_back(T, num_heads_, num_kv_heads_, D, key_caches[l].size(1), table.data_ptr<int32_t>(),
-                           table.size(1), lens.data_ptr<int32_t>(), scale_, threads);
-    for (int64_t g = 0; g < kGemms; ++g) {
-      const StackLinear* linear[] = {&layers_[l].qkv, &layers_[l].o, &layers_[l].gate_up, &layers_[l].down};
-      ws.done[l * (kGemms + 1) + g].reset(linear[g]->int8_weights->panels());
-    }
-    ws.done[l * (kGemms + 1) + kGemms].reset(attention.back().items());
-    ws.next_item[l].store(0, std::memory_order_relaxed);
-    for (int64_t i = 0; i < kLeads; ++i) ws.claimed[l * kLeads + i].store(false, std::memory_order_relaxed);
-  }
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();  // forward made them contiguous
 
   auto linear_of = [&](int64_t l, int64_t g) -> const Int8DotWeights& {
     const StackLayer& layer = layers_[l];
     const StackLinear* linear[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     return *linear[g]->int8_weights;
   };
+  std::vector<DecodeAttention> attention;
+  attention.reserve(L);
+  for (int64_t l = 0; l < L; ++l) {
+    attention.emplace_back(T, num_heads_, num_kv_heads_, D, key_caches[l].size(1), table.data_ptr<int32_t>(),
+                           table.size(1), lens.data_ptr<int32_t>(), scale_, threads);
+    for (int64_t g = 0; g < kGemms; ++g) ws.done[l * (kGemms + 1) + g].reset(linear_of(l, g).panels());
+    ws.done[l * (kGemms + 1) + kGemms].reset(attention.back().items());
+    ws.next_item[l].store(0, std::memory_order_relaxed);
+    for (int64_t i = 0; i < kLeads; ++i) ws.claimed[l * kLeads + i].store(false, std::memory_order_relaxed);
+  }
+
   auto gemm_out = [&](int64_t l, int64_t g) {
     const int which[] = {kQkvOut, kOOut, kGateUpOut, kDownOut};
     return buffer(l, which[g]);

@@ -92,6 +92,45 @@ inline __m512i transpose_4bit(int first) {
   return _mm512_load_si512(idx);
 }
 
+// A panel's weights in VPDPBUSD's order (unsigned bytes, lane c holding column c's inputs k..k+3), one step of a
+// kernel's inner loop at a time, with the next bytes asked of L2 as they go
+struct PanelBytes {
+  const __m512i t8 = transpose_8bit(), t4a = transpose_4bit(0), t4b = transpose_4bit(4);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+
+  // 8 bits: rows k..k+3, made unsigned by adding 128
+  __m512i rows8(const int8_t* q, int64_t k) const {
+    prefetch_l2(q + k * kCols + kPrefetchBytes);
+    return _mm512_xor_si512(_mm512_permutexvar_epi8(t8, _mm512_loadu_si512(q + k * kCols)), flip);
+  }
+  // 4 bits: rows k..k+3 (w0) and k+4..k+7 (w1)
+  void rows4(const int8_t* q, int64_t k, __m512i& w0, __m512i& w1) const {
+    prefetch_l2(q + k * (kCols / 2) + kPrefetchBytes);
+    const __m512i raw = _mm512_loadu_si512(q + k * (kCols / 2));
+    const __m512i lo = _mm512_and_si512(raw, nibble);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    w0 = _mm512_permutex2var_epi8(lo, t4a, hi);
+    w1 = _mm512_permutex2var_epi8(lo, t4b, hi);
+  }
+};
+
+// a group's c = -zero_point * s + offset, the factor of sum(x_q) * x_scale
+template <typename S>
+inline __m512 group_offset(const __m512 s, const S* offsets, int64_t g, float zp) {
+  __m512 c = _mm512_mul_ps(_mm512_set1_ps(-zp), s);
+  if (offsets != nullptr) c = _mm512_add_ps(c, load16(offsets + g * kCols));
+  return c;
+}
+
+// the bias of a panel's cols columns (zeros past them and where there is none)
+inline __m512 panel_bias(const float* bias, int64_t cols) {
+  alignas(64) float padded[kCols] = {0.f};
+  for (int64_t j = 0; j < cols && bias != nullptr; ++j) padded[j] = bias[j];
+  return _mm512_load_ps(padded);
+}
+
+inline __mmask16 panel_mask(int64_t cols) { return static_cast<__mmask16>((1u << cols) - 1u); }
+
 // kernel's arithmetic where a group is one block of 32 inputs (GGUF's Q8_0, Q4_0, Q4_1), with each row's values in
 // named registers (KVSERVE_ROWS): in the general kernel, arrays of a row block's sums across the blocks of a group
 // made GCC store every accumulator to the stack at every step of the inner loop, which held 6 rows to about a
@@ -108,9 +147,7 @@ void kernel_block_groups(const Rows* x, const int8_t* q, const S* scales, const 
   const float* xm##r = MR > r ? x[MR > r ? r : 0].sums : nullptr;
   KVSERVE_ROWS(KVSERVE_ROW_STATE)
 #undef KVSERVE_ROW_STATE
-  const __m512i t8 = transpose_8bit(), t4a = transpose_4bit(0), t4b = transpose_4bit(4);
-  const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512 minus_zp = _mm512_set1_ps(-zp);
+  const PanelBytes bytes;
   for (int64_t b = 0; b < K / kBlock; ++b) {
 #define KVSERVE_ROW_ZERO(r) __m512i acc##r = _mm512_setzero_si512();
     KVSERVE_ROWS(KVSERVE_ROW_ZERO)
@@ -118,8 +155,7 @@ void kernel_block_groups(const Rows* x, const int8_t* q, const S* scales, const 
     const int64_t k0 = b * kBlock;
     if constexpr (BITS == 8) {
       for (int64_t k = k0; k < k0 + kBlock; k += 4) {
-        prefetch_l2(q + k * kCols + kPrefetchBytes);
-        const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(t8, _mm512_loadu_si512(q + k * kCols)), flip);
+        const __m512i w = bytes.rows8(q, k);
 #define KVSERVE_ROW_DOT(r) \
   if constexpr (MR > r)    \
     acc##r = _mm512_dpbusd_epi32(acc##r, w, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xv##r + k)));
@@ -128,11 +164,8 @@ void kernel_block_groups(const Rows* x, const int8_t* q, const S* scales, const 
       }
     } else {
       for (int64_t k = k0; k < k0 + kBlock; k += 8) {
-        prefetch_l2(q + k * (kCols / 2) + kPrefetchBytes);
-        const __m512i raw = _mm512_loadu_si512(q + k * (kCols / 2));
-        const __m512i lo = _mm512_and_si512(raw, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-        const __m512i w0 = _mm512_permutex2var_epi8(lo, t4a, hi), w1 = _mm512_permutex2var_epi8(lo, t4b, hi);
+        __m512i w0, w1;
+        bytes.rows4(q, k, w0, w1);
 #define KVSERVE_ROW_DOT(r)                                                                                     \
   if constexpr (MR > r) {                                                                                      \
     acc##r = _mm512_dpbusd_epi32(acc##r, w0, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xv##r + k))); \
@@ -144,9 +177,7 @@ void kernel_block_groups(const Rows* x, const int8_t* q, const S* scales, const 
       }
     }
     // the general kernel's operations in its order: dots = x_scale * sum, then out += c * xsum + s * dots
-    const __m512 s = load16(scales + b * kCols);
-    __m512 c = _mm512_mul_ps(minus_zp, s);
-    if (offsets != nullptr) c = _mm512_add_ps(c, load16(offsets + b * kCols));
+    const __m512 s = load16(scales + b * kCols), c = group_offset(s, offsets, b, zp);
 #define KVSERVE_ROW_OUT(r)                                                                                 \
   if constexpr (MR > r) {                                                                                  \
     const __m512 dots = _mm512_fmadd_ps(_mm512_set1_ps(xs##r[b]), _mm512_cvtepi32_ps(acc##r), _mm512_setzero_ps()); \
@@ -155,10 +186,8 @@ void kernel_block_groups(const Rows* x, const int8_t* q, const S* scales, const 
     KVSERVE_ROWS(KVSERVE_ROW_OUT)
 #undef KVSERVE_ROW_OUT
   }
-  alignas(64) float padded[kCols] = {0.f};
-  for (int64_t j = 0; j < cols && bias != nullptr; ++j) padded[j] = bias[j];
-  const __m512 add = _mm512_load_ps(padded);
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 add = panel_bias(bias, cols);
+  const __mmask16 mask = panel_mask(cols);
 #define KVSERVE_ROW_STORE(r) \
   if constexpr (MR > r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(out##r, add));
   KVSERVE_ROWS(KVSERVE_ROW_STORE)
@@ -173,13 +202,12 @@ template <int MR, int BITS, typename S>
 void kernel(const Rows* x, const int8_t* q, const S* scales, const S* offsets, int64_t G, float zero_point,
             const float* bias, float* y, int64_t ldy, int64_t cols) {
   const int64_t K = x[0].K, blocks_per_group = G / kBlock;
-  __m512 out[MR];
-  for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
-  const __m512i t8 = transpose_8bit(), t4a = transpose_4bit(0), t4b = transpose_4bit(4);
-  const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const float zp = BITS == 8 ? 128.f : zero_point;
   if (MR > 1 && blocks_per_group == 1)
     return kernel_block_groups<MR, BITS, S>(x, q, scales, offsets, zp, bias, y, ldy, cols);
+  __m512 out[MR];
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
+  const PanelBytes bytes;
   for (int64_t g = 0, b = 0; b < K / kBlock; ++g) {
     __m512 dots[MR];  // sum over the group's blocks of x_scale * sum(w_q * x_q)
     float xsum[MR];   // sum over them of x_scale * sum(x_q)
@@ -190,20 +218,15 @@ void kernel(const Rows* x, const int8_t* q, const S* scales, const S* offsets, i
       const int64_t k0 = b * kBlock;
       if constexpr (BITS == 8) {
         for (int64_t k = k0; k < k0 + kBlock; k += 4) {
-          prefetch_l2(q + k * kCols + kPrefetchBytes);
-          const __m512i raw = _mm512_loadu_si512(q + k * kCols);
-          const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(t8, raw), flip);
+          const __m512i w = bytes.rows8(q, k);
           for (int r = 0; r < MR; ++r)
             acc[r] = _mm512_dpbusd_epi32(
                 acc[r], w, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x[r].values + k)));
         }
       } else {
         for (int64_t k = k0; k < k0 + kBlock; k += 8) {
-          prefetch_l2(q + k * (kCols / 2) + kPrefetchBytes);
-          const __m512i raw = _mm512_loadu_si512(q + k * (kCols / 2));
-          const __m512i lo = _mm512_and_si512(raw, nibble);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-          const __m512i w0 = _mm512_permutex2var_epi8(lo, t4a, hi), w1 = _mm512_permutex2var_epi8(lo, t4b, hi);
+          __m512i w0, w1;
+          bytes.rows4(q, k, w0, w1);
           for (int r = 0; r < MR; ++r) {
             const int8_t* xv = x[r].values + k;
             acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xv)));
@@ -216,16 +239,12 @@ void kernel(const Rows* x, const int8_t* q, const S* scales, const S* offsets, i
         xsum[r] += x[r].sums[b];
       }
     }
-    const __m512 s = load16(scales + g * kCols);
-    __m512 c = _mm512_mul_ps(_mm512_set1_ps(-zp), s);
-    if (offsets != nullptr) c = _mm512_add_ps(c, load16(offsets + g * kCols));
+    const __m512 s = load16(scales + g * kCols), c = group_offset(s, offsets, g, zp);
     for (int r = 0; r < MR; ++r)
       out[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[r]), _mm512_fmadd_ps(s, dots[r], out[r]));
   }
-  alignas(64) float padded[kCols] = {0.f};
-  for (int64_t j = 0; j < cols && bias != nullptr; ++j) padded[j] = bias[j];
-  const __m512 add = _mm512_load_ps(padded);
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 add = panel_bias(bias, cols);
+  const __mmask16 mask = panel_mask(cols);
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(out[r], add));
 }
 
