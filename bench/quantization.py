@@ -1,9 +1,9 @@
 """Quantized weights side by side, in one run: output tokens per second at one stream and at 16 (closed loop,
-128 output tokens each, EOS ignored, temperature 0, the chat prompt of PEERS.md) for
+128 output tokens each, EOS ignored, temperature 0, one short chat prompt: PROMPT below) for
 
 - kvserve float32, int8, Q8_0 GGUF and Q4_1 GGUF (bench/quantized_models.py), each as `kvserve up`;
-- llama.cpp's `llama-server` on the same two GGUF files, with --llama-server PATH (built outside the repository,
-  as ../shared/PEERS.md says; run as PEERS.md runs it). Both servers of a file are up at once and measured in
+- llama.cpp's `llama-server` on the same two GGUF files, with --llama-server PATH (built outside the repository:
+  docs/benchmarks.md, Peers). Both servers of a file are up at once and measured in
   --rounds alternating rounds, each first in every other: the median round of each, and the median of kvserve's
   ratios round by round;
 - HF transformers `generate`, float32, at one stream (bench/throughput.py's runner, no HTTP);

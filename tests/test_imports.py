@@ -1,5 +1,6 @@
-"""Imports run one way (../shared/ARCHITECTURE.md) and no module imports itself back: read from the source's ast,
-module-level and function-level imports alike, so a violation is named by file and line before anything runs."""
+"""Imports run one way (docs/architecture.md; FORBIDDEN below) and no module imports itself back: read from the
+source's ast, module-level and function-level imports alike, so a violation is named by file and line before
+anything runs."""
 
 from __future__ import annotations
 
