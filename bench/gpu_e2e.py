@@ -2,7 +2,7 @@
 
 - agreement: each attention backend's greedy tokens on the same prompts, against the first backend's;
 - profiled_start: one engine started as `kvserve up` starts it, without kv_cache_memory, so it sizes its KV cache
-  by profiling GPU memory (executor/kv_sizing.py); it reports the blocks it got and the profiling log line;
+  by profiling GPU memory (executor/kv/sizing.py); it reports the blocks it got and the profiling log line;
 - throughput: output tokens/s at each concurrency, per backend ("-eager": no CUDA graphs).
 
 An engine build is not started where the deadline would pass before it is up: EngineClock guesses its time from

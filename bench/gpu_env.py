@@ -27,7 +27,7 @@ MODULES = (
     "executor.llm",
     "executor.engine",
     "executor.cuda_graphs",
-    "executor.kv_sizing",
+    "executor.kv.sizing",
     "kvkernels.triton_attention",
     "kvkernels.triton_cache",
     "kvkernels.triton_norm_rope",

@@ -24,15 +24,15 @@ def __getattr__(name: str):
     if (
         name == "resolve_model"
     ):  # a model name, .gguf file or directory -> a ready directory (pulled, converted)
-        from executor.model_files import resolve_model
+        from executor.models.model_files import resolve_model
 
         return resolve_model
     if name == "default_gguf":  # the default model's GGUF file (fetched once into the cache)
-        from executor.model_files import default_gguf
+        from executor.models.model_files import default_gguf
 
         return default_gguf
     if name == "weight_bytes":  # a built model's weights as served (quantized ones at their own size)
-        from executor.kv_sizing import weight_bytes
+        from executor.kv.sizing import weight_bytes
 
         return weight_bytes
     if name == "ATTENTION_BACKENDS":  # the --attention-backend choices

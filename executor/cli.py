@@ -13,7 +13,7 @@ import sys
 import time
 
 from executor.engine_config import add_engine_args, config_from_args
-from executor.gateway_outbox import DEFAULT_SNDHWM
+from executor.service.gateway_outbox import DEFAULT_SNDHWM
 from shared import logs
 from shared.curve_keys import EXECUTOR, CurveKeyError, add_curve_keys_arg, load_executor_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
@@ -47,7 +47,7 @@ def add_model_args(model: argparse.ArgumentParser) -> None:
 
 
 def model_pull(args: argparse.Namespace) -> int:
-    from executor.model_files import resolve_model
+    from executor.models.model_files import resolve_model
 
     try:
         print(resolve_model(args.name))
@@ -161,11 +161,11 @@ def _positive_int(text: str) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Start-up, then the service loop (executor/service.py) until drained."""
+    """Start-up, then the service loop (executor/service/loop.py) until drained."""
     import redis
     import zmq
 
-    from executor.index_writer import IndexWriter, connect
+    from executor.service.index_writer import IndexWriter, connect
     from shared import tracing
     from shared.redis_keys import check_executor_id
     from shared.redis_url import describe_error
@@ -194,9 +194,9 @@ def serve(args: argparse.Namespace) -> int:
         return fail(f"--redis-url: {describe_error(args.redis_url, error)}", 1)
 
     from executor.engine import Engine
-    from executor.gateway_auth import GatewayAuth
-    from executor.gateway_outbox import configure_router
-    from executor.service import ExecutorService
+    from executor.service.gateway_auth import GatewayAuth
+    from executor.service.gateway_outbox import configure_router
+    from executor.service.loop import ExecutorService
 
     # SIGTERM during the model load has nothing to drain: it just ends the process
     engine = Engine(config)

@@ -22,18 +22,18 @@ from executor.engine_setup import (
     log_kv_capacity,
     num_kv_blocks,
 )
-from executor.grammar_queue import GrammarQueue
-from executor.grammars import Grammars
 from executor.intake import Intake
-from executor.kv_block_seconds import KVBlockSeconds
-from executor.kv_sizing import pick_device_and_dtype
+from executor.kv.block_seconds import KVBlockSeconds
+from executor.kv.sizing import pick_device_and_dtype
 from executor.request import Request
-from executor.sampler import TokenLogprobs
-from executor.scheduler import NewTokens
+from executor.sampling.sampler import TokenLogprobs
+from executor.sampling.step_sampler import StepSampler
+from executor.scheduling.scheduler import NewTokens
+from executor.scheduling.waiting_queue import TENANTS_SHARE
 from executor.spec_decode import SpecBackoff
 from executor.step_result import EngineStats, StepOutput, StepResult
-from executor.step_sampler import StepSampler
-from executor.waiting_queue import TENANTS_SHARE
+from executor.structured.grammar_queue import GrammarQueue
+from executor.structured.grammars import Grammars
 from kvkernels.backend import choose_kernels
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputsParams

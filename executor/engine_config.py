@@ -60,7 +60,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     # back-pressure: an executor refuses a tenant's new requests (the gateway sends them elsewhere or holds them)
     # while this many of the tenant's wait unstarted, or while its waiting prompts hold this many tokens still to
-    # prefill; all tenants together, TENANTS_SHARE times that (executor/waiting_queue.py)
+    # prefill; all tenants together, TENANTS_SHARE times that (executor/scheduling/waiting_queue.py)
     max_waiting_seqs: int = 16
     max_waiting_tokens: int | None = None  # None: WAITING_STEPS steps' token budget
     # a request that has waited this long without starting is handed back to its gateway to go elsewhere (0: never)
@@ -74,10 +74,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # tenants take the engine's tokens in proportion to their weights, a burst waiting behind itself
-    # (executor/fair_share.py); off: one first-come-first-served queue for all
+    # (executor/scheduling/fair_share.py); off: one first-come-first-served queue for all
     fair_share: bool = True
     # a tenant's cached KV blocks within its share of the pool are not evicted for another tenant's requests, and
-    # blocks used once go before blocks used again (executor/block_pool.py); off: one LRU for all
+    # blocks used once go before blocks used again (executor/kv/block_pool.py); off: one LRU for all
     kv_shares: bool = True
     speculative_model: str | None = None
     num_speculative_tokens: int = 0

@@ -10,16 +10,16 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from executor.block_pool import BlockPool
 from executor.engine_config import EngineConfig
-from executor.kv_cache_manager import KVCacheManager
-from executor.kv_layout import kv_block_bytes
-from executor.kv_sizing import kv_cache_bytes, weight_bytes
-from executor.model_files import load_weights, read_config, resolve_model
+from executor.kv.block_pool import BlockPool
+from executor.kv.cache_manager import KVCacheManager
+from executor.kv.layout import kv_block_bytes
+from executor.kv.sizing import kv_cache_bytes, weight_bytes
 from executor.model_runner import ModelRunner
 from executor.models.llama import DecoderLM
 from executor.models.loader import build_model, decoder_spec
-from executor.scheduler import Scheduler
+from executor.models.model_files import load_weights, read_config, resolve_model
+from executor.scheduling.scheduler import Scheduler
 from executor.spec_decode import NgramProposer
 from executor.spec_decode.draft import DraftProposer, load_draft_model
 from kvkernels.backend import Kernels

@@ -2,7 +2,7 @@
 engine's one map of unfinished requests until its last choice ends.
 
 A bad request raises ValueError naming the field and touches nothing. Parallel sampling (n > 1): choice 0 keeps the
-request's id and carries the others in its forks until its prompt is prefilled (executor/scheduler.py's fork).
+request's id and carries the others in its forks until its prompt is prefilled (executor/scheduling/scheduler.py's fork).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 
 from executor.engine_config import EngineConfig
 from executor.engine_setup import Models
-from executor.grammar_queue import GrammarQueue
-from executor.grammars import RequestGrammar
 from executor.request import Request
-from executor.sampling_state import PromptTerms, SamplingState
+from executor.sampling.sampling_state import PromptTerms, SamplingState
+from executor.structured.grammar_queue import GrammarQueue
+from executor.structured.grammars import RequestGrammar
 from shared.block_hash import hash_blocks
 from shared.protocol import MAX_TENANT_WEIGHT
 from shared.sampling_params import SamplingParams

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from executor.engine import Engine
 from executor.engine_config import EngineConfig
-from executor.sampler import TokenLogprobs
+from executor.sampling.sampler import TokenLogprobs
 from executor.step_result import EngineStats, StepOutput
 from shared.sampling_params import SamplingParams
 from shared.stop_strings import CompletionText

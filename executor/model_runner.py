@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from executor.cuda_graphs import DecodeGraphs, DecodeRow, capture_sizes
-from executor.kv_cache_manager import KVCacheManager
-from executor.kv_layout import copy_blocks, kv_cache_shape, layer_caches
+from executor.kv.cache_manager import KVCacheManager
+from executor.kv.layout import copy_blocks, kv_cache_shape, layer_caches
 from executor.models.llama import AttentionBatch, DecoderLM
 from executor.request import Request
 

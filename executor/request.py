@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from executor.sampling_state import SamplingState
+from executor.sampling.sampling_state import SamplingState
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from executor.grammars import RequestGrammar
-    from executor.sampler import TokenLogprobs
+    from executor.sampling.sampler import TokenLogprobs
+    from executor.structured.grammars import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -30,7 +30,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
-    # fair share (executor/fair_share.py): whose request it is (None: the anonymous tenant), the tenant's weight,
+    # fair share (executor/scheduling/fair_share.py): whose request it is (None: the anonymous tenant), the tenant's weight,
     # and its priority within the tenant (lower first)
     tenant: str | None = None
     weight: float = 1.0
@@ -50,7 +50,7 @@ class Request:
     # prompt tokens whose KV came from the prefix cache when first scheduled; -1 until then
     num_cached_tokens: int = -1
     num_preemptions: int = 0
-    # KV blocks it held x seconds (executor/kv_block_seconds.py): its tenant's bill for KV memory
+    # KV blocks it held x seconds (executor/kv/block_seconds.py): its tenant's bill for KV memory
     kv_block_seconds: float = 0.0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -63,7 +63,7 @@ class Request:
     num_draft_computed: int = 0
     num_draft_tokens: int = 0  # proposals verified so far
     num_accepted_tokens: int = 0  # of which the target accepted
-    # structured outputs (executor/grammars.py): its grammar's matcher, None when unconstrained
+    # structured outputs (executor/structured/grammars.py): its grammar's matcher, None when unconstrained
     grammar: RequestGrammar | None = None
     # prompt logprobs (params.prompt_logprobs): the first num_scored_prompt_tokens prompt tokens have theirs (the
     # first token has none, so it counts from 1); they gather in prompt_logprobs until its first token goes out
@@ -77,7 +77,7 @@ class Request:
     index: int = 0
     forks: list[Request] = field(default_factory=list)
     # logit_bias and the penalties' inputs, built at its first sampled step and counted as tokens are appended
-    # (executor/sampling_state.py); parallel sampling's choices share its prompt's part
+    # (executor/sampling/sampling_state.py); parallel sampling's choices share its prompt's part
     sampling_state: SamplingState | None = None
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from executor.sampler import TokenLogprobs
+    from executor.sampling.sampler import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ def default_model() -> str:
     session's stand-in: that machine cannot fetch the default model's package)."""
     if stand_in := os.environ.get("KVSERVE_TEST_MODEL"):
         return stand_in
-    from executor.model_files import resolve_model
+    from executor.models.model_files import resolve_model
 
     return str(resolve_model(None))
 

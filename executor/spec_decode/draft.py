@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from executor.kv_cache_manager import KVCacheManager
-from executor.model_files import load_weights, read_config, resolve_model
+from executor.kv.cache_manager import KVCacheManager
 from executor.model_runner import Chunk, ModelRunner
 from executor.models.llama import DecoderLM
 from executor.models.loader import build_model, decoder_spec
+from executor.models.model_files import load_weights, read_config, resolve_model
 from executor.request import Request
-from executor.sampler import draw, sampling_probs
+from executor.sampling.sampler import draw, sampling_probs
 from kvkernels.backend import Kernels
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.sampler import (
+from executor.sampling.sampler import (
     SamplingRow,
     TokenLogprobs,
     apply_penalties,

@@ -10,7 +10,7 @@ import pytest
 
 from bench import gpu_check, gpu_e2e
 from executor import CompletionOutput
-from executor.sampler import TokenLogprobs
+from executor.sampling.sampler import TokenLogprobs
 
 
 def toy_args(model: str, *extra: str):

@@ -1,7 +1,7 @@
 import pytest
 
-from executor.block_pool import BlockPool
-from executor.kv_cache_manager import KVCacheManager
+from executor.kv.block_pool import BlockPool
+from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request
 from shared.sampling_params import SamplingParams
 

@@ -21,7 +21,7 @@ import ast
 from tests.test_imports import REPO, all_imports
 
 ENTRY_POINTS = {"executor", "executor.llm", "executor.cli", "executor.engine_config"}
-CALLERS = ("executor/service.py", "executor/cli.py", "executor/llm.py")
+CALLERS = ("executor/service/loop.py", "executor/cli.py", "executor/llm.py")
 ENGINE_SURFACE = {
     # requests and the step
     "add_request",

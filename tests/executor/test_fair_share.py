@@ -1,4 +1,4 @@
-from executor.fair_share import CACHED_TOKEN_COST, VirtualTokenCounter, service
+from executor.scheduling.fair_share import CACHED_TOKEN_COST, VirtualTokenCounter, service
 
 
 def test_service_counts_computed_tokens_whole_and_cached_ones_at_a_discount():

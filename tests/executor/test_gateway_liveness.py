@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from executor.gateway_liveness import GatewayLiveness
+from executor.service.gateway_liveness import GatewayLiveness
 from shared import redis_keys as keys
 from shared.protocol import GATEWAY_SILENCE_S
 from tests.gateway.answers import json_events

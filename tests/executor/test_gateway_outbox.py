@@ -6,7 +6,7 @@ import time
 
 import zmq
 
-from executor.gateway_outbox import GatewayOutbox, configure_router
+from executor.service.gateway_outbox import GatewayOutbox, configure_router
 from shared import protocol
 
 FILLER = [7] * 2000  # an update large enough that ZeroMQ's and the kernel's buffers fill in a few hundred

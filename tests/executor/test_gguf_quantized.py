@@ -16,9 +16,9 @@ from safetensors import safe_open
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 from executor import LLM, SamplingParams
-from executor.gguf_quantized import load_blocks, quantized_weight
-from executor.kv_sizing import weight_bytes
-from executor.model_files import default_gguf, resolve_model
+from executor.kv.sizing import weight_bytes
+from executor.models.gguf_quantized import load_blocks, quantized_weight
+from executor.models.model_files import default_gguf, resolve_model
 from executor.models.quantized import stack
 from kvkernels.cpu_extension import cpu_kernels
 from kvkernels.quantized import QuantizedLinear, QuantizedWeight

@@ -20,8 +20,8 @@ import pytest
 from executor import LLM, SamplingParams
 from executor.engine import Engine
 from executor.engine_busy import EngineBusy
-from executor.grammars import Grammars, step_bitmask
-from executor.kv_layout import kv_block_bytes
+from executor.kv.layout import kv_block_bytes
+from executor.structured.grammars import Grammars, step_bitmask
 from shared.structured_outputs import StructuredOutputsParams
 from tests.processes import REPO, eventually
 
@@ -389,7 +389,7 @@ def test_the_compile_process_dies_with_its_parent_even_mid_compile(tiny):
     script = f"""
 import time
 from transformers import AutoTokenizer
-from executor.grammars import Grammars
+from executor.structured.grammars import Grammars
 from shared.structured_outputs import StructuredOutputsParams as Spec
 tokenizer = AutoTokenizer.from_pretrained({tiny!r})
 grammars = Grammars(tokenizer, len(tokenizer), frozenset({{tokenizer.eos_token_id}}), timeout_s=600)
@@ -434,7 +434,7 @@ def test_drawn_draft_proposals_the_grammar_refuses_are_rejected(tiny):
 def test_without_the_grammar_library_a_structured_request_is_refused_naming_it(tiny_models, monkeypatch):
     """As on the GPU image, which has no xgrammar: the engine serves, and only a request that needs the library
     is refused, with a message saying which and how to install it."""
-    from executor import grammars
+    from executor.structured import grammars
 
     monkeypatch.setattr(grammars, "_library_missing", ImportError("No module named 'xgrammar'"))
     llm = LLM(tiny_models["llama"], device="cpu", kv_cache_memory="8MiB")

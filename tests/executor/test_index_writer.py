@@ -3,8 +3,8 @@ import time
 import pytest
 import redis
 
-from executor.block_pool import BlockPool
-from executor.index_writer import IndexWriter, connect
+from executor.kv.block_pool import BlockPool
+from executor.service.index_writer import IndexWriter, connect
 from shared import redis_keys as keys
 from shared.executor_stats import ExecutorStats
 from tests.processes import eventually

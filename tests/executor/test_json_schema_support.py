@@ -1,6 +1,6 @@
 """The schema keywords refused as unenforced are ones the grammar library does not hold: compiled to nothing, or,
 for those it holds in some uses only, letting through a value the schema forbids. Also the string rule
-executor/grammar_compile.py rewrites."""
+executor/structured/grammar_compile.py rewrites."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ xgr = pytest.importorskip("xgrammar")
 
 import jsonschema  # noqa: E402
 
-from executor.grammar_compile import json_grammar  # noqa: E402
+from executor.structured.grammar_compile import json_grammar  # noqa: E402
 from shared.json_schema_support import UNENFORCED, unenforced_keyword  # noqa: E402
 
 ITEMS = {"type": "array", "items": {"type": "integer"}}

@@ -1,8 +1,8 @@
 """KV block-seconds per request, on a real block pool and KV cache manager, with a clock the test moves."""
 
-from executor.block_pool import BlockPool
-from executor.kv_block_seconds import KVBlockSeconds
-from executor.kv_cache_manager import KVCacheManager
+from executor.kv.block_pool import BlockPool
+from executor.kv.block_seconds import KVBlockSeconds
+from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request
 from shared.sampling_params import SamplingParams
 

@@ -1,5 +1,5 @@
 """KV shares: a tenant's cached blocks within its share survive other tenants' bursts, scans pass through, and
-running requests still get blocks (executor/block_pool.py)."""
+running requests still get blocks (executor/kv/block_pool.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from itertools import count
 import pytest
 
 from executor import LLM, SamplingParams
-from executor.block_pool import BlockPool
-from executor.kv_cache_manager import KVCacheManager
+from executor.kv.block_pool import BlockPool
+from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request, RequestStatus
-from executor.scheduler import Scheduler
+from executor.scheduling.scheduler import Scheduler
 
 BLOCK = 4
 _tags = count()

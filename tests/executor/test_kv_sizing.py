@@ -1,4 +1,4 @@
-"""GPU memory profiling (executor/kv_sizing.py) on the CPU, with torch.cuda's memory calls played by a stand-in
+"""GPU memory profiling (executor/kv/sizing.py) on the CPU, with torch.cuda's memory calls played by a stand-in
 that counts the bytes of live tensors: the budget is the device's share less what others hold and the profiled
 peak, and that peak covers the worst steps the engine then runs (a whole chunk of prompt logprobs; every row
 sampling with every filter and the most logprobs)."""
@@ -15,8 +15,8 @@ from torch.utils._pytree import tree_leaves
 
 from executor import LLM, SamplingParams
 from executor.engine_config import EngineConfig
-from executor.kv_layout import kv_block_bytes
-from executor.kv_sizing import kv_cache_bytes, profile_kv_bytes, worst_sampling_params
+from executor.kv.layout import kv_block_bytes
+from executor.kv.sizing import kv_cache_bytes, profile_kv_bytes, worst_sampling_params
 from shared.sampling_params import MAX_PROMPT_LOGPROBS
 
 GIB = 2**30

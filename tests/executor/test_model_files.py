@@ -26,9 +26,9 @@ from transformers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from executor import gguf_convert
-from executor.gguf_convert import convert_gguf
-from executor.model_files import (
+from executor.models import gguf_convert
+from executor.models.gguf_convert import convert_gguf
+from executor.models.model_files import (
     default_gguf,
     load_weights,
     pull_default_model,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor import LLM, SamplingParams, step_sampler
+from executor import LLM, SamplingParams
+from executor.sampling import step_sampler
 from tests.executor.test_hf_equivalence import LONG_TEXT
 
 TOP = 5

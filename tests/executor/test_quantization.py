@@ -11,7 +11,7 @@ import torch
 
 from executor import LLM, SamplingParams
 from executor.engine_config import EngineConfig, add_engine_args, config_from_args
-from executor.kv_sizing import profile_kv_bytes, weight_bytes
+from executor.kv.sizing import profile_kv_bytes, weight_bytes
 from kvkernels.cpu_extension import cpu_kernels
 from kvkernels.quantized import QuantizedLinear
 from kvkernels.weight_quantization import Fp8Linear, TiedEmbedding, fp8_matmul_available

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.sampler import SamplingRow, sampling_probs
-from executor.sampling_state import SamplingState
+from executor.sampling.sampler import SamplingRow, sampling_probs
+from executor.sampling.sampling_state import SamplingState
 from executor.spec_decode import rejection_sample, verify
 from shared.sampling_params import SamplingParams
 

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from executor import sampler as sampler_module
-from executor.sampler import Sampler, SamplingRow, apply_penalties, draw, sampling_probs
-from executor.sampling_state import SamplingState
+from executor.sampling import sampler as sampler_module
+from executor.sampling.sampler import Sampler, SamplingRow, apply_penalties, draw, sampling_probs
+from executor.sampling.sampling_state import SamplingState
 from shared.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -1,7 +1,7 @@
-from executor.block_pool import BlockPool
-from executor.kv_cache_manager import KVCacheManager
+from executor.kv.block_pool import BlockPool
+from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request, RequestStatus
-from executor.scheduler import Scheduler
+from executor.scheduling.scheduler import Scheduler
 from shared.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 1024

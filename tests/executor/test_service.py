@@ -391,7 +391,7 @@ def _local_service(model: str, peer_has_room: bool = True, **engine_flags):
 
     from executor.engine import Engine
     from executor.engine_config import EngineConfig
-    from executor.service import ExecutorService
+    from executor.service.loop import ExecutorService
 
     engine = Engine(EngineConfig(model=model, kv_cache_memory="8MiB", device="cpu", **engine_flags))
     context = zmq.Context()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from executor import LLM, SamplingParams
-from executor.scheduler import SchedulerOutput
+from executor.scheduling.scheduler import SchedulerOutput
 from executor.spec_decode import NgramProposer, SpecBackoff
 from executor.spec_decode.backoff import MIN_ACCEPTANCE, PAUSE_STEPS
 from tests.kv_blocks import assert_no_blocks_held

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from executor.tenant_turns import TenantTurns
+from executor.scheduling.tenant_turns import TenantTurns
 
 
 def drain(turns: TenantTurns) -> list:

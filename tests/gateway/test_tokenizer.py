@@ -106,7 +106,7 @@ def gguf_model(tmp_path_factory) -> str:
     """A tiny GGUF's conversion (kvserve model pull's): a 261-token byte-level vocabulary of its own."""
     from transformers import LlamaForCausalLM
 
-    from executor.gguf_convert import convert_gguf
+    from executor.models.gguf_convert import convert_gguf
     from tests.executor.test_model_files import gguf_config, write_gguf
 
     path = tmp_path_factory.mktemp("gguf")

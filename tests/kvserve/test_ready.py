@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import redis
 
-from executor.index_writer import IndexWriter
+from executor.service.index_writer import IndexWriter
 from kvserve.cli import main
 from kvserve.redis_server import start_redis_server
 

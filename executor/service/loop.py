@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import zmq
 
 from executor.engine_busy import EngineBusy
-from executor.gateway_liveness import GatewayLiveness
-from executor.gateway_outbox import DEFAULT_SNDHWM, GatewayOutbox
-from executor.index_writer import IndexWriter
-from executor.phase_spans import record_request_spans
+from executor.service.gateway_liveness import GatewayLiveness
+from executor.service.gateway_outbox import DEFAULT_SNDHWM, GatewayOutbox
+from executor.service.index_writer import IndexWriter
+from executor.service.phase_spans import record_request_spans
 from executor.step_result import EngineStats, StepOutput, StepResult
 from shared import protocol, tracing
 from shared.executor_stats import ExecutorStats
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the engine pulls in torch and transformers: `kvserve --help
 
     from executor.engine import Engine
     from executor.request import Request
-    from executor.sampler import TokenLogprobs
+    from executor.sampling.sampler import TokenLogprobs
 
 log = logging.getLogger("kvserve.executor")
 

@@ -9,9 +9,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from executor.engine_busy import EngineBusy
 from executor.engine_config import EngineConfig
-from executor.grammars import Grammars
 from executor.request import Request
-from executor.waiting_queue import TENANTS_SHARE
+from executor.scheduling.waiting_queue import TENANTS_SHARE
+from executor.structured.grammars import Grammars
 from shared.structured_outputs import StructuredOutputsParams
 
 

@@ -2,7 +2,7 @@
 
 The directory holds config.json, float32 model.safetensors under HF tensor names, the tokenizer with the
 file's chat template, and generation_config.json; and the file's quantized weights as they are, which
---quantization auto serves instead of their float32 copies (executor/gguf_quantized.py).
+--quantization auto serves instead of their float32 copies (executor/models/gguf_quantized.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from executor.gguf_quantized import converts, quantized_weight, save_blocks, take_rows
+from executor.models.gguf_quantized import converts, quantized_weight, save_blocks, take_rows
 from kvkernels.quantized import QuantizedWeight
 from shared.model_paths import GGUF_BLOCKS, ModelLoadError
 

@@ -4,7 +4,7 @@ KV shares (on by default): which cached block a new one evicts depends on whose 
 tenant whose request took it; a tenant's share of the pool is num_blocks x its weight / the weights of every
 tenant owning blocks (and the one asking). Free blocks with nothing cached go first, then cached blocks of
 tenants over their share (the most over first), then the asking tenant's own; another tenant's blocks within
-its share go only where the caller lets them (kv_cache_manager.py: so running requests never starve). In
+its share go only where the caller lets them (cache_manager.py: so running requests never starve). In
 each tenant's cache, blocks never reused go before blocks reused at least once (a scan of one-off prompts passes
 through without flushing a hot prefix), least recently freed first within each. Off: one LRU of all free
 blocks.

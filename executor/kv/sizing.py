@@ -9,11 +9,11 @@ import logging
 import torch
 
 from executor.engine_config import EngineConfig
-from executor.kv_layout import kv_cache_shape, layer_caches
+from executor.kv.layout import kv_cache_shape, layer_caches
 from executor.model_runner import PROMPT_LOGITS_ROWS
 from executor.models.llama import AttentionBatch, DecoderLM
-from executor.sampler import Sampler, SamplingRow, logprobs_of
-from executor.sampling_state import SamplingState
+from executor.sampling.sampler import Sampler, SamplingRow, logprobs_of
+from executor.sampling.sampling_state import SamplingState
 from shared.sampling_params import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS, SamplingParams
 
 log = logging.getLogger("kvserve.engine")

@@ -2,7 +2,7 @@
 
 A compile runs inside the library's C++ code for as long as the grammar asks (a regex's time grows with the square
 of its length: half an hour at 6 KB) and no thread can stop it, but a process can be killed. So each grammar is
-compiled first in one worker process, `python -m executor.grammar_worker`, under a deadline: a fresh interpreter
+compiled first in one worker process, `python -m executor.structured.grammar_worker`, under a deadline: a fresh interpreter
 (the executor runs torch's threads, and a fork would copy the locks they hold; multiprocessing's spawn would also
 run the parent's main script again, which an offline script without a main guard does not survive), at a lower CPU
 priority (it takes what the engine leaves), sent the tokenizer info once as the library's JSON and then one spec at
@@ -87,7 +87,7 @@ class GrammarWorker:
         try:
             process = subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "executor.grammar_worker"),
+                    *(sys.executable, "-m", "executor.structured.grammar_worker"),
                     *(str(there.fileno()), str(os.getpid()), str(self.niceness)),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -162,7 +162,7 @@ def serve(conn: Connection, parent_pid: int, niceness: int) -> None:
     # here, not at the top: the executor imports this module whether or not the library is installed
     import xgrammar as xgr
 
-    from executor.grammar_compile import compile_spec
+    from executor.structured.grammar_compile import compile_spec
 
     try:
         info = xgr.TokenizerInfo.deserialize_json(conn.recv_bytes().decode())

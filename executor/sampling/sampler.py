@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.sampling_state import SamplingState
+from executor.sampling.sampling_state import SamplingState
 from kvkernels.sampling_ops import argmax_rows
 from shared.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor.block_pool import Block, BlockPool
+from executor.kv.block_pool import Block, BlockPool
 from executor.request import Request, RequestStatus
 from shared.block_hash import hash_blocks, max_cached_blocks
 

@@ -7,7 +7,7 @@ place that moves a request's num_computed_tokens.
 Fair share. Every running decode goes first, each step, and a step computes at most max_num_batched_tokens
 tokens, decodes included: whatever any tenant prefills, a stream's next token waits one step at most. What the
 budget leaves is handed out one prefill chunk at a time, to the tenant with the least service so far
-(executor/fair_share.py), counting this step's chunks: that tenant's partial prefills first, oldest first, then
+(executor/scheduling/fair_share.py), counting this step's chunks: that tenant's partial prefills first, oldest first, then
 its next waiting request. So a tenant's burst of long prompts waits behind itself, and the tenants' prefill
 tokens follow their weights while all have work. With fair share off, or with one tenant, the order is first
 come first served: running prefills, oldest first, then the waiting requests in their order.
@@ -19,10 +19,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from executor.fair_share import VirtualTokenCounter, service
-from executor.kv_cache_manager import KVCacheManager
+from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request, RequestStatus
-from executor.waiting_queue import WaitingQueue
+from executor.scheduling.fair_share import VirtualTokenCounter, service
+from executor.scheduling.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)

@@ -42,7 +42,7 @@ def resolve_model(model: str | None) -> Path:
         return out_dir
     source = default_gguf() if model_paths.is_default(model) else Path(model).expanduser()
     # Imported here: the GGUF reader is needed only to convert, not to load a ready directory.
-    from executor.gguf_convert import add_gguf_blocks, convert_gguf
+    from executor.models.gguf_convert import add_gguf_blocks, convert_gguf
 
     with _locked(out_dir):  # processes pulling the same model at once convert it once
         if not out_dir.is_dir():
@@ -84,7 +84,7 @@ def load_weights(
 
     blocks = {}
     if gguf_blocks and (model_dir / GGUF_BLOCKS).is_file():
-        from executor.gguf_quantized import load_blocks
+        from executor.models.gguf_quantized import load_blocks
 
         blocks = load_blocks(model_dir / GGUF_BLOCKS)
 

@@ -7,8 +7,8 @@ The integers go into QuantizedWeight's values, the products of the block's float
 as gguf.quants does) into its scales and offsets, so dequantize() gives gguf.quants.dequantize's floats bit for
 bit. The block layouts are gguf.quants' (its dequantize_blocks split the same fields in the same order).
 
-The converted model directory (executor/gguf_convert.py) keeps these beside its float32 weights, in one
-safetensors file (executor/model_files.py says where): per weight NAME.values (int8), NAME.scales and
+The converted model directory (executor/models/gguf_convert.py) keeps these beside its float32 weights, in one
+safetensors file (executor/models/model_files.py says where): per weight NAME.values (int8), NAME.scales and
 NAME.offsets (float32), and in the metadata each weight's group size, bits and GGUF type.
 """
 

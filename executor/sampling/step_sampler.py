@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.grammars import step_bitmask
 from executor.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, StepLogits
 from executor.request import Request
-from executor.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
+from executor.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from executor.spec_decode import verify
+from executor.structured.grammars import step_bitmask
 
 
 @dataclass(slots=True)

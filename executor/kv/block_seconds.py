@@ -5,7 +5,7 @@ what the forward pass holds), every running request is charged the blocks it hel
 time since, then its blocks are counted again. A request that ends is charged up to its end. The count is one
 len() per running request per step; no block is looked at.
 
-Parallel sampling (n > 1): the choices share their prompt's full blocks (executor/kv_cache_manager.py `fork`), and
+Parallel sampling (n > 1): the choices share their prompt's full blocks (executor/kv/cache_manager.py `fork`), and
 full blocks are never written again, so those stay shared. The group pays for them once: one running choice is
 charged them, every choice its blocks past them (the partly filled prompt block each copies on its first write,
 and its own output). A choice preempted and recomputed with prefix caching off holds its prompt blocks privately,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from executor.kv_cache_manager import KVCacheManager
+from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request
 
 

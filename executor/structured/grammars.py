@@ -3,8 +3,8 @@
 The grammar library is xgrammar (vLLM's and SGLang's default): at the default model's 49k vocabulary it fills a
 mask in ~5 us a token, several times faster than llguidance. A grammar's compile time is the client's to choose
 (a regex's grows with the square of its length), so no compile may stall anyone: each is tried first in a worker
-process under --grammar-compile-timeout (executor/grammar_worker.py), which fails only that request, and one that
-fits is compiled again here, on the compile thread. Specs take turns by tenant (executor/tenant_turns.py).
+process under --grammar-compile-timeout (executor/structured/grammar_worker.py), which fails only that request, and one that
+fits is compiled again here, on the compile thread. Specs take turns by tenant (executor/scheduling/tenant_turns.py).
 Compiled grammars are kept per tenant and spec in a bounded LRU: another tenant's compile is never a hit, so
 timing tells no tenant what another asked. A failed compile is a ValueError naming structured_outputs.<kind>.
 
@@ -27,20 +27,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.grammar_worker import (
+from executor.scheduling.tenant_turns import TenantTurns
+from executor.structured.grammar_worker import (
     CompileTimeout,
     GrammarWorker,
     WorkerFailed,
     compile_niceness,
     lower_thread_priority,
 )
-from executor.tenant_turns import TenantTurns
 from shared.structured_outputs import StructuredOutputsParams
 
 try:
     import xgrammar as xgr
 
-    from executor.grammar_compile import compile_spec
+    from executor.structured.grammar_compile import compile_spec
 except ImportError as error:  # an executor serves without it (the GPU image has none): Grammars says why
     xgr = compile_spec = None
     _library_missing: ImportError | None = error
