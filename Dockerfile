@@ -1,6 +1,7 @@
 # kvserve: two images from one file. `gateway` holds the base install only (no torch: a small image for the
 # stateless gateways, and `kvserve keys`); `executor` adds the engine's libraries (the `executor` extra) and a
-# C++ compiler. compose.yaml picks the target and the command of each service.
+# C++ compiler. compose.yaml picks the target and the command of each service; compose.cpu.yaml builds the
+# executor for machines without a GPU (TORCH_INDEX_URL below).
 
 # the project's source, copied once for both targets
 FROM python:3.11-slim AS source
@@ -29,9 +30,12 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-# PyPI's Linux torch wheel carries CUDA: the same image serves GPUs and CPUs; installed before the source is
-# copied, so a code change rebuilds only the last layers
-RUN pip install --no-cache-dir "torch>=2.5,<=2.14.1"
+# PyPI's Linux torch wheel carries CUDA: that image serves GPUs and CPUs. Built with
+# --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu, torch is the CPU wheel, without CUDA's
+# gigabytes of libraries; the extra below then keeps it, as it satisfies the same range. Installed before the
+# source is copied, so a code change rebuilds only the last layers
+ARG TORCH_INDEX_URL=https://pypi.org/simple
+RUN pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "torch>=2.5,<=2.14.1"
 COPY --from=source /app /app
 RUN pip install --no-cache-dir ".[executor]"
 ENV KVSERVE_CACHE_DIR=/models

@@ -1,24 +1,138 @@
-"""compose.yaml and the Dockerfile cannot run here (no Docker engine): check them by reading them."""
+"""compose.yaml, compose.cpu.yaml and the Dockerfile cannot run here (no Docker engine): check them by reading
+them, the CPU variant as compose merges it over compose.yaml."""
 
 from __future__ import annotations
 
 import re
 import shlex
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
+from executor.engine_config import parse_bytes
+from executor.kv.sizing import CPU_DEFAULT_KV_BYTES
 from kvserve.cli import EXECUTOR_EXTRA, build_parser
 from tests.processes import keeps_data_across_a_kill
 
 REPO = Path(__file__).resolve().parents[1]
+# what `docker compose -f ... up` reads for each variant, in that order
+VARIANTS = {"gpu": ("compose.yaml",), "cpu": ("compose.yaml", "compose.cpu.yaml")}
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-@pytest.fixture(scope="module")
-def compose() -> dict:
-    return yaml.safe_load((REPO / "compose.yaml").read_text())
+class _Reset:
+    """Compose's `!reset`: the key is removed from what the files before set."""
+
+
+RESET = _Reset()
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    """Compose's `!override`: the value replaces what the files before set, unmerged."""
+
+    value: object
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's two merge tags."""
+
+
+def _override(loader: ComposeLoader, node: yaml.Node) -> Override:
+    if isinstance(node, yaml.MappingNode):
+        return Override(loader.construct_mapping(node, deep=True))
+    if isinstance(node, yaml.SequenceNode):
+        return Override(loader.construct_sequence(node, deep=True))
+    return Override(loader.construct_scalar(node))
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+ComposeLoader.add_constructor("!override", _override)
+
+# a service's sequences that a later file replaces; and those merged by a unique key (compose's merge rules)
+REPLACED = {("command",), ("entrypoint",), ("healthcheck", "test")}
+
+
+def _unique_key(field: str, entry: object) -> object:
+    if field == "volumes" and isinstance(entry, str):
+        return entry.split(":")[1] if ":" in entry else entry  # the target
+    return entry
+
+
+def merge(base: object, later: object, path: tuple[str, ...] = ()) -> object:
+    """`later` laid over `base` as compose lays one file over the one before."""
+    if isinstance(later, Override):
+        return later.value
+    if isinstance(later, dict):
+        merged = dict(base) if isinstance(base, dict) else {}
+        for key, value in later.items():
+            if value is RESET:
+                merged.pop(key, None)
+            else:
+                merged[key] = merge(merged.get(key), value, (*path, key))
+        return merged
+    if isinstance(later, list) and isinstance(base, list):
+        within_service = path[2:] if path[:1] == ("services",) else ()
+        if within_service in REPLACED:
+            return later
+        if within_service in {("volumes",), ("ports",)}:
+            field = within_service[0]
+            kept = [e for e in base if _unique_key(field, e) not in {_unique_key(field, n) for n in later}]
+            return kept + later
+        return base + later
+    return later
+
+
+def load_compose(*files: str) -> dict:
+    model: dict = {}
+    for name in files:
+        model = merge(model, yaml.load((REPO / name).read_text(), Loader=ComposeLoader))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def compose(request) -> dict:
+    return load_compose(*VARIANTS[request.param])
+
+
+def test_the_merge_follows_composes_rules():
+    """The rules the CPU variant relies on, on the examples of compose's merge reference."""
+    base, later, merged = (
+        yaml.load(text, Loader=ComposeLoader)
+        for text in (
+            """
+            app:
+              image: a
+              command: [echo, foo]
+              dns: [1.1.1.1]
+              environment: {FOO: BAR, KEEP: "1"}
+              volumes: ["x:/work", "y:/data"]
+              deploy: {resources: {reservations: {devices: [{driver: nvidia}]}}}
+            """,
+            """
+            app:
+              command: [echo, bar]
+              dns: [8.8.8.8]
+              environment: {FOO: !reset null, NEW: "2"}
+              volumes: ["z:/work"]
+              deploy: !reset null
+              ports: !override ["8443:443"]
+            """,
+            """
+            app:
+              image: a
+              command: [echo, bar]
+              dns: [1.1.1.1, 8.8.8.8]
+              environment: {KEEP: "1", NEW: "2"}
+              volumes: ["y:/data", "z:/work"]
+              ports: ["8443:443"]
+            """,
+        )
+    )
+    assert merge({"services": base}, {"services": later}) == {"services": merged}
 
 
 def kvserve_services(compose: dict) -> dict[str, dict]:
@@ -44,7 +158,7 @@ def test_every_service_runs_a_real_kvserve_command(compose):
         assert "models:/models" in service["volumes"], f"{name} lacks the model volume"
 
 
-def test_topology_gateways_behind_one_port_executors_on_gpus_health_checks(compose):
+def test_topology_gateways_behind_one_port_executors_on_their_devices_health_checks(compose):
     services = compose["services"]
     assert services["redis"]["image"].startswith(("valkey/", "redis"))
     assert services["gateway"]["deploy"]["replicas"] == 2
@@ -60,9 +174,13 @@ def test_topology_gateways_behind_one_port_executors_on_gpus_health_checks(compo
     assert "gateway:8000" in nginx and "location = /metrics" in nginx
     executors = [name for name in services if name.startswith("executor")]
     for name in executors:
-        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         command = services[name]["command"]
+        # a GPU reserved exactly where the executor runs on CUDA: a CPU executor must start on a machine without one
+        devices = services[name].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+        if command[command.index("--device") + 1] == "cuda":
+            assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
+        else:
+            assert not devices, f"{name} runs on the CPU but reserves {devices}"
         assert command[command.index("--advertise-address") + 1] == f"tcp://{name}:5600"
     for name in ["redis", "gateway", *executors]:
         assert services[name]["healthcheck"]["test"], f"{name} has no health check"
@@ -100,17 +218,30 @@ def stages(dockerfile: str) -> dict[str, list[str]]:
     return found
 
 
-def pip_installs(lines: list[str]) -> list[list[str]]:
-    """What each `pip install` line installs, as its arguments without options."""
-    installs = []
+VALUE_OPTIONS = {"-i", "--index-url", "--extra-index-url"}  # pip options followed by their value
+
+
+def pip_commands(lines: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+    """Each `pip install`: what it installs (its arguments without options), and its options that take a value."""
+    commands = []
     for line in lines:
         for command in line.split("&&"):
             words = shlex.split(command)
             if words[:2] == ["pip", "install"] or words[1:4] == ["-m", "pip", "install"]:
-                installs.append(
-                    [word for word in words[words.index("install") + 1 :] if not word.startswith("-")]
-                )
-    return installs
+                arguments, options = [], {}
+                rest = iter(words[words.index("install") + 1 :])
+                for word in rest:
+                    if word in VALUE_OPTIONS:
+                        options[word] = next(rest)
+                    elif not word.startswith("-"):
+                        arguments.append(word)
+                commands.append((arguments, options))
+    return commands
+
+
+def pip_installs(lines: list[str]) -> list[list[str]]:
+    """What each `pip install` line installs, as its arguments without options."""
+    return [arguments for arguments, _ in pip_commands(lines)]
 
 
 def test_the_gateway_target_installs_no_torch_and_the_executor_target_the_engine(compose):
@@ -173,7 +304,8 @@ def test_keys_required_and_traces_exported_to_the_viewer(compose):
     assert compose["services"]["jaeger"]["image"].startswith("jaegertracing/")
 
 
-def test_redis_keeps_its_data_on_a_volume_and_requires_the_password(compose, tmp_path):
+def test_redis_keeps_its_data_on_a_volume_and_requires_the_password(tmp_path):
+    compose = load_compose(*VARIANTS["gpu"])  # the CPU variant's Redis is this one (its own test)
     redis_service = compose["services"]["redis"]
     command = [str(word) for word in redis_service["command"]]
     assert command[command.index("--appendonly") + 1] == "yes"
@@ -207,3 +339,51 @@ def test_executors_and_gateways_get_curve_keys_made_once_before_they_start(compo
         directory = service["environment"]["KVSERVE_CURVE_KEYS"]
         assert directory == out and f"curve-keys:{directory}:ro" in service["volumes"]
         assert service["depends_on"]["curve-keys"]["condition"] == "service_completed_successfully"
+
+
+def test_the_cpu_variant_is_the_same_stack_with_cpu_executors_and_no_cuda_libraries():
+    """`docker compose -f compose.yaml -f compose.cpu.yaml up`: every service, port, volume, environment and health
+    check of compose.yaml, but executors on the CPU with its defaults, no GPU reserved, and the engine's image
+    built with torch's CPU wheel under a tag of its own."""
+    gpu, cpu = load_compose(*VARIANTS["gpu"]), load_compose(*VARIANTS["cpu"])
+    assert set(cpu["services"]) == set(gpu["services"]) and cpu["volumes"] == gpu["volumes"]
+    assert "nvidia" not in str(cpu)
+    engine = {
+        name for name, svc in gpu["services"].items() if svc.get("build", {}).get("target") == "executor"
+    }
+    executors = {name for name in gpu["services"] if name.startswith("executor")}
+    assert engine == {"model", *executors} and executors
+    for name, service in cpu["services"].items():
+        expected = gpu["services"][name]
+        changed = set()
+        if name in engine:
+            changed |= {"build", "image"}
+            assert service["build"] == {**expected["build"], "args": {"TORCH_INDEX_URL": CPU_TORCH_INDEX}}
+            assert service["image"] != expected["image"], "the CPU image would replace the CUDA one"
+        if name in executors:
+            changed |= {"command", "environment", "deploy"}
+            on_cpu = build_parser("executor").parse_args(service["command"][1:])
+            on_gpu = build_parser("executor").parse_args(expected["command"][1:])
+            assert (on_cpu.device, on_gpu.device) == ("cpu", "cuda")
+            assert (
+                parse_bytes(on_cpu.kv_cache_memory) == CPU_DEFAULT_KV_BYTES
+            )  # what `kvserve up` gives a CPU
+            assert "--gpu-memory-utilization" not in service["command"]
+            same = {
+                key: value for key, value in vars(on_cpu).items() if key not in {"device", "kv_cache_memory"}
+            }
+            assert same == {key: vars(on_gpu)[key] for key in same}, name  # id, bind, advertised address, ...
+            # the thread count is the shell's or .env's where set there (a bare key), else torch's own
+            assert service["environment"] == {**expected["environment"], "OMP_NUM_THREADS": None}
+            assert "deploy" not in service
+        unchanged = {key: value for key, value in service.items() if key not in changed}
+        assert unchanged == {key: value for key, value in expected.items() if key not in changed}, name
+    # the Dockerfile takes the index from the build argument; without one it is PyPI's, as before (CUDA wheel)
+    executor_stage = stages((REPO / "Dockerfile").read_text())["executor"]
+    assert "ARG TORCH_INDEX_URL=https://pypi.org/simple" in executor_stage
+    torch_installs = [
+        options
+        for arguments, options in pip_commands(executor_stage)
+        if any(a.startswith("torch") for a in arguments)
+    ]
+    assert torch_installs == [{"--index-url": "$TORCH_INDEX_URL"}]
