@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from gateway.routing.owed_usage import OwedUsage
 from shared import protocol
 from shared.curve_keys import DROPPED, GATEWAY, HANDSHAKE_EVENTS, CurveKeys, handshake_failure, secure_client
 
@@ -35,9 +36,6 @@ LIVENESS_CHECK_S = 1.0  # how long to wait for an update before asking Redis whe
 # expiry is five): a Redis that restarted empty holds no registration until the executor's next heartbeat
 # (HEARTBEAT_INTERVAL_S), and the requests it is running meanwhile must not be given up
 LIVENESS_MISSES = 3
-# how long the executor of a request this gateway aborted has to say what the request's KV held: it answers an
-# abort at its next step; one that does not answer in this time (it died) is not waited for any longer
-OWED_USAGE_WAIT_S = 30.0
 
 
 class ExecutorRequestError(Exception):
@@ -99,9 +97,7 @@ class ExecutorClient:
         self.tenant_of: dict[str, str | None] = {}  # request id -> its tenant, while awaiting
         self.started: set[str] = set()  # request ids whose stream has had an update
         self.next_seq: dict[str, int] = {}  # request id -> the seq its next update must have
-        # requests this gateway aborted -> (their executor, what it will say their KV held): its last update for
-        # one comes after nobody reads the stream, and still says what the tenant used
-        self.owed: dict[str, tuple[str, asyncio.Future[float | None]]] = {}
+        self.owed = OwedUsage()  # what the executors will say the KV of requests this gateway aborted held
 
     def _socket(self, address: str) -> zmq.asyncio.Socket:
         socket = self.sockets.get(address)
@@ -204,7 +200,7 @@ class ExecutorClient:
                                 self.started.add(update.request_id)
                             self._answered(update.request_id)
                     elif update.kv_block_seconds is not None:
-                        self._told(address, update.request_id, update.kv_block_seconds)
+                        self.owed.told(address, update.request_id, update.kv_block_seconds)
             elif isinstance(msg, protocol.RequestError):
                 queue = self._stream(address, msg.request_id)
                 if queue is not None:
@@ -316,37 +312,13 @@ class ExecutorClient:
         (what its KV held is then owed: `owed_kv_block_seconds`)."""
         queue = self.streams.get(request_id)
         if self._forget(request_id):
-            future = self._owe(address, request_id)
-            told = _unread_kv_block_seconds(queue)  # its last update may be here already, never read
-            if told is not None:
-                future.set_result(told)
+            # its last update may be here already, never read
+            self.owed.owe(address, request_id, _unread_kv_block_seconds(queue))
             await self.abort(address, request_id)
 
     def owed_kv_block_seconds(self, request_id: str) -> asyncio.Future[float | None] | None:
-        """For a request this gateway aborted: the KV block-seconds its executor says it held, once it has ended
-        it (None if it does not say within OWED_USAGE_WAIT_S). None: nothing is owed, its last update was read."""
-        owed = self.owed.get(request_id)
-        return None if owed is None else owed[1]
-
-    def _owe(self, address: str, request_id: str) -> asyncio.Future[float | None]:
-        """Kept until OWED_USAGE_WAIT_S has passed, answered or not, so whoever asks later finds the answer."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.owed[request_id] = (address, future)
-        loop.call_later(OWED_USAGE_WAIT_S, self._expire, request_id, future)
-        return future
-
-    def _told(self, address: str, request_id: str, kv_block_seconds: float) -> None:
-        """The last update of a request this gateway no longer reads, from the executor it aborted it on."""
-        owed = self.owed.get(request_id)
-        if owed is not None and owed[0] == address and not owed[1].done():
-            owed[1].set_result(kv_block_seconds)
-
-    def _expire(self, request_id: str, future: asyncio.Future[float | None]) -> None:
-        if self.owed.get(request_id, (None, None))[1] is future:
-            del self.owed[request_id]
-        if not future.done():
-            future.set_result(None)
+        """For a request this gateway aborted: the KV block-seconds its executor says it held (OwedUsage.of)."""
+        return self.owed.of(request_id)
 
     def _forget(self, request_id: str) -> bool:
         """Whether the request was still open."""
