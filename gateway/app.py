@@ -1,7 +1,8 @@
 """The HTTP face of kvserve: OpenAI-compatible routes over executors found in Redis.
 
 The gateway's parts (executor index reader, router, tenancy, ZeroMQ client, metrics) live here for the app's
-lifetime; each completion request is served by gateway.completion, which keeps nothing between requests.
+lifetime; each completion request is served by its endpoint (gateway.endpoints) through the steps every one
+shares (gateway.serving.pipeline), which keep nothing between requests.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api_error import EXECUTOR_HEADER, NO_EXECUTOR, APIError, error_response
-from gateway.completion import Completions
+from gateway.endpoints.chat import ChatCompletions
+from gateway.endpoints.completions import TextCompletions
+from gateway.endpoints.responses import Responses
 from gateway.openai.body import BODY_TIMEOUT_S
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
 from gateway.openai.responses_api import response_not_found
+from gateway.prompt.workers import PromptWorkers
 from gateway.response_store import DEFAULT_STORE_LIMITS, ResponseStore, StoreLimits
 from gateway.routing.backlog import Backlog
 from gateway.routing.dispatch import Dispatch
@@ -30,6 +34,7 @@ from gateway.routing.executor_client import ExecutorClient
 from gateway.routing.index_reader import IndexReader
 from gateway.routing.router import Router
 from gateway.server.last_resort import LastResort
+from gateway.serving.pipeline import Pipeline
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.metrics_listener import MetricsListener
 from gateway.tenants.tenancy import Tenancy
@@ -74,7 +79,11 @@ class Gateway:
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics(config.model_name)
         self.store = ResponseStore(self.index.redis, config.response_store)
-        self.completions: Completions | None = None
+        self.pipeline: Pipeline | None = None
+        self.prompt_workers: PromptWorkers | None = None  # parse and tokenize large bodies off the event loop
+        self.chat_completions: ChatCompletions | None = None
+        self.text_completions: TextCompletions | None = None
+        self.responses_endpoint: Responses | None = None
         self.metrics_listener: MetricsListener | None = None
 
     async def startup(self) -> None:
@@ -84,19 +93,23 @@ class Gateway:
         self.router = Router(self.index, self.config.routing_policy, self.client)
         backlog = Backlog(self.router, self.config.queue_timeout)
         dispatch = Dispatch(self.client, self.index, backlog, self.metrics, self.router.policy)
-        self.completions = Completions(
-            self.config.model_name,
-            self.config.tokenizer,
+        config = self.config
+        self.pipeline = Pipeline(
+            config.model_name,
+            config.tokenizer,
             self.router,
             self.tenancy,
             self.client,
             self.metrics,
             dispatch,
-            self.config.tool_call_parser,
-            self.config.body_timeout_s,
-            self.config.limits,
-            self.store,
+            config.body_timeout_s,
+            config.limits,
         )
+        self.prompt_workers = workers = PromptWorkers()
+        model, tokenizer, parser = config.model_name, config.tokenizer, config.tool_call_parser
+        self.chat_completions = ChatCompletions(model, tokenizer, parser, config.limits, workers)
+        self.text_completions = TextCompletions(model, tokenizer, config.limits, workers)
+        self.responses_endpoint = Responses(model, tokenizer, parser, config.limits, workers, self.store)
         if self.config.metrics_port is not None:
             metrics_app = Starlette(
                 routes=[Route("/metrics", self.metrics_page, methods=["GET"])],
@@ -111,8 +124,8 @@ class Gateway:
         if self.metrics_listener is not None:
             await self.metrics_listener.stop()
         await self.tenancy.shutdown()
-        if self.completions is not None:
-            self.completions.close()
+        if self.prompt_workers is not None:
+            self.prompt_workers.close()
         if self.client is not None:
             await self.client.close()
         await self.index.close()
@@ -120,13 +133,13 @@ class Gateway:
     # -- routes -------------------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        return await self.completions.serve(request, "chat")
+        return await self.pipeline.serve(request, self.chat_completions)
 
     async def completion(self, request: Request) -> Response:
-        return await self.completions.serve(request, "completion")
+        return await self.pipeline.serve(request, self.text_completions)
 
     async def responses(self, request: Request) -> Response:
-        return await self.completions.serve(request, "responses")
+        return await self.pipeline.serve(request, self.responses_endpoint)
 
     async def stored_response(self, request: Request) -> Response:
         """GET or DELETE /v1/responses/{id}: the caller's tenant's own only; another's reads as absent."""

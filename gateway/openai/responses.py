@@ -314,8 +314,8 @@ class EventStream:
 
 
 class ChatReply:
-    """How chat and text completions answer, for gateway.completion; a /v1/responses request answers with a
-    ResponsesReply (gateway/responses_turn.py), which has the same methods."""
+    """How chat and text completions answer, for gateway.serving.streaming; a /v1/responses request answers with
+    a ResponsesReply (gateway/endpoints/responses.py), which has the same methods."""
 
     def __init__(self, include_usage: bool) -> None:
         self.include_usage = include_usage

@@ -115,8 +115,8 @@ def sse_event(event: dict) -> str:
 
 class ResponseEvents:
     """One response's events as its generation grows: the same update() and `finished` as chat's EventStream,
-    so gateway.completion streams either. Items open as their first text or call arrives and close when the next
-    one opens or the output ends; `response` is the whole Response once finished."""
+    so gateway.serving.streaming streams either. Items open as their first text or call arrives and close when
+    the next one opens or the output ends; `response` is the whole Response once finished."""
 
     def __init__(self, generation: Generation, id: str, created_at: int, echo: dict) -> None:
         self.generation = generation

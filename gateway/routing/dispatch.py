@@ -11,9 +11,9 @@ import time
 from collections.abc import Awaitable, Sequence
 
 from gateway.api_error import APIError, invalid_request
-from gateway.in_flight import InFlight
 from gateway.routing.backlog import Backlog
 from gateway.routing.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError
+from gateway.routing.in_flight import InFlight
 from gateway.routing.index_reader import IndexReader
 from gateway.routing.router import Choice
 from gateway.telemetry.metrics import GatewayMetrics
@@ -107,6 +107,12 @@ class Dispatch:
             # off the token's path
             self.in_background(self._add_inflight(placement.counted_on, -placement.prefill_estimate))
             placement.counted_on = None
+
+    async def release(self, flight: InFlight) -> None:
+        """However the request ended: out of its executor's count, freed there, its room offered to the backlog."""
+        self.uncount(flight)
+        await self.client.release(flight.placement.executor.address, flight.request.request_id)
+        self.backlog.freed()
 
     def in_background(self, work: Awaitable[None]) -> None:
         """Work off the request's path, kept referenced until it is done."""

@@ -1,5 +1,5 @@
-"""What a request is told before it is routed: the in-process gateway over a real Redis, with one executor that
-exists only as its registration (nothing here reaches it)."""
+"""What a request is told before it is routed (gateway/serving/admission.py): the in-process gateway over a real
+Redis, with one executor that exists only as its registration (nothing here reaches it)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""One /v1/responses request around the chat path that serves it (gateway/completion.py): its previous response's
-conversation read from the store before its prompt is built, its answer written as a Response (whole or as
-events), and the Response stored, with the conversation it continues, before the client hears it is complete."""
+"""POST /v1/responses, served as a chat request: its previous response's conversation read from the store before
+its prompt is built, its answer written as a Response (whole or as events), and the Response stored, with the
+conversation it continues, before the client hears it is complete."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -11,8 +12,16 @@ from collections.abc import Sequence
 import redis
 
 from gateway.api_error import APIError
+from gateway.openai.body import read_json_body
+from gateway.openai.request_limits import RequestLimits
 from gateway.openai.responses import Generation
-from gateway.openai.responses_api import ResponsesRequest, previous_response_id, response_not_found
+from gateway.openai.responses_api import (
+    ResponsesRequest,
+    as_responses_error,
+    parse_responses_body,
+    previous_response_id,
+    response_not_found,
+)
 from gateway.openai.responses_events import (
     ResponseEvents,
     conversation_items,
@@ -21,9 +30,51 @@ from gateway.openai.responses_events import (
     response_object,
     usage,
 )
+from gateway.prompt.workers import PromptWorkers
 from gateway.response_store import ResponseStore
+from gateway.serving.reading import Reading, tokenized
+from gateway.tenants.tenancy import Caller
 
 log = logging.getLogger("kvserve.gateway")
+
+
+class Responses:
+    name = "responses"
+    prompt_field = "input"
+
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer,
+        tool_call_parser: str | None,
+        limits: RequestLimits,
+        workers: PromptWorkers,
+        store: ResponseStore,
+    ) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.tool_call_parser = tool_call_parser
+        self.limits = limits
+        self.workers = workers
+        self.store = store
+
+    async def read(self, raw: bytes, caller: Caller) -> Reading:
+        """The body names the conversation it continues, read from Redis before its prompt is built."""
+        body = await self.workers.run(functools.partial(read_json_body, raw), len(raw))
+        items = await history(self.store, caller.tenant, body)
+        work = functools.partial(self._prompt, body, items)
+        turn, ids, tokenizing_since = await self.workers.run(work, len(raw))
+        return Reading(turn.chat, ids, tokenizing_since, ResponsesReply(turn, self.store, caller.tenant))
+
+    def refusal(self, error: APIError) -> APIError:
+        """The chat path's checks name chat's fields; the client knows the Responses request's."""
+        return as_responses_error(error)
+
+    def _prompt(self, body: dict, items: list[dict]) -> tuple[ResponsesRequest, list[int], int]:
+        turn = parse_responses_body(body, items, [self.model_name], self.tool_call_parser, self.limits)
+        if turn.store:  # a conversation too large to store is refused before it is answered
+            self.store.check_size(turn.items)
+        return turn, *tokenized(turn.chat, self.tokenizer)
 
 
 async def history(store: ResponseStore, tenant: str, body: dict) -> list[dict]:
