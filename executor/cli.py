@@ -147,7 +147,7 @@ def add_executor_args(executor: argparse.ArgumentParser) -> None:
         "--log-format",
         choices=logs.FORMATS,
         default=None,
-        help="log lines as JSON objects or plain text (default: KVSERVE_LOG_FORMAT, else json)",
+        help="log lines as JSON objects or plain text (default: KVSERVE_LOG_FORMAT, else auto: text on a terminal)",
     )
     add_curve_keys_arg(executor, EXECUTOR)
     add_engine_args(executor)

@@ -16,6 +16,7 @@ from gateway.openai.request_limits import add_request_limit_args, request_limits
 from gateway.openai.tools import TOOL_CALL_PARSERS
 from gateway.response_store import add_response_store_args, store_limits
 from gateway.routing.cost import ROUTING_POLICIES
+from shared import logs
 from shared.curve_keys import GATEWAY, CurveKeyError, add_curve_keys_arg, load_gateway_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 
@@ -88,9 +89,10 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-format",
-        choices=["json", "text"],
-        default=os.environ.get("KVSERVE_LOG_FORMAT", "json"),
-        help="json: one object per line with request and trace ids (default; or $KVSERVE_LOG_FORMAT)",
+        choices=logs.FORMATS,
+        default=None,
+        help="json: one object per line with request and trace ids; text: for a person; auto (default, or "
+        "$KVSERVE_LOG_FORMAT): text when stderr is a terminal, else json",
     )
     parser.add_argument(
         "--shutdown-grace-period",
@@ -134,7 +136,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
     from gateway.prompt.tokenizer import load_tokenizer
     from gateway.server.draining import GatewayServer
     from gateway.server.exit_deadline import EXIT_MARGIN_S, exit_within
-    from shared import logs, tracing
+    from shared import tracing
     from shared.model_paths import ModelLoadError
 
     logs.configure("kvserve-gateway", args.log_format)

@@ -60,6 +60,11 @@ def run_up(args: argparse.Namespace) -> int:
     from kvserve.redis_server import RedisServerError
     from shared import logs
 
+    try:  # resolved here, and handed down as such: the children write to this process's stderr
+        args.log_format = logs.resolve(args.log_format)
+    except ValueError as error:
+        print(f"kvserve up: error: KVSERVE_LOG_FORMAT: {error}", file=sys.stderr)
+        return 2
     logs.configure("kvserve-up", args.log_format)
 
     if args.executors < 1:

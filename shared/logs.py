@@ -1,6 +1,8 @@
-"""Log lines as one JSON object each (or plain text), carrying the request id and trace id they concern.
+"""Log lines as one JSON object each, or as text for a person, carrying the request id and trace id they concern.
 
-A request's ids come from `bind` (for everything logged in that task or context) or from a call's
+The format is `auto` unless asked for: text when stderr is a terminal (`make run`), JSON otherwise (a file, a
+pipe, a container's log), so a pipeline never has to parse text and a person never reads JSON. A request's ids
+come from `bind` (for everything logged in that task or context) or from a call's
 `extra={"request_id": ..., "trace_id": ...}`, which wins. One stderr handler on the root logger serves every
 logger, uvicorn's included, so a log pipeline sees one format per process.
 """
@@ -14,7 +16,7 @@ import os
 import sys
 import time
 
-FORMATS = ("json", "text")
+FORMATS = ("auto", "json", "text")  # --log-format's choices; auto: text on a terminal
 _FIELDS = ("request_id", "trace_id")
 _UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
@@ -70,20 +72,41 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
+    """`2026-01-31 12:00:00.123 WARNING kvserve.x: message request_id=r4 trace_id=...`, in local time; an
+    exception follows on the next lines."""
+
     def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s%(ids)s: %(message)s")
+        super().__init__(
+            "%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s%(ids)s", "%Y-%m-%d %H:%M:%S"
+        )
 
     def format(self, record: logging.LogRecord) -> str:
         record.ids = "".join(f" {name}={value}" for name, value in _ids(record).items())
         return super().format(record)
 
 
-def configure(service: str, fmt: str | None = None, level: int = logging.INFO) -> None:
-    """One stderr handler on the root logger in the format asked (else KVSERVE_LOG_FORMAT, else json);
-    calling it again replaces the handler it installed before."""
-    fmt = (fmt or os.environ.get("KVSERVE_LOG_FORMAT") or "json").strip().lower()
+def resolve(fmt: str | None) -> str:
+    """json or text: the format asked for, else KVSERVE_LOG_FORMAT, else auto, which is text when stderr is a
+    terminal. `kvserve up` hands its children the result, so they log as it does."""
+    fmt = (fmt or os.environ.get("KVSERVE_LOG_FORMAT") or "auto").strip().lower()
     if fmt not in FORMATS:
         raise ValueError(f"log format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt == "auto":
+        return "text" if _is_terminal(sys.stderr) else "json"
+    return fmt
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+def configure(service: str, fmt: str | None = None, level: int = logging.INFO) -> None:
+    """One stderr handler on the root logger in the format asked (resolve()); calling it again replaces the
+    handler it installed before."""
+    fmt = resolve(fmt)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter())
     handler._kvserve = True  # marks the handler a later configure() replaces

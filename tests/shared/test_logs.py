@@ -1,14 +1,20 @@
-"""Log lines a pipeline can parse: one JSON object each, with the request and trace they concern."""
+"""Log lines a pipeline can parse (one JSON object each, with the request and trace they concern), and lines a
+person reads where stderr is a terminal."""
 
 import io
 import json
 import logging
+import os
 import re
+import select
+import subprocess
 import sys
+import time
 
 import pytest
 
 from shared import logs
+from tests.processes import REPO, free_port
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -87,16 +93,90 @@ def test_an_exception_goes_with_its_line(stderr):
     assert line["exception"].startswith("Traceback") and line["exception"].endswith("ValueError: boom")
 
 
-def test_text_format_shows_the_ids(stderr, monkeypatch):
+TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) *\S+: .*")
+
+
+def test_text_format_reads_time_level_logger_message_then_the_ids(stderr, monkeypatch):
     monkeypatch.setenv("KVSERVE_LOG_FORMAT", "text")
     logs.configure("kvserve-test")
     logging.getLogger("kvserve.x").warning("slow", extra={"request_id": "r4", "trace_id": TRACE})
-    logging.getLogger("kvserve.x").warning("plain")
+    logging.getLogger("kvserve.x").info("plain")
     first, second = stderr.getvalue().splitlines()
-    assert first.endswith(f" WARNING kvserve.x request_id=r4 trace_id={TRACE}: slow")
-    assert second.endswith(" WARNING kvserve.x: plain")
+    assert TEXT_LINE.fullmatch(first) and TEXT_LINE.fullmatch(second)
+    assert first.endswith(f" WARNING kvserve.x: slow request_id=r4 trace_id={TRACE}")
+    assert second.endswith(" INFO    kvserve.x: plain")
     with pytest.raises(ValueError, match="xml"):
         logs.configure("kvserve-test", "xml")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_auto_is_text_on_a_terminal_and_json_elsewhere_and_a_format_asked_for_wins(monkeypatch):
+    monkeypatch.delenv("KVSERVE_LOG_FORMAT", raising=False)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert [logs.resolve(None), logs.resolve("auto"), logs.resolve("json")] == ["text", "text", "json"]
+    monkeypatch.setenv("KVSERVE_LOG_FORMAT", "json")
+    assert logs.resolve(None) == "json" and logs.resolve("text") == "text"
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.delenv("KVSERVE_LOG_FORMAT")
+    assert [logs.resolve(None), logs.resolve("auto"), logs.resolve("text")] == ["json", "json", "text"]
+
+
+def gateway_log(default_model: str, redis_url: str, terminal: bool) -> list[str]:
+    """The whole lines `kvserve gateway` (no --log-format, no KVSERVE_LOG_FORMAT) writes until it serves, its
+    stdout and stderr a pseudo-terminal or a pipe."""
+    argv = [
+        sys.executable,
+        "-m",
+        "kvserve.cli",
+        "gateway",
+        "--model",
+        default_model,
+        "--redis-url",
+        redis_url,
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVE_LOG_FORMAT"}
+    reader, writer = os.openpty() if terminal else os.pipe()
+    process = subprocess.Popen(
+        [*argv, "--port", str(free_port())],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=writer,
+        stderr=writer,
+    )
+    os.close(writer)
+    output = b""
+    deadline = time.monotonic() + 60
+    try:
+        while b"Uvicorn running" not in output and time.monotonic() < deadline:
+            if select.select([reader], [], [], 1)[0]:
+                try:
+                    chunk = os.read(reader, 65536)
+                except OSError:  # EIO: the terminal's other side has closed
+                    break
+                if not chunk:
+                    break
+                output += chunk
+    finally:
+        process.kill()  # its threads only: nothing of its own is left
+        process.wait()
+        os.close(reader)
+    text = output.decode(errors="replace").replace("\r\n", "\n")  # a terminal writes \r\n
+    assert "Uvicorn running" in text, text
+    return text[: text.rindex("\n")].splitlines()
+
+
+def test_a_command_on_a_terminal_logs_text_and_on_a_pipe_json(default_model, redis_url):
+    on_terminal = gateway_log(default_model, redis_url, terminal=True)
+    assert on_terminal and all(TEXT_LINE.fullmatch(line) for line in on_terminal), on_terminal
+    assert any(" INFO    uvicorn.error: Application startup complete." in line for line in on_terminal)
+    on_pipe = [json.loads(line) for line in gateway_log(default_model, redis_url, terminal=False)]
+    startup = {"logger": "uvicorn.error", "message": "Application startup complete."}
+    assert any(startup.items() <= line.items() for line in on_pipe), on_pipe
 
 
 def test_configure_again_replaces_its_handler_and_takes_in_uvicorn(stderr):
