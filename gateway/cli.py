@@ -82,10 +82,12 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tool-call-parser",
-        choices=TOOL_CALL_PARSERS,
+        choices=(*TOOL_CALL_PARSERS, "none"),
         default=None,
-        help='how the model writes tool calls; tool_choice "auto" needs one (hermes: '
-        '<tool_call>{...}</tool_call>, ChatML models; "required" and named functions need none)',
+        help='how tool_choice "auto" reads the calls the model writes (hermes: <tool_call>{...}</tool_call>). '
+        "Default: the one the chat template implies (its tool-call tags; hermes for a ChatML template without "
+        'tools, such as the default model\'s); none: tool_choice "auto" is refused. "required" and named '
+        "functions need no parser",
     )
     parser.add_argument(
         "--log-format",
@@ -132,7 +134,7 @@ def _served_name(args: argparse.Namespace) -> str:
 def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], None] | None = None) -> int:
     """Serve until drained; `on_start` (from `kvserve up`) ties the server to what it supervises meanwhile."""
     from gateway.app import GatewayConfig, build_app
-    from gateway.prompt.chat_template import read_chat_template
+    from gateway.prompt.chat_template import choose_tool_call_parser, read_chat_template
     from gateway.prompt.tokenizer import load_tokenizer
     from gateway.server.draining import GatewayServer
     from gateway.server.exit_deadline import EXIT_MARGIN_S, exit_within
@@ -174,6 +176,13 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         except ValueError as error:
             print(f"kvserve gateway: error: --chat-template: {error}", file=sys.stderr)
             return 2
+    tool_call_parser, why = choose_tool_call_parser(args.tool_call_parser, tokenizer.chat_template)
+    logging.getLogger("kvserve.gateway").info(
+        'tool-call parser: %s (%s): tool_choice "auto" is %s',
+        tool_call_parser or "none",
+        why,
+        "served" if tool_call_parser else "refused",
+    )
     config = GatewayConfig(
         args.redis_url,
         _served_name(args),
@@ -185,7 +194,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         body_timeout_s=args.body_timeout,
         metrics_host=args.metrics_host or args.host,
         metrics_port=args.metrics_port,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=tool_call_parser,
         curve=curve,
         limits=request_limits(args),
         response_store=store_limits(args),

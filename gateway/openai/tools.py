@@ -4,7 +4,8 @@ tool_choice "required" or a named function always produce a valid call.
 How a call is made, by tool_choice:
 - "none": the tools are left out of the prompt and the output is text.
 - "auto": the model decides; its Hermes `<tool_call>{"name": ..., "arguments": ...}</tool_call>` output is parsed
-  (gateway/openai/tool_parser.py), which needs `--tool-call-parser hermes`, as in vLLM.
+  (gateway/openai/tool_parser.py) by the parser the gateway chose at start (vLLM's `--tool-call-parser`; by
+  default the one the chat template implies: gateway/prompt/chat_template.py, choose_tool_call_parser).
 - "required" and a named function: the output is constrained (structured_outputs, json) to the JSON object a
   Hermes call carries, `{"name": <one of the tools>, "arguments": <its parameters>}`, so it always is one valid
   call. vLLM constrains a named function to its parameters alone and "required" to an array of calls; one
@@ -22,7 +23,7 @@ from gateway.api_error import invalid_request
 from shared.json_schema_support import SCHEMA_MAPS
 from shared.structured_outputs import StructuredOutputsParams, check_enforceable
 
-TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser's choices
+TOOL_CALL_PARSERS = ("hermes",)  # the parsers kvserve has, by vLLM's names for them
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes none
 
@@ -123,8 +124,10 @@ def parse_tool_calling(body: dict, tool_call_parser: str | None) -> ToolCalling 
                 raise invalid_request(str(exc), where) from None
     if choice == "auto" and tool_call_parser is None:
         raise invalid_request(
-            'tool_choice "auto" (the default when tools are given) needs a gateway started with '
-            '--tool-call-parser hermes; send tool_choice "required", a named function or "none"',
+            'tool_choice "auto" (the default when tools are given) needs a tool-call parser, and this gateway '
+            "has none (--tool-call-parser none, or a chat template whose calls it cannot tell: its start-up log "
+            "says which); start it with --tool-call-parser hermes for a model that writes <tool_call> tags, or "
+            'send tool_choice "required", a named function or "none"',
             "tool_choice",
         )
     return ToolCalling(tools, choice, function_name, parallel)

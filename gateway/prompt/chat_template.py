@@ -1,5 +1,6 @@
 """Chat messages become prompt token ids through the model's own chat template (or kvserve's Hermes one for
-tools), rendered in the sandboxed Jinja environment transformers sets up for templates from model files."""
+tools), rendered in the sandboxed Jinja environment transformers sets up for templates from model files; the
+template also tells which tool-call parser reads the model's calls."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from gateway.openai.messages import ChatMessage
 
 # the template for requests with tools when the model's own ChatML template has none (vLLM ships one alike)
 HERMES_TOOL_TEMPLATE = Path(__file__).with_name("tool_chat_template_hermes.jinja")
+CHATML_TURN = "<|im_start|>"
+# the tags a chat template writes tool calls in -> the --tool-call-parser (vLLM's name) that reads them
+TOOL_CALL_TAGS = {"<tool_call>": "hermes"}
 
 
 def chat_prompt_token_ids(
@@ -48,9 +52,9 @@ def chat_prompt_token_ids(
 @functools.lru_cache(maxsize=8)
 def _tool_template(chat_template: str) -> str | None:
     """None when the model's template renders `tools` itself; else the Hermes template, for a ChatML model."""
-    if "tools" in jinja2.meta.find_undeclared_variables(jinja_environment().parse(chat_template)):
+    if _renders_tools(chat_template):
         return None
-    if "<|im_start|>" not in chat_template:
+    if CHATML_TURN not in chat_template:
         raise APIError(
             400,
             "this model's chat template renders no tools and is not ChatML, so kvserve's Hermes tool template "
@@ -68,6 +72,44 @@ def tool_template(chat_template: str | dict) -> str | None:
             return None
         chat_template = chat_template.get("default", "")
     return _tool_template(chat_template)
+
+
+def _renders_tools(chat_template: str) -> bool:
+    return "tools" in jinja2.meta.find_undeclared_variables(jinja_environment().parse(chat_template))
+
+
+def choose_tool_call_parser(flag: str | None, chat_template: str | dict | None) -> tuple[str | None, str]:
+    """(the tool-call parser tool_choice "auto" is read with, None for none: "auto" is then refused; why, for the
+    start-up log). `flag` is --tool-call-parser: a parser's name, "none", or None to go by the template requests
+    with tools are rendered with: the tags its calls are written in, or, where a ChatML template renders no
+    tools, those of kvserve's Hermes template, which such requests then use (tool_template)."""
+    if flag is not None:
+        return (None if flag == "none" else flag), f"--tool-call-parser {flag}"
+    if not chat_template:
+        return None, "the model has no chat template"
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("tool_use", chat_template.get("default", ""))
+    for tag, parser in TOOL_CALL_TAGS.items():
+        if tag in chat_template:
+            return parser, f"the chat template writes tool calls in {tag} tags"
+    try:
+        renders_tools = _renders_tools(chat_template)
+    except jinja2.TemplateSyntaxError as error:
+        return None, f"the chat template does not parse: line {error.lineno}: {error.message}"
+    if renders_tools:
+        return (
+            None,
+            "the chat template renders tools but its calls are not in <tool_call> tags, all kvserve reads",
+        )
+    if CHATML_TURN not in chat_template:
+        return (
+            None,
+            "the chat template renders no tools and is not ChatML (requests with tools need --chat-template)",
+        )
+    return "hermes", (
+        "the chat template renders no tools and is ChatML, so requests with tools use kvserve's Hermes template, "
+        "which asks for calls in <tool_call> tags"
+    )
 
 
 def read_chat_template(path: str) -> str:

@@ -59,13 +59,13 @@ def keyed_stack(tiny_models, tmp_path_factory, otlp_receiver):
 @pytest.fixture(scope="package")
 def default_model_stack(default_model, tmp_path_factory):
     """The default model, for what a random one cannot show (objects that parse, calls the model writes): one
-    executor, a plain gateway and one with --tool-call-parser hermes."""
+    executor, a gateway with --tool-call-parser none and a default one (hermes, which its template implies)."""
     from tests.stacks import serving_stack
 
     with serving_stack(
         default_model,
         tmp_path_factory.mktemp("default-model-stack"),
         executor_flags=("--kv-cache-memory", "256MiB"),
-        gateways=[(), ("--tool-call-parser", "hermes")],
+        gateways=[("--tool-call-parser", "none"), ()],
     ) as stack:
         yield stack

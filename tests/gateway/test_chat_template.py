@@ -4,7 +4,7 @@ import pytest
 
 from gateway.api_error import APIError
 from gateway.openai.messages import ChatMessage, parse_messages
-from gateway.prompt.chat_template import chat_prompt_token_ids
+from gateway.prompt.chat_template import HERMES_TOOL_TEMPLATE, chat_prompt_token_ids, choose_tool_call_parser
 
 
 def test_prompt_ends_with_the_assistant_turn_opened(tokenizer):
@@ -52,3 +52,47 @@ def test_tokenizer_without_template_is_400(tokenizer):
     with pytest.raises(APIError) as info:
         chat_prompt_token_ids(NoTemplate(), [ChatMessage("user", "x")])
     assert info.value.status == 400 and "no chat template" in info.value.message
+
+
+# a Qwen-like template: it renders the tools and asks for Hermes <tool_call> tags
+HERMES_TAGS = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    "Answer with <tool_call>{...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+)
+# a Llama-3.1-like template: it renders the tools and asks for bare JSON, which kvserve has no parser for
+BARE_JSON = (
+    "{% if tools %}Call one of {{ tools | tojson }} by answering with its JSON.{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}{% endfor %}"
+)
+NOT_CHATML = "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>{% endfor %}"
+
+
+def test_the_parser_follows_the_tool_call_tags_the_template_implies(tokenizer):
+    assert choose_tool_call_parser(None, HERMES_TAGS) == (
+        "hermes",
+        "the chat template writes tool calls in <tool_call> tags",
+    )
+    assert choose_tool_call_parser(None, {"default": NOT_CHATML, "tool_use": HERMES_TAGS})[0] == "hermes"
+    # the default model's ChatML template renders no tools: requests with tools get kvserve's Hermes template
+    parser, why = choose_tool_call_parser(None, tokenizer.chat_template)
+    assert parser == "hermes" and "Hermes template" in why
+    assert "<tool_call>" in HERMES_TOOL_TEMPLATE.read_text()  # the tags that choice counts on
+
+
+def test_a_template_without_hermes_calls_gets_no_parser():
+    assert choose_tool_call_parser(None, BARE_JSON) == (
+        None,
+        "the chat template renders tools but its calls are not in <tool_call> tags, all kvserve reads",
+    )
+    parser, why = choose_tool_call_parser(None, NOT_CHATML)
+    assert parser is None and "not ChatML" in why
+    assert choose_tool_call_parser(None, None) == (None, "the model has no chat template")
+    parser, why = choose_tool_call_parser(None, "{% for m in messages %}")
+    assert parser is None and why.startswith("the chat template does not parse: line 1")
+
+
+def test_the_flag_overrides_the_template(tokenizer):
+    assert choose_tool_call_parser("none", tokenizer.chat_template) == (None, "--tool-call-parser none")
+    assert choose_tool_call_parser("none", HERMES_TAGS)[0] is None
+    assert choose_tool_call_parser("hermes", BARE_JSON) == ("hermes", "--tool-call-parser hermes")

@@ -1,5 +1,6 @@
-"""The Responses API through the real stack with the `openai` client: the default model's stack (a plain gateway and
-one with --tool-call-parser hermes) for answers a model must make sense of, the keyed stack for tenants."""
+"""The Responses API through the real stack with the `openai` client: the default model's stack (a gateway with
+--tool-call-parser none and a default one, hermes) for answers a model must make sense of, the keyed stack for
+tenants."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ CALL_EVENTS = [
 
 @pytest.fixture(scope="module")
 def clients(default_model_stack) -> list[openai.OpenAI]:
-    """(the plain gateway's client, the hermes one's)."""
+    """(the client of the gateway with --tool-call-parser none, of the default one: hermes)."""
     return [
         openai.OpenAI(base_url=f"{g.base}/v1", api_key="none", timeout=120, max_retries=0)
         for g in default_model_stack.gateways
@@ -136,7 +137,7 @@ def test_auto_tool_choice_whole(clients):
     for item in response.output:
         if item.type == "function_call":
             assert item.name == "get_weather" and json.loads(item.arguments) is not None
-    with pytest.raises(openai.BadRequestError) as refused:  # auto needs the parser
+    with pytest.raises(openai.BadRequestError) as refused:  # auto needs a parser: --tool-call-parser none
         create(clients[0], input="Weather?", tools=[WEATHER_TOOL])
     assert refused.value.body["param"] == "tool_choice"
 

@@ -1,13 +1,26 @@
 """Tool calling through the real stack (the shared default_model_stack: Redis, an executor with the default model,
-gateways) with the `openai` client."""
+gateways) with the `openai` client, and an OpenAI Agents SDK agent's loop."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    RunConfig,
+    Runner,
+    function_tool,
+)
 
 from gateway.openai.messages import parse_messages
 from gateway.prompt.chat_template import chat_prompt_token_ids
@@ -26,8 +39,9 @@ OWN_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def servers(default_model_stack, tmp_path_factory):
-    """(a client of the gateway with --tool-call-parser hermes, a client of one without it, with --chat-template
-    OWN_TEMPLATE, started for this module)."""
+    """(a client of the default gateway, whose parser the default model's template makes hermes, a client of one
+    with --chat-template OWN_TEMPLATE, started for this module: that template renders tools but no <tool_call>
+    tags, so it gets no parser)."""
     template = tmp_path_factory.mktemp("tools-stack") / "own.jinja"
     template.write_text(OWN_TEMPLATE)
     own = default_model_stack.add_gateway("--chat-template", str(template), name="gateway-own-template")
@@ -208,7 +222,7 @@ def test_bad_tool_requests_are_400_naming_the_field(servers):
         chat(client, False, tool_choice={"type": "function", "function": {"name": "get_date"}})
     assert info.value.body["param"] == "tool_choice.function.name"
     with pytest.raises(openai.BadRequestError) as info:
-        chat(plain, False)  # tools, so "auto", on a gateway without --tool-call-parser
+        chat(plain, False)  # tools, so "auto", on a gateway whose template implies no parser
     assert info.value.body["param"] == "tool_choice" and "--tool-call-parser" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, False, tools=[{"type": "function", "function": {"name": "has space"}}])
@@ -237,3 +251,63 @@ def test_a_tool_schema_the_executor_cannot_compile_is_a_400_naming_tools(client)
             "tools: a function's parameters schema cannot be enforced: Cannot find field 'x'"
         )
     assert chat(client, False, tool_choice="required")[2] == "tool_calls"  # the next request is served
+
+
+@function_tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"18 C and sunny in {city}"
+
+
+async def _run_agent(base: str, api: str) -> list[tuple[dict, int]]:
+    """An Agents SDK agent with one function tool, run against the gateway at `base` through `api` (the SDK's
+    default is "responses"); returns each model request's body and its answer's status. The first turn is held
+    to a call (tool_choice "required": a 135M model need not choose one); once the tool has run, the SDK's
+    default reset_tool_choice drops that, so the next turn sends the tool's result with tools and "auto"."""
+    exchanges: list[tuple[dict, int]] = []
+
+    async def record(response: httpx.Response) -> None:
+        exchanges.append((json.loads(response.request.content), response.status_code))
+
+    async with httpx.AsyncClient(timeout=120, event_hooks={"response": [record]}) as http:
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", http_client=http, max_retries=0)
+        model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+        agent = Agent(
+            name="weather",
+            instructions="Answer briefly.",
+            tools=[get_weather],
+            model=model_class(model="tiny", openai_client=client),
+            model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48),
+        )
+        # a model that goes on calling its tool (under "auto") is the model's choice, not the protocol's
+        with contextlib.suppress(MaxTurnsExceeded):
+            await Runner.run(
+                agent,
+                "What is the weather in Paris?",
+                max_turns=3,
+                run_config=RunConfig(tracing_disabled=True),
+            )
+    return exchanges
+
+
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_an_agents_sdk_agent_runs_its_tool_against_a_default_gateway(default_model_stack, api):
+    """The gateway started without --tool-call-parser (as `kvserve up` starts it) serves the agent's loop."""
+    exchanges = asyncio.run(_run_agent(default_model_stack.gateways[1].base, api))
+    assert [status for _, status in exchanges] == [200] * len(exchanges) and len(exchanges) >= 2
+    first, then = exchanges[0][0], exchanges[1][0]
+    assert first["tool_choice"] == "required"
+    assert then["tools"] and then.get("tool_choice", "auto") == "auto"
+    results = then["input"] if api == "responses" else then["messages"]
+    sent = [
+        item for item in results if item.get("type") == "function_call_output" or item.get("role") == "tool"
+    ]
+    assert len(sent) == 1 and sent[0].get("output", sent[0].get("content")).startswith("18 C and sunny in ")
+
+
+def test_an_agents_sdk_loop_is_refused_where_auto_is_turned_off(default_model_stack):
+    """--tool-call-parser none: the agent's second turn is the 400 that names how to turn "auto" on."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        asyncio.run(_run_agent(default_model_stack.gateways[0].base, "chat_completions"))
+    assert refused.value.body["param"] == "tool_choice"
+    assert "--tool-call-parser hermes" in refused.value.body["message"]
