@@ -5,7 +5,6 @@ only argparse and shared/ here, the engine and its torch inside the handlers, so
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import signal
@@ -15,6 +14,7 @@ import time
 from executor.engine_config import add_engine_args, config_from_args
 from executor.service.gateway_outbox import DEFAULT_SNDHWM
 from shared import logs
+from shared.command_line import is_loopback, positive_int
 from shared.curve_keys import EXECUTOR, CurveKeyError, add_curve_keys_arg, load_executor_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 from shared.model_paths import ModelLoadError
@@ -114,7 +114,7 @@ def generate_once(args: argparse.Namespace) -> int:
 def add_zmq_sndhwm_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--zmq-sndhwm",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_SNDHWM,
         metavar="N",
         help="step messages queued to one gateway in ZeroMQ (its ZMQ_SNDHWM), and as many more held by the "
@@ -152,12 +152,6 @@ def add_executor_args(executor: argparse.ArgumentParser) -> None:
     add_curve_keys_arg(executor, EXECUTOR)
     add_engine_args(executor)
     executor.set_defaults(handler=serve)
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return int(text)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -211,7 +205,7 @@ def serve(args: argparse.Namespace) -> int:
             auth.stop()
         context.destroy(linger=0)
         return fail(f"--bind: cannot listen on {args.bind}: {error}", 1)
-    if auth is None and not _is_loopback(args.bind):
+    if auth is None and not _binds_loopback(args.bind):
         log.warning(
             "listening on %s without --curve-keys: anyone who reaches this port can run requests, bypassing "
             "the gateway's API keys, limits and cache salts; see `kvserve curve-keys`",
@@ -258,14 +252,8 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_loopback(address: str) -> bool:
+def _binds_loopback(address: str) -> bool:
     """Whether a ZeroMQ bind address is reachable from this machine only (ipc:// and inproc:// are too)."""
     if not address.startswith("tcp://"):
         return True
-    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # an interface name or a hostname: assume it is reachable from elsewhere
-        return False
+    return is_loopback(address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]"))

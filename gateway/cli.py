@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import sys
@@ -17,6 +16,7 @@ from gateway.openai.tools import TOOL_CALL_PARSERS
 from gateway.response_store import add_response_store_args, store_limits
 from gateway.routing.cost import ROUTING_POLICIES
 from shared import logs
+from shared.command_line import is_loopback
 from shared.curve_keys import GATEWAY, CurveKeyError, add_curve_keys_arg, load_gateway_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 
@@ -210,16 +210,6 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
     finally:
         tracing.shutdown()
     return 0
-
-
-def is_loopback(host: str) -> bool:
-    """Whether only this machine can reach --host: an open gateway there is a developer's, not a deployment."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: it may resolve to anything
-        return False
 
 
 def _check_redis(

@@ -19,8 +19,8 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.api_error import APIError, invalid_request
-from gateway.openai.request_limits import positive_int
 from gateway.openai.responses_api import RESPONSE_ID
+from shared.command_line import positive_int
 
 
 @dataclass(slots=True, frozen=True)

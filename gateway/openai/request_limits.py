@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, fields
 
 from gateway.api_error import invalid_request
+from shared.command_line import positive_int
 from shared.structured_outputs import StructuredOutputsParams
 
 
@@ -56,17 +57,6 @@ _FLAGS = {
         "n x (top_logprobs + 1) x max_tokens of one request (an unset max_tokens shrinks to fit)",
     ),
 }
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a flag that bounds something is at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def add_request_limit_args(parser: argparse.ArgumentParser) -> None:

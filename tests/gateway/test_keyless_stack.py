@@ -17,7 +17,6 @@ import httpx
 import pytest
 import redis
 
-from gateway.cli import is_loopback
 from gateway.openai.body import MAX_BODY_BYTES
 from gateway.tenants.api_keys import KeyStore
 from kvserve.cli import build_parser
@@ -225,8 +224,6 @@ def test_an_open_gateway_on_a_non_loopback_address_is_an_explicit_choice(tiny_mo
         openai_error(httpx.get(f"{keyed.base}/v1/models"), 401)
 
 
-def test_loopback_hosts_and_the_flags_of_up():
-    assert all(is_loopback(host) for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
-    assert not any(is_loopback(host) for host in ("0.0.0.0", "::", "10.0.0.5", "gateway.example"))
+def test_the_flags_of_up():
     args = build_parser("up").parse_args(["up", "--allow-anonymous", "--body-timeout", "5"])
     assert args.allow_anonymous and args.body_timeout == 5.0  # run_up hands its args to run_gateway
