@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
 
 from gateway.api_error import APIError, invalid_request
+from gateway.limit_flags import add_limit_flags, read_limit_flags
 from gateway.openai.responses_api import RESPONSE_ID
-from shared.command_line import positive_int
+from gateway.redis_clock import REDIS_NOW
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,24 +49,12 @@ _FLAGS = {
 
 
 def add_response_store_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("stored responses (/v1/responses, kept in Redis per tenant)")
-    for field in fields(StoreLimits):
-        flag, what = _FLAGS[field.name]
-        default = getattr(DEFAULT_STORE_LIMITS, field.name)
-        group.add_argument(
-            flag,
-            dest=f"responses_{field.name}",
-            type=positive_int,
-            default=default,
-            metavar="N",
-            help=f"{what} (default: {default})",
-        )
+    title = "stored responses (/v1/responses, kept in Redis per tenant)"
+    add_limit_flags(parser, title, DEFAULT_STORE_LIMITS, _FLAGS, dest_prefix="responses_")
 
 
 def store_limits(args: argparse.Namespace) -> StoreLimits:
-    return StoreLimits(
-        **{field.name: getattr(args, f"responses_{field.name}") for field in fields(StoreLimits)}
-    )
+    return read_limit_flags(StoreLimits, args, dest_prefix="responses_")
 
 
 def record_key(tenant: str, response_id: str) -> str:
@@ -82,12 +71,6 @@ def _sizes_key(tenant: str) -> str:
 
 _TOTAL = "total"  # the sizes hash's sum, beside one field per response id
 
-# Redis's clock, as the rate limits read it: the gateways' clocks differ
-_CLOCK = """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-"""
-
 _FORGET = """
 local function forget(id)
   local size = tonumber(redis.call('HGET', KEYS[3], id) or '0')
@@ -101,7 +84,7 @@ end
 # KEYS: the record, the tenant's index, its sizes. ARGV: the record key's prefix, the response id, the record,
 # ttl, max count, max bytes. Saving twice (a retried command) counts once: the old size is taken back first.
 _SAVE = (
-    _CLOCK
+    REDIS_NOW
     + _FORGET
     + """
 local prefix, id, record = ARGV[1], ARGV[2], ARGV[3]

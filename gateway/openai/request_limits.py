@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from gateway.api_error import invalid_request
-from shared.command_line import positive_int
+from gateway.limit_flags import add_limit_flags, read_limit_flags
 from shared.structured_outputs import StructuredOutputsParams
 
 
@@ -60,22 +60,12 @@ _FLAGS = {
 
 
 def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("per-request limits (a request over one gets a 400 naming the field)")
-    for field in fields(RequestLimits):
-        flag, what = _FLAGS[field.name]
-        default = getattr(DEFAULT_LIMITS, field.name)
-        group.add_argument(
-            flag,
-            dest=field.name,
-            type=positive_int,
-            default=default,
-            metavar="N",
-            help=f"{what} (default: {default})",
-        )
+    title = "per-request limits (a request over one gets a 400 naming the field)"
+    add_limit_flags(parser, title, DEFAULT_LIMITS, _FLAGS)
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(**{field.name: getattr(args, field.name) for field in fields(RequestLimits)})
+    return read_limit_flags(RequestLimits, args)
 
 
 def _over(param: str, what: str, got: int, limit: int, field: str) -> None:

@@ -17,14 +17,10 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.redis_clock import REDIS_NOW
 from gateway.routing.index_reader import APPLY_ONCE
 from gateway.tenants.api_keys import KeyRecord
 from shared import redis_keys
-
-_CLOCK = """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-"""
 
 # A bucket is a hash {level, at}: its level at server time `at`. It refills at capacity per minute up to
 # capacity; a missing bucket is full. Levels may go below zero (a tpm debt).
@@ -46,7 +42,7 @@ end
 # wait} for the limit that needs the longest wait. Only an admission is marked: a refusal took nothing, so its
 # retry may as well be admitted.
 _ADMIT = (
-    _CLOCK
+    REDIS_NOW
     + _BUCKETS
     + """
 if redis.call('EXISTS', KEYS[4]) == 1 then return {} end
@@ -91,7 +87,7 @@ return {{}}
 # KEYS: tpm bucket, concurrency set, the tenant's usage hash, the release's marker. ARGV: tpm (0: unlimited),
 # tokens to refund (negative: charge), request id, KV block-seconds, then integer usage counter names and amounts.
 _RELEASE = (
-    _CLOCK
+    REDIS_NOW
     + _BUCKETS
     + APPLY_ONCE
     + """
@@ -115,7 +111,7 @@ return 0
 
 # KEYS: concurrency sets. ARGV: lease seconds, then the request id for each key. Only ids still present.
 _REFRESH = (
-    _CLOCK
+    REDIS_NOW
     + """
 local lease = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import uuid
 
@@ -9,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.api_error import APIError
-from gateway.response_store import ResponseStore, StoreLimits
+from gateway.response_store import ResponseStore, StoreLimits, add_response_store_args, store_limits
 
 
 def _response() -> dict:
@@ -71,3 +72,12 @@ def test_records_expire_and_oversized_conversations_refused(redis_url):
     with pytest.raises(APIError) as caught:
         store.check_size([{"type": "message", "role": "user", "content": "x" * 100}])
     assert caught.value.status == 400 and "--responses-max-bytes" in caught.value.message
+
+
+def test_store_limits_are_flags():
+    parser = argparse.ArgumentParser()
+    add_response_store_args(parser)
+    limits = store_limits(parser.parse_args(["--responses-ttl", "60", "--responses-max-per-tenant", "3"]))
+    assert limits == StoreLimits(ttl_s=60, max_per_tenant=3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--responses-max-bytes", "0"])
