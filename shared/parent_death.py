@@ -1,11 +1,12 @@
 """Child processes that die with the process that started them, even when it is SIGKILLed and cleans nothing
 up (`kvserve up`'s executors and embedded valkey-server).
 
-Linux's parent-death signal (prctl PR_SET_PDEATHSIG) does it. It is set in the child, here by a tiny Python
-wrapper that then execs the real command (the setting survives exec, so it serves valkey-server too): a
-preexec_fn would do it in the forked child, but is unsafe in a process with threads. Linux sends the signal
-when the *thread* that started the child ends, not its process: start children from the main thread or from
-one that lives as long as the process. Elsewhere than Linux, commands run as given.
+Linux's parent-death signal (prctl PR_SET_PDEATHSIG) does it. It is set in the child (die_with_parent): by a
+Python child itself (the executor's grammar worker), or by a tiny Python wrapper that then execs the real command
+(the setting survives exec, so it serves valkey-server too): a preexec_fn would do it in the forked child, but is
+unsafe in a process with threads. Linux sends the signal when the *thread* that started the child ends, not its
+process: start children from the main thread or from one that lives as long as the process. Elsewhere than Linux,
+commands run as given.
 
     python -m shared.parent_death PARENT_PID COMMAND [ARG...]
 """
@@ -27,12 +28,19 @@ def dying_with_this_process(command: list[str]) -> list[str]:
     return [sys.executable, "-m", "shared.parent_death", str(os.getpid()), *command]
 
 
+def die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel SIGKILL this process when the thread that started it ends (Linux; elsewhere nothing is
+    asked). Whether parent_pid is still its parent: if not, it died before the ask, and nobody will send it."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return os.getppid() == parent_pid
+
+
 def main(argv: list[str]) -> None:
     parent, command = int(argv[0]), argv[1:]
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:  # it died before the signal was set: nobody would send it now
+    if not die_with_parent(parent):
         sys.exit(f"shared.parent_death: parent {parent} is gone; not starting {command[0]}")
     os.execvp(command[0], command)
 

@@ -16,7 +16,6 @@ lives as long as the executor's grammars) ends, crashes included.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -25,6 +24,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
+from shared.parent_death import die_with_parent
 from shared.structured_outputs import StructuredOutputsParams
 
 NICENESS = 10  # added to the executor's nice value for compiles: the engine's threads come first for the CPU
@@ -42,9 +42,6 @@ def lower_thread_priority(niceness: int) -> None:
     the whole executor's, so nothing changes."""
     if sys.platform.startswith("linux"):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class CompileTimeout(Exception):
@@ -154,7 +151,10 @@ class GrammarWorker:
 
 def serve(conn: Connection, parent_pid: int, niceness: int) -> None:
     """The worker process's life: the tokenizer info, then each spec the pipe brings, until the pipe closes."""
-    _die_with_parent(parent_pid)
+    # mid-compile nothing reads the pipe: on Linux the kernel kills this process with its parent's starting
+    # thread; elsewhere it ends at the next read of the pipe, once the compile is over
+    if not die_with_parent(parent_pid):
+        os._exit(0)
     # Ctrl-C at a terminal reaches its whole process group: the parent decides when this one ends
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getpriority(os.PRIO_PROCESS, 0) < niceness:  # on Linux it comes with it from the compile thread
@@ -178,17 +178,6 @@ def serve(conn: Connection, parent_pid: int, niceness: int) -> None:
             conn.send(reply)
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent closed its end, or is gone
         return
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Mid-compile nothing reads the pipe, so on Linux the kernel is asked to kill this process with its parent's
-    starting thread; elsewhere it ends at the next read of the pipe, once the compile is over."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the parent died before the kernel was asked
-        os._exit(0)
 
 
 if __name__ == "__main__":
