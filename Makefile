@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# the GPU image's Triton in .cache/, for the compile check's second run (bench/gpu_image_triton.py); a no-op once there
+# the GPU image's Triton in .cache/, for the compile check's second run (bench/gpu/image_triton.py); a no-op once there
 image-triton: install
-	$(PY) -m bench.gpu_image_triton
+	$(PY) -m bench.gpu.image_triton
 
 run: install
 	$(VENV)/bin/kvserve model pull
@@ -53,8 +53,8 @@ format: install
 	$(VENV)/bin/ruff format .
 
 bench: install
-	$(PY) -m bench.throughput
-	$(PY) -m bench.prefix_cache
+	$(PY) -m bench.offline.throughput
+	$(PY) -m bench.offline.prefix_cache
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .cache

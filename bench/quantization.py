@@ -6,11 +6,11 @@
   docs/benchmarks.md, Peers). Both servers of a file are up at once and measured in
   --rounds alternating rounds, each first in every other: the median round of each, and the median of kvserve's
   ratios round by round;
-- HF transformers `generate`, float32, at one stream (bench/throughput.py's runner, no HTTP);
+- HF transformers `generate`, float32, at one stream (bench/offline/throughput.py's runner, no HTTP);
 
 with the memory of each one's weights: kvserve's as its executor logs them (quantized at their own size), the
 GGUF file's size for llama-server (it maps the file as it is), the parameters' bytes for HF. With --guidellm,
-also GuideLLM chat at 16 streams against kvserve int8 and vLLM's CPU build float32 (bench/guidellm.py's runner).
+also GuideLLM chat at 16 streams against kvserve int8 and vLLM's CPU build float32 (bench/serving/guidellm.py's runner).
 
     python -m bench.quantization [--variants float32,int8,q8_0,q4_1] [--streams 1,16] [--max-tokens 128]
                                  [--requests-per-stream 4] [--llama-server PATH] [--rounds 3] [--no-hf]
@@ -34,11 +34,11 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import guidellm
 from bench.load import LoadConfig, run_load
 from bench.metrics import summarize
 from bench.prompts import FixedPrompt
 from bench.quantized_models import GGUF_FILES, VARIANTS, variant_model
+from bench.serving import guidellm
 
 PROMPT = "Write a short story about a robot."
 SETTLE_S = 2.0
@@ -175,7 +175,7 @@ def run_hf_generate(args: Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench.throughput import run_hf
+    from bench.offline.throughput import run_hf
     from executor import resolve_model
 
     torch.set_num_threads(2)

@@ -44,7 +44,7 @@ def parse_bytes(value: str | int | float) -> int:
 # A step's token budget when none is given. On a GPU a 2,048-token step takes milliseconds. On a CPU it takes
 # seconds (~4 s for SmolLM2-135M on two cores): a burst of prompts then got its first tokens only when the whole
 # step ended, and every stream already decoding stalled as long. At 512 a step stays near one second and the
-# first prompts of a burst start decoding while the rest prefill; throughput is the same (bench/step_profile.py).
+# first prompts of a burst start decoding while the rest prefill; throughput is the same (bench/offline/step_profile.py).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
 # a request refused by a full executor waits at the gateway for whichever executor frees first; one queued
 # at an executor waits for that one alone. So an executor queues about this many steps' prefill, no more

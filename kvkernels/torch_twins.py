@@ -1,4 +1,4 @@
-"""Torch twins of the kernels: plain loops that define what is correct. Tests and bench/gpu_check.py hold each
+"""Torch twins of the kernels: plain loops that define what is correct. Tests and bench/gpu/check.py hold each
 kernel to its twin; the torch backend serves the rotary twin itself where no C++ kernel does (kvkernels/layer_ops.py)."""
 
 from __future__ import annotations

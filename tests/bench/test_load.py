@@ -124,7 +124,7 @@ def test_closed_loop_against_kvserve_like_server(fake_server, numbered_prompts, 
     assert report["ttft_ms"]["p50"] >= FIRST_DELAY * 1000
     requests = {r["index"]: r for r in report["requests"]}
     assert sorted(requests) == list(range(12))
-    # the server's id for each request, to find it in the server's log (bench/executor_kill.py does)
+    # the server's id for each request, to find it in the server's log (bench/faults/executor_kill.py does)
     streamed = [i for i in range(12) if i not in (3, 7)]  # the two 400s carry no headers
     assert [requests[i]["request_id"] for i in streamed] == [f"r{i}" for i in streamed]
     for i in ok:

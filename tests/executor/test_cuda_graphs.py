@@ -211,7 +211,7 @@ def test_default_layout_in_bf16_padded_with_an_h200s_splits_gives_the_torch_toke
 ):
     """What an H200 runs first: bf16, the padded decode path at max_model_len 2048, the Triton kernel splitting
     each context as it would over 132 multiprocessors; greedy tokens as the torch backend's."""
-    from bench.triton_compile_check import H200_SMS
+    from bench.gpu.triton_compile_check import H200_SMS
     from kvkernels import triton_attention
 
     splits = []

@@ -2,10 +2,10 @@
 counted 4xx in OpenAI's shape naming what was wrong, and the requests behind it on the same keep-alive connection
 are still served.
 
-And the fuzz target: bench/bad_requests.py's seeded bad requests over both endpoints, sent and checked by
-bench/fuzz.py, get 4xx or whole 200s, never a 5xx or a dropped connection; afterwards no executor holds KV blocks
-and a plain request is served. CI sends a few hundred; the issue's 2,000: `python -m bench.fuzz --url URL --requests
-2000`."""
+And the fuzz target: bench/faults/bad_requests.py's seeded bad requests over both endpoints, sent and checked
+by bench/faults/fuzz.py, get 4xx or whole 200s, never a 5xx or a dropped connection; afterwards no executor
+holds KV blocks and a plain request is served. CI sends a few hundred; the issue's 2,000: `python -m
+bench.faults.fuzz --url URL --requests 2000`."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-from bench import fuzz
-from bench.bad_requests import BODY_MUTATIONS, ENDPOINTS, bad_requests
+from bench.faults import fuzz
+from bench.faults.bad_requests import BODY_MUTATIONS, ENDPOINTS, bad_requests
 from gateway.openai.body import MAX_BODY_BYTES
 from tests.gateway.answers import OPENAI_ERROR_FIELDS, metric_samples, metric_total
 from tests.gateway.http_wire import pipelined, request

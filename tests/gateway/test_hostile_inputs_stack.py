@@ -2,7 +2,7 @@
 
 Each hostile input from the issue is sent by alpha while beta's plain streaming chat runs beside it: alpha gets its
 own bounded answer (a 400 naming the field, a 401 without a key, or its grammar's deadline) and beta's request ends
-within a small bound of its time alone. bench/hostile_inputs.py measures the same on the default model."""
+within a small bound of its time alone. bench/tenancy/hostile_inputs.py measures the same on the default model."""
 
 from __future__ import annotations
 

@@ -1,0 +1,2 @@
+"""Fault drills under load: overload and balance across executors, Redis restarted, an executor killed, and the
+fuzz target's bad requests."""

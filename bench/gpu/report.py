@@ -1,0 +1,321 @@
+"""A GPU session's results as the README's markdown, and the judge of them: what failed (problems) and what
+was skipped or measured in passing (notes), for check.py's exit status and session.sh's summary line.
+
+python -m bench.gpu.report kernels.json          # one check.py report
+python -m bench.gpu.report OUT_DIR               # a session.sh run: every stage's file there, the missing named
+python -m bench.gpu.report --note STAGE OUT_DIR  # the few words the summary line puts after a stage's verdict
+
+Standard library only: it must render what came back even where the session's imports failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+# Rounding can flip a near-tie between two tokens, and greedy decoding then goes its own way from there, so a
+# backend is judged by where its sequences part from the first backend's: only at near ties (e2e.py's
+# NEAR_TIE_NATS). A wrong kernel parts at the first confident token. e2e.py marks the rows it judges: float32,
+# unquantized. fp8's own check is its layer's error in the kernels stage.
+UNQUANTIZED = ("auto", "none")
+# what each stage of session.sh leaves in $OUT; "model" leaves its verdict in the summary alone
+STAGE_FILES = {
+    "env": "env.json",
+    "kernels": "kernels.json",
+    "tests": "tests.xml",
+    "e2e": "e2e.json",
+    "figures": "figures.json",
+}
+CHECK_STAGES = ("kernels", "e2e", "figures")  # check.py --section STAGE
+ENGINE_SECTIONS = {"end_to_end": "agreement", "profiling": "profiling", "throughput": "throughput"}
+
+
+def problems(report: dict) -> list[str]:
+    """What in a check.py report failed: a section that raised, kernels off their twins, a backend that failed or
+    whose tokens differ from the first backend's."""
+    found = [f"{key} raised {error['error']}" for key, error in report.get("errors", {}).items()]
+    cases = report.get("correctness", [])
+    if off := [case for case in cases if not case["ok"]]:
+        found.append(f"{len(off)} of {len(cases)} kernel cases failed")
+    for key, label in ENGINE_SECTIONS.items():
+        for row in report.get(key, []):
+            if "error" in row:
+                found.append(f"{label}: {row.get('backend', 'engine')} failed")
+    for row in report.get("end_to_end", []):
+        if not row.get("judged"):
+            continue
+        wide = row["sequences_parted"] - row["parted_at_near_ties"]
+        if wide:
+            found.append(
+                f"{row['backend']} at {row['concurrency']}: {wide} of {row['concurrency']} sequences parted "
+                f"from the first backend's past a near tie (widest {row['widest_parting_nats']} nats)"
+            )
+    return found
+
+
+def notes(report: dict) -> list[str]:
+    """What a check.py report skipped, and the KV blocks the profiled engine sized."""
+    found = []
+    for key, label in ENGINE_SECTIONS.items():
+        reasons = Counter(row["skipped"] for row in report.get(key, []) if "skipped" in row)
+        found += [f"{label}: {reason}" + (f" x{n}" if n > 1 else "") for reason, n in reasons.items()]
+    found += [
+        f"profiling sized {row['kv_blocks']} KV blocks" + _quantized(row)
+        for row in report.get("profiling", [])
+        if "kv_blocks" in row
+    ]
+    return found
+
+
+def _quantized(row: dict) -> str:
+    quantization = row.get("quantization", "auto")
+    return "" if quantization in UNQUANTIZED else f" ({quantization})"
+
+
+def test_counts(junit_xml: Path) -> dict[str, int]:
+    """tests, failures, errors and skipped, summed over the JUnit file's suites."""
+    root = ET.parse(junit_xml).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    keys = ("tests", "failures", "errors", "skipped")
+    return {key: sum(int(suite.get(key, 0)) for suite in suites) for key in keys}
+
+
+def failed_tests(junit_xml: Path) -> list[str]:
+    root = ET.parse(junit_xml).getroot()
+    return [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in root.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+
+
+def tests_note(counts: dict[str, int]) -> str:
+    if counts["failures"] or counts["errors"]:
+        failed = [f"{counts['failures']} failed"] if counts["failures"] else []
+        return ", ".join(failed + ([f"{counts['errors']} errors"] if counts["errors"] else []))
+    if counts["tests"] == 0:
+        return "collected, none run"
+    passed = counts["tests"] - counts["skipped"]
+    return f"{passed} passed, {counts['skipped']} skipped"
+
+
+def stage_note(stage: str, out_dir: Path) -> str:
+    """The words after a stage's verdict in the summary line: its failures first, else its skips and findings."""
+    if stage not in STAGE_FILES:
+        return ""
+    path = out_dir / STAGE_FILES[stage]
+    if not path.is_file():
+        return f"no {path.name}"
+    try:
+        if stage == "tests":
+            return tests_note(test_counts(path))
+        report = json.loads(path.read_text())
+    except (OSError, ValueError, ET.ParseError) as error:
+        return f"{path.name} unreadable: {error}"
+    if stage == "env":
+        failures = report.get("import_failures", {})
+        return f"{len(failures)} imports failed: {', '.join(failures)}" if failures else ""
+    return "; ".join(problems(report) or notes(report))
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join("" if cell is None else str(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def _section_error(report: dict, key: str) -> list[str]:
+    error = report.get("errors", {}).get(key)
+    return [] if error is None else [f"**{key} failed**: `{error['error']}`"]
+
+
+def correctness_lines(report: dict) -> list[str]:
+    cases = report.get("correctness", [])
+    failed = [c for c in cases if not c["ok"]]
+    worst: dict[str, float] = {}
+    for case in cases:
+        if "max_error" in case:
+            worst[case["dtype"]] = max(worst.get(case["dtype"], 0.0), case["max_error"])
+    summary = ", ".join(f"{dtype} {error:.1e}" for dtype, error in worst.items())
+    lines = [
+        f"Kernels against their torch twins: {len(cases) - len(failed)} of {len(cases)} cases within "
+        f"tolerance; largest error by dtype: {summary}."
+    ]
+    for case in failed:
+        what = f"`{case['error']}`" if "error" in case else f"{case['max_error']:.2e}"
+        lines.append(f"- failed: {case['kernel']} {case['dtype']}: {what}")
+    return lines + _section_error(report, "correctness")
+
+
+def decode_lines(report: dict) -> list[str]:
+    rows = [
+        [
+            r["shape"],
+            r["variant"],
+            r["us_per_call"],
+            r["achieved_gbps"],
+            "" if r["share_of_peak"] is None else f"{r['share_of_peak']:.0%}",
+            f"{r['max_error_vs_sdpa']:.1e}",
+        ]
+        for r in report.get("decode_attention", [])
+    ]
+    header = ["shape", "variant", "µs per call", "GB/s", "share of peak", "max error vs SDPA"]
+    return _table(header, rows) + _section_error(report, "decode_attention")
+
+
+def _engine_lines(report: dict, key: str, header: list[str], cells) -> list[str]:
+    rows, lines = [], []
+    for r in report.get(key, []):
+        who = r.get("backend", "engine") + (f" at {r['concurrency']}" if "concurrency" in r else "")
+        if "error" in r:
+            lines.append(f"- {who} failed: `{r['error']}`")
+        elif "skipped" in r:
+            lines.append(f"- {who}: skipped ({r['skipped']})")
+        else:
+            rows.append(cells(r))
+    return (_table(header, rows) if rows else []) + lines + _section_error(report, key)
+
+
+def agreement_lines(report: dict) -> list[str]:
+    header = [
+        "backend",
+        "dtype",
+        "CUDA graphs",
+        "concurrent requests",
+        "output tokens",
+        "tokens as first backend",
+        "sequences parted (at near ties)",
+        "widest parting, nats",
+    ]
+
+    def cells(r: dict) -> list[object]:
+        graphs = "yes" if r["cuda_graphs"] else "no"
+        return [
+            r["backend"],
+            r.get("dtype"),
+            graphs,
+            r["concurrency"],
+            r["output_tokens"],
+            f"{r['tokens_matching_first_backend']:.0%}",
+            f"{r.get('sequences_parted')} ({r.get('parted_at_near_ties')})",
+            r.get("widest_parting_nats"),
+        ]
+
+    lines = _engine_lines(report, "end_to_end", header, cells)
+    return [
+        "Greedy tokens by backend: where a sequence parts from the first backend's, the first's top two tokens "
+        "must have been a near tie there (judged in float32 without quantization; the other rows are reported):",
+        *lines,
+    ]
+
+
+def profiling_lines(report: dict) -> list[str]:
+    lines = []
+    for r in report.get("profiling", []):
+        started = "Started without --kv-cache-memory" + _quantized(r)
+        if "kv_blocks" in r:
+            weights = f"{r['weight_bytes'] / 2**20:.0f} MiB of weights, " if "weight_bytes" in r else ""
+            lines.append(
+                f"{started} ({r['backend']}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}, "
+                f"{r['engine_start_s']} s): {weights}{r['kv_blocks']} KV blocks of {r['block_size']} tokens; "
+                f"`{r['profiling_log']}`; served {r['output_tokens']} tokens."
+            )
+        elif "error" in r:
+            lines.append(f"{started}: failed, `{r['error']}`")
+        elif "skipped" in r:
+            lines.append(f"{started}: skipped ({r['skipped']}).")
+    return lines + _section_error(report, "profiling")
+
+
+def throughput_lines(report: dict) -> list[str]:
+    header = ["backend", "CUDA graphs", "concurrent requests", "output tok/s", "seconds", "engine start s"]
+
+    def cells(r: dict) -> list[object]:
+        graphs = "yes" if r["cuda_graphs"] else "no"
+        return [r["backend"], graphs, r["concurrency"], r["output_tok_s"], r["seconds"], r["engine_start_s"]]
+
+    return _engine_lines(report, "throughput", header, cells)
+
+
+SECTION_LINES = {
+    "correctness": correctness_lines,
+    "end_to_end": agreement_lines,
+    "profiling": profiling_lines,
+    "decode_attention": decode_lines,
+    "throughput": throughput_lines,
+}
+
+
+def render(report: dict) -> str:
+    """A check.py report (or several merged): a line on the device, then each section it holds."""
+    peak = "" if report.get("peak_gbps") is None else f" (peak {report['peak_gbps']} GB/s)"
+    head = f"{report.get('device')}{peak}, torch {report.get('torch')}, triton {report.get('triton')}."
+    blocks = [[head]]
+    blocks += [
+        lines(report)
+        for key, lines in SECTION_LINES.items()
+        if key in report or key in report.get("errors", {})
+    ]
+    return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
+
+
+def render_session(out_dir: Path) -> str:
+    """Every stage's results that exist in out_dir, and the names of those that do not (or do not parse)."""
+    blocks: list[list[str]] = []
+    if (out_dir / "summary.txt").is_file():
+        blocks.append([f"`{(out_dir / 'summary.txt').read_text().strip()}`"])
+    found: dict[str, dict] = {}
+    missing = []
+    for stage, name in STAGE_FILES.items():
+        try:
+            found[stage] = (
+                test_counts(out_dir / name) if stage == "tests" else json.loads((out_dir / name).read_text())
+            )
+        except (OSError, ValueError, ET.ParseError):
+            missing.append(f"{stage} ({name})")
+    if env := found.get("env"):
+        versions = ", ".join(f"{name} {version}" for name, version in env["versions"].items())
+        lines = [f"{env['nvidia_smi']}; {versions}."]
+        lines += [f"- does not import: {module}" for module in env["import_failures"]]
+        blocks.append(lines)
+    merged: dict = {"errors": {}}
+    for stage in CHECK_STAGES:
+        report = found.get(stage, {})
+        merged |= {key: value for key, value in report.items() if key != "errors"}
+        merged["errors"] |= report.get("errors", {})
+    if any(stage in found for stage in CHECK_STAGES):
+        blocks.append([render(merged).rstrip("\n")])
+    if counts := found.get("tests"):
+        lines = [f"Test files with CUDA cases: {tests_note(counts)} ({counts['tests']} in all)."]
+        lines += [f"- failed: {name}" for name in failed_tests(out_dir / "tests.xml")]
+        blocks.append(lines)
+    if missing:
+        blocks.append([f"Missing from this session: {', '.join(missing)}."])
+    return "\n\n".join("\n".join(block) for block in blocks) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("report", type=Path, help="check.py's --out file, or session.sh's $OUT")
+    parser.add_argument("--note", metavar="STAGE", default=None, help="print the summary's note on STAGE")
+    args = parser.parse_args(argv)
+    if args.note is not None:
+        print(stage_note(args.note, args.report))
+        return 0
+    try:
+        if args.report.is_dir():
+            sys.stdout.write(render_session(args.report))
+        else:
+            sys.stdout.write(render(json.loads(args.report.read_text())))
+    except (OSError, ValueError, KeyError, ET.ParseError) as error:
+        print(f"error: {args.report}: {error!r}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
