@@ -23,7 +23,7 @@ from shared.defaults import DEFAULT_MODEL
 from shared.model_paths import check_model_dir, pulled_model_dir
 
 # CPU executors run below the gateway's priority: the gateway's work per request is small but sits on every
-# request's path, and behind busy OpenMP threads it waits for a core (bench/soak.sh: added latency p50 4 ms
+# request's path, and behind busy OpenMP threads it waits for a core (bench/serving/soak.sh: added latency p50 4 ms
 # with the gateway first, 15 ms without)
 EXECUTOR_NICENESS = 10
 
