@@ -49,7 +49,7 @@ COMMANDS = (
     ),
     Command(
         "keys",
-        "gateway.tenants.keys_cli",
+        "kvserve.keys_cli",
         "add_keys_args",
         "tenants' API keys: create, list, revoke, usage, export, import",
     ),

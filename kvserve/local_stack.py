@@ -7,9 +7,11 @@ in order once its gateway has drained: the executors first, then the Redis they 
 executor keeps its id and its address (a new free port only if another process took it); the embedded Redis
 comes back on its port with its data (an append-only file), so every URL and API key stays valid.
 
-The embedded Redis listens on loopback only and requires a random password, made for each run: other local users
-cannot reach the stack's keys and registrations. Executors get its URL in their environment (a command line is
-readable by every user); logs show it masked, and the whole URL is in a file only this user can read.
+The embedded Redis keeps its data in the data directory (kvserve/data_dir.py), which this stack holds for its run
+(kvserve/store.py: a second `kvserve up` on it is refused). It listens on loopback only and requires the folder's
+random password: other local users cannot reach the stack's keys and registrations. Executors get its URL in their
+environment (a command line is readable by every user); logs show it masked, and the whole URL is in a file only
+this user can read, where `kvserve keys` finds it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import contextlib
 import functools
 import logging
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 
 import redis
 
-from kvserve.redis_server import EmbeddedRedis, free_port, start_redis_server
+from kvserve.data_dir import DataDir
+from kvserve.redis_server import EmbeddedRedis, free_port
+from kvserve.store import Claim, claim
 from kvserve.supervisor import Supervisor, describe_exit, stop_processes
 from shared import redis_keys
 from shared.parent_death import dying_with_this_process
@@ -56,9 +59,11 @@ class ExecutorPlan:
 
 
 class LocalStack:
-    def __init__(self, plan: ExecutorPlan, redis_url: str | None) -> None:
+    def __init__(self, plan: ExecutorPlan, redis_url: str | None, data: DataDir | None) -> None:
         self.plan = plan
         self.redis_url = redis_url
+        self.data = data  # where the embedded Redis keeps its data: given when redis_url is not
+        self.claim: Claim | None = None
         self.embedded: EmbeddedRedis | None = None
         self.addresses: dict[str, str] = {}  # executor id -> ZeroMQ address, kept across restarts
         self.supervisor = Supervisor(on_death=self._forget_executor)
@@ -68,17 +73,16 @@ class LocalStack:
         """Redis, then the executors; returns once every executor has registered. Whatever happens, the
         caller ends with stop()."""
         if self.redis_url is None:
-            password = secrets.token_urlsafe(24)
-            self.embedded = start_redis_server(
-                HOST, persistent=True, own_process_group=True, dies_with_parent=True, password=password
-            )
+            self.claim = claim(self.data)
+            self.embedded = self.claim.start_server()
             self.redis_url = self.embedded.url
             self.supervisor.adopt(REDIS, self.embedded.process, self.embedded.restart)
-            url_file = self.embedded.write_url_file()
+            self.claim.publish(self.redis_url)
             log.info(
-                "embedded Redis at %s (the whole URL, for `kvserve keys`: %s)",
+                "embedded Redis at %s (the whole URL, for `kvserve keys`: %s), its data in %s",
                 masked(self.redis_url),
-                url_file,
+                self.data.url_file,
+                self.data.path,
             )
         self._client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
         for i in range(self.plan.count):
@@ -104,8 +108,12 @@ class LocalStack:
         self.supervisor.halt()
         executors = [self.supervisor.process(i) for i in self.addresses if i in self.supervisor.children]
         stop_processes(executors, STOP_TIMEOUT_S)
+        if self.claim is not None:
+            self.claim.unpublish()
         if self.embedded is not None:
             self.embedded.stop()
+        if self.claim is not None:
+            self.claim.release()
 
     def _start_executor(self, executor_id: str) -> subprocess.Popen:
         address = self.addresses[executor_id]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from gateway.tenants.key_backup import write_private
 from shared.parent_death import dying_with_this_process
 
 
@@ -43,38 +44,33 @@ def find_server_binary() -> str:
 class EmbeddedRedis:
     url: str
     process: subprocess.Popen
-    data_dir: tempfile.TemporaryDirectory
+    data_dir: Path
     host: str
     port: int
     command: list[str]  # how it was started, for restart()
     own_process_group: bool = False
+    pass_fds: tuple[int, ...] = ()  # descriptors the server inherits (a data directory's lock)
+    temporary: tempfile.TemporaryDirectory | None = None  # the data folder stop() removes, if it made one
 
     def restart(self, timeout: float = 10.0) -> subprocess.Popen:
         """Start the server again, after it died, on the same port and data folder, so every URL handed out
         stays valid (and a persistent server comes back with its data); returns once it answers PING."""
         if self.process.poll() is None:
             raise RedisServerError(f"{self.url}: still running (pid {self.process.pid})")
-        self.process = _launch(self.command, self.own_process_group)
+        self.process = _launch(self.command, self.own_process_group, self.pass_fds)
         if _wait_for_ping(self.host, self.port, self.process, timeout):
             return self.process
         _kill(self.process)
         where = f"{self.host}:{self.port}"
         raise RedisServerError(f"{self.command[0]} did not restart on {where}: {_log_tail(self.data_dir)}")
 
-    def write_url_file(self) -> Path:
-        """The URL, password included, in a file only this user can read (the data folder is 0700): how a
-        user reaches the server with `kvserve keys` while no log line shows its password."""
-        path = Path(self.data_dir.name) / "url"
-        path.touch(mode=0o600)
-        path.write_text(self.url + "\n")
-        return path
-
     def kill(self) -> None:
         """End the server's process as a crash would (SIGKILL), keeping its port and data folder for restart()."""
         _kill(self.process)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the server this object started (its PID only) and remove its data folder."""
+        """Stop the server this object started (its PID only; SIGTERM, so it writes its append-only file out)
+        and remove its data folder if it was a temporary one."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -82,7 +78,8 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self.data_dir.cleanup()
+        if self.temporary is not None:
+            self.temporary.cleanup()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -99,11 +96,16 @@ def start_redis_server(
     own_process_group: bool = False,
     dies_with_parent: bool = False,
     password: str | None = None,
+    data_dir: Path | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> EmbeddedRedis:
     """Start a server on a free port of host; returns once it answers PING (restart() starts it again there).
 
     persistent: an append-only file in its data folder, so a restart() after a crash or kill -9 keeps what was
     written (API keys above all: with none left, a gateway would serve anyone); otherwise nothing is persisted.
+    data_dir: that folder, kept after stop() (`kvserve up`'s store, kvserve/data_dir.py); without it, a temporary
+    one that stop() removes.
+    pass_fds: descriptors the server keeps open while it lives (kvserve/store.py's lock).
     own_process_group: Ctrl-C at a terminal does not reach it, so its owner can stop it after everything
     that uses it.
     dies_with_parent: it gets SIGKILL when this process ends, however it ends (shared/parent_death.py).
@@ -111,7 +113,8 @@ def start_redis_server(
     data folder (mode 0700), not onto the command line, where any local user could read it with `ps`.
     """
     binary = find_server_binary()
-    data_dir = tempfile.TemporaryDirectory(prefix="kvserve-redis-")
+    temporary = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="kvserve-redis-")
+    data_dir = data_dir if temporary is None else Path(temporary.name)
     persistence = (
         ["--appendonly", "yes", "--appendfsync", "everysec"] if persistent else ["--appendonly", "no"]
     )
@@ -120,35 +123,40 @@ def start_redis_server(
     for _ in range(3):
         port = free_port(host)
         command = [binary, *config, "--bind", host, "--port", str(port), "--save", "", *persistence]
-        command += ["--dir", data_dir.name, "--logfile", str(Path(data_dir.name) / "server.log")]
+        command += ["--dir", str(data_dir), "--logfile", str(data_dir / "server.log")]
         if dies_with_parent:
             command = dying_with_this_process(command)
-        process = _launch(command, own_process_group)
+        process = _launch(command, own_process_group, pass_fds)
         if _wait_for_ping(host, port, process, timeout):
             credentials = "" if password is None else f":{quote(password, safe='')}@"
             url = f"redis://{credentials}{host}:{port}/0"
-            return EmbeddedRedis(url, process, data_dir, host, port, command, own_process_group)
+            return EmbeddedRedis(
+                url, process, data_dir, host, port, command, own_process_group, pass_fds, temporary
+            )
         _kill(process)
     last_error = _log_tail(data_dir)
-    data_dir.cleanup()
+    if temporary is not None:
+        temporary.cleanup()
     raise RedisServerError(f"{binary} did not start on {host}: {last_error}")
 
 
-def _write_config(data_dir: tempfile.TemporaryDirectory, password: str) -> str:
+def _write_config(data_dir: Path, password: str) -> str:
     if any(c in password for c in '"\\\r\n'):
         raise RedisServerError("the embedded Redis password may not hold quotes, backslashes or line breaks")
-    path = Path(data_dir.name) / "server.conf"
-    path.write_text(f'requirepass "{password}"\n')
-    path.chmod(0o600)
+    path = data_dir / "server.conf"
+    write_private(str(path), f'requirepass "{password}"\n')
     return str(path)
 
 
-def _launch(command: list[str], own_process_group: bool = False) -> subprocess.Popen:
+def _launch(
+    command: list[str], own_process_group: bool = False, pass_fds: tuple[int, ...] = ()
+) -> subprocess.Popen:
     return subprocess.Popen(
         command,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         process_group=0 if own_process_group else None,
+        pass_fds=pass_fds,
     )
 
 
@@ -158,8 +166,8 @@ def _kill(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def _log_tail(data_dir: tempfile.TemporaryDirectory) -> str:
-    log = Path(data_dir.name) / "server.log"
+def _log_tail(data_dir: Path) -> str:
+    log = data_dir / "server.log"
     tail = log.read_text(errors="replace")[-2000:].strip() if log.exists() else ""
     return tail or "no log"
 

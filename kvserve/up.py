@@ -17,6 +17,7 @@ from executor.engine_config import add_engine_args, config_from_args, engine_arg
 from gateway.cli import add_http_args, run_gateway
 from gateway.server.exit_deadline import EXIT_MARGIN_S
 from kvserve.curve_keys_cli import write_keys
+from kvserve.data_dir import BOTH_GIVEN, DataDirError, add_data_dir_arg, data_dir_path, open_data_dir
 from kvserve.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S
 from shared.curve_keys import CurveKeyError, load_executor_keys, load_gateway_keys
 from shared.defaults import DEFAULT_MODEL
@@ -28,7 +29,10 @@ from shared.model_paths import check_model_dir, pulled_model_dir
 EXECUTOR_NICENESS = 10
 
 UP_DESCRIPTION = (
-    "Redis (embedded unless --redis-url), executors and a gateway on this machine. A child that dies is "
+    "Redis (embedded unless --redis-url), executors and a gateway on this machine. The embedded Redis keeps "
+    "its data (API keys, usage, stored responses) across runs in the data directory: --data-dir, else "
+    "$KVSERVE_HOME, else $XDG_DATA_HOME/kvserve, else ~/.local/share/kvserve; one `kvserve up` at a time "
+    "serves from it, and `kvserve keys` finds it there. A child that dies is "
     f"restarted after {FIRST_BACKOFF_S} s, the wait doubling with each death within {RESTART_WINDOW_S:.0f} s; "
     f"{RESTART_LIMIT} deaths of one child within {RESTART_WINDOW_S:.0f} s end kvserve up with exit code 1, "
     "naming it. SIGTERM or Ctrl-C drains: new requests get 503 while those in flight finish (at most "
@@ -42,6 +46,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.description = UP_DESCRIPTION
     add_http_args(up)
     up.add_argument("--executors", type=int, default=1, help="how many executor processes")
+    add_data_dir_arg(up)
     up.add_argument(
         "--executor-niceness",
         type=int,
@@ -58,6 +63,7 @@ def run_up(args: argparse.Namespace) -> int:
     gateway here; on exit stop exactly the processes it started."""
     from kvserve.local_stack import ExecutorPlan, LocalStack, StackError
     from kvserve.redis_server import RedisServerError
+    from kvserve.store import StoreBusy, check_not_served
     from shared import logs
 
     try:  # resolved here, and handed down as such: the children write to this process's stderr
@@ -76,6 +82,20 @@ def run_up(args: argparse.Namespace) -> int:
     if args.shutdown_grace_period < 0:
         print("kvserve up: error: --shutdown-grace-period must be at least 0", file=sys.stderr)
         return 2
+    if args.redis_url and args.data_dir:
+        print(
+            f"kvserve up: error: {BOTH_GIVEN}",
+            file=sys.stderr,
+        )
+        return 2
+    data = None
+    if not args.redis_url:
+        try:  # before the model's pull, which may take minutes
+            data = open_data_dir(data_dir_path(args.data_dir))
+            check_not_served(data)
+        except (DataDirError, StoreBusy) as error:
+            print(f"kvserve up: error: {error}", file=sys.stderr)
+            return 1
     try:
         config = config_from_args(args)
         # pulled once here (by a child: this process must not load torch), not in every executor at once
@@ -94,7 +114,7 @@ def run_up(args: argparse.Namespace) -> int:
     flags = ["--log-format", args.log_format, "--shutdown-grace-period", str(args.shutdown_grace_period)]
     flags += ["--curve-keys", args.curve_keys, "--zmq-sndhwm", str(args.zmq_sndhwm)]
     plan = ExecutorPlan(args.executors, [*flags, *engine_argv(config)], config.device, args.executor_niceness)
-    stack = LocalStack(plan, args.redis_url)
+    stack = LocalStack(plan, args.redis_url, data)
 
     def supervise(server) -> None:
         # a child that keeps dying drains the gateway like a SIGTERM, and kvserve up then exits 1
@@ -111,7 +131,7 @@ def run_up(args: argparse.Namespace) -> int:
         if args.served_model_name is None and _is_default(model_dir):
             args.served_model_name = DEFAULT_MODEL
         code = run_gateway(args, supervise)
-    except (StackError, RedisServerError) as error:
+    except (StackError, RedisServerError, StoreBusy) as error:
         print(f"kvserve up: error: {error}", file=sys.stderr)
         return 1
     finally:

@@ -19,6 +19,15 @@ else:
     torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kvserve_home(tmp_path_factory):
+    """A data directory of the session's own (KVSERVE_HOME, for this process and every one it starts): no test
+    reaches the user's store (kvserve/data_dir.py); a test about the store gives its commands a folder of its own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSERVE_HOME", str(tmp_path_factory.mktemp("kvserve-home")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_model() -> str:
     """The default model's directory, pulled once; KVSERVE_TEST_MODEL names another in its place (the GPU

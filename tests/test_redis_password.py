@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -86,7 +85,7 @@ def test_a_missing_or_wrong_password_is_one_line_at_start_up(server, default_mod
 
 def aof_holds(server, text: str) -> bool:
     """Whether the append-only file has this on disk (fsync'd every second), so a kill -9 keeps it."""
-    folder = Path(server.data_dir.name)
+    folder = server.data_dir
     return any(text.encode() in path.read_bytes() for path in folder.rglob("*.aof"))
 
 

@@ -1,5 +1,6 @@
 """`kvserve keys create|list|revoke|usage|export|import`: tenants' API keys and what they used, straight from
-Redis; export and import (gateway/tenants/key_backup.py) back them up as JSON lines, secrets only hashed."""
+Redis; export and import (gateway/tenants/key_backup.py) back them up as JSON lines, secrets only hashed. Which
+Redis (--redis-url, else `kvserve up`'s store) is kvserve/keys_cli.py's to say."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from gateway.tenants.key_backup import export_lines, import_lines, write_private
 from shared.redis_url import describe_error
 
 
-def add_keys_args(keys: argparse.ArgumentParser) -> None:
+def add_keys_args(keys: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every action's parser, each with --redis-url; the caller adds the rest and the handler."""
     actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     create = actions.add_parser("create", help="create a key for a tenant and print it (shown only once)")
@@ -75,27 +77,27 @@ def add_keys_args(keys: argparse.ArgumentParser) -> None:
     )
     restore.set_defaults(run=import_keys)
 
-    for action in (create, listing, revoke, usage, export, restore):
+    every = [create, listing, revoke, usage, export, restore]
+    for action in every:
         action.add_argument(
-            "--redis-url", default=os.environ.get("KVSERVE_REDIS_URL"), help="default: $KVSERVE_REDIS_URL"
+            "--redis-url",
+            default=os.environ.get("KVSERVE_REDIS_URL"),
+            help="default: $KVSERVE_REDIS_URL, else the store of `kvserve up` (see --data-dir)",
         )
-        action.set_defaults(handler=run_keys)
+    return every
 
 
-def run_keys(args: argparse.Namespace) -> int:
+def run_keys(args: argparse.Namespace, redis_url: str) -> int:
     """Connect, then run the action; bad input exits 2, Redis trouble 1, each with a message."""
     command = f"kvserve keys {args.action}"
-    if not args.redis_url:
-        print(f"{command}: error: --redis-url: not given and KVSERVE_REDIS_URL is not set", file=sys.stderr)
-        return 2
     run: Callable[[KeyStore, argparse.Namespace], int] = args.run
     try:
-        return run(KeyStore(redis.Redis.from_url(args.redis_url, decode_responses=True)), args)
+        return run(KeyStore(redis.Redis.from_url(redis_url, decode_responses=True)), args)
     except ValueError as error:
         print(f"{command}: error: {error}", file=sys.stderr)
         return 2
     except redis.RedisError as error:
-        print(f"{command}: error: {describe_error(args.redis_url, error)}", file=sys.stderr)
+        print(f"{command}: error: {describe_error(redis_url, error)}", file=sys.stderr)
         return 1
 
 

@@ -7,8 +7,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,107 +19,8 @@ from gateway.server.exit_deadline import EXIT_MARGIN_S
 from kvserve.supervisor import RESTART_LIMIT
 from shared import redis_keys
 from tests.gateway.answers import json_events
-from tests.processes import REPO, eventually, free_port, raw_generate
-
-
-def children(pid: int) -> list[int]:
-    """Every child of pid, whichever of its threads started it (the supervisor's thread restarts them)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with_children = task / "children"
-        if with_children.exists():
-            found += [int(c) for c in with_children.read_text().split()]
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
-
-
-def command_line(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-class Up:
-    """`kvserve up` on a tiny model as a child process, logging (as text) to a file."""
-
-    def __init__(self, model: str, log_path: Path, *extra: str, executors: int = 2) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        args = [sys.executable, "-m", "kvserve.cli", "up", "--model", model, "--executors", str(executors)]
-        args += ["--port", str(self.port), "--kv-cache-memory", "8MiB", "--served-model-name", "tiny"]
-        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [*args, "--log-format", "text", *extra], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT
-        )
-        self.seen: set[int] = set()  # every child ever seen, to check none is left behind
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def children(self) -> list[int]:
-        found = children(self.process.pid)
-        self.seen.update(found)
-        return found
-
-    def child(self, needle: str) -> int | None:
-        """The live child whose command line holds needle: "valkey-server", "--executor-id executor-1"."""
-        return next((p for p in self.children() if needle in command_line(p) and alive(p)), None)
-
-    def executors(self) -> list[str] | None:
-        try:
-            return httpx.get(f"{self.base}/health", timeout=10).json().get("executors")
-        except (httpx.HTTPError, ValueError):
-            return None
-
-    def wait_serving(self, executors: int, timeout: float = 240) -> None:
-        if not eventually(lambda: len(self.executors() or []) == executors, timeout=timeout):
-            raise AssertionError(f"not serving {executors} executors in {timeout} s:\n{self.text()}")
-        self.children()
-
-    def complete(self, max_tokens: int = 3) -> httpx.Response:
-        body = {"model": "tiny", "prompt": "hi", "max_tokens": max_tokens}
-        return httpx.post(f"{self.base}/v1/completions", json=body, timeout=60)
-
-    def curve_keys(self) -> Path:
-        """The folder of the key pairs made for this run, from an executor's command line."""
-        return Path(
-            re.search(r"--curve-keys (\S+)", command_line(self.child("--executor-id executor-0"))).group(1)
-        )
-
-    def redis_url(self) -> str:
-        """The embedded Redis's URL, password included, from the file only this user can read."""
-        url_file = re.search(
-            r"embedded Redis at \S+ \(the whole URL, for `kvserve keys`: (\S+)\)", self.text()
-        )
-        return Path(url_file.group(1)).read_text().strip()
-
-    def stop(self) -> None:
-        """A failed test must not leave the stack behind: ask nicely, then stop every child by its PID."""
-        self.children()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        for pid in self.seen:
-            if alive(pid) and command_line(pid):
-                os.kill(pid, signal.SIGKILL)
-        self.log.close()
-
-    def none_left(self) -> bool:
-        return not any(alive(pid) for pid in self.seen)
+from tests.kvserve.up_process import Up, alive, children, command_line
+from tests.processes import eventually, raw_generate
 
 
 def reaped(pid: int) -> bool:
@@ -372,10 +271,11 @@ def test_executor_that_exits_at_start_up_ends_up_naming_it(tiny_models, tmp_path
     try:
         assert up.process.wait(180) == 1, up.text()
         assert "kvserve up: error: executor-0 exited while the stack started (exit code 1)" in up.text()
-        # the embedded Redis was stopped too (its URL file went with its data folder: the port, from the log)
+        # the embedded Redis was stopped too, and no longer named (its port, from the log)
         masked = re.search(r"embedded Redis at (\S+)", up.text()).group(1)
         address = redis.connection.parse_url(masked.replace(":***@", "@"))
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((address["host"], address["port"]), timeout=2).close()
+        assert not (up.data_dir / "redis.url").exists()
     finally:
         up.stop()
