@@ -1,1 +1,1 @@
-"""The KV cache: its blocks (the block pool), who holds which (the cache manager), the tensor's layout and size, and what a request's blocks cost."""
+"""The KV cache: its blocks (block pool), who holds them (cache manager), its layout, size and bills."""

@@ -1,1 +1,1 @@
-"""What faces the gateways: the ZeroMQ service loop, their authentication, liveness and outbox, and the executor index in Redis."""
+"""What faces the gateways: the ZeroMQ service loop, its books per request, and the executor index in Redis."""

@@ -4,6 +4,7 @@ itself to Redis (its command line and start-up: executor/cli.py).
 One loop: take every waiting message, run one engine step, send each gateway one StepBatch with all of its
 requests' new tokens, publish cache changes, load and stats to Redis. Bad input is answered and logged, never
 fatal. With tracing on, a request the gateway traced gets its spans when it ends, in the gateway's trace.
+What each running request is owed (its updates in order, its end's counts and spans): owned_requests.py.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
@@ -21,7 +20,7 @@ from executor.engine_busy import EngineBusy
 from executor.service.gateway_liveness import GatewayLiveness
 from executor.service.gateway_outbox import DEFAULT_SNDHWM, GatewayOutbox
 from executor.service.index_writer import IndexWriter
-from executor.service.phase_spans import record_request_spans
+from executor.service.owned_requests import Owned, OwnedRequests, log_ids
 from executor.step_result import EngineStats, StepOutput, StepResult
 from shared import protocol, tracing
 from shared.executor_stats import ExecutorStats
@@ -29,34 +28,15 @@ from shared.redis_keys import HEARTBEAT_INTERVAL_S
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch and transformers: `kvserve --help` should not wait for them
-    from opentelemetry.context import Context
-
     from executor.engine import Engine
-    from executor.request import Request
-    from executor.sampling.sampler import TokenLogprobs
 
 log = logging.getLogger("kvserve.executor")
 
 IDLE_POLL_MS = 20
 STATS_INTERVAL_S = 0.25  # the stats hash goes out at most this often while the engine is busy
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-# stats counters this loop counts (as vLLM's engine does); the engine's EngineStats has the others
+# stats counters the service counts (in its requests' books, as vLLM's engine does); EngineStats has the others
 COUNTED_HERE = frozenset({"prompt_tokens", "generation_tokens"})
-# ends of requests this executor never ran: another executor serves them, or none does
-NOT_RUN_HERE = frozenset({"refused", "handed back"})
-
-
-@dataclass(slots=True)
-class Owned:
-    """A request running here for a gateway."""
-
-    identity: bytes  # the gateway's ZeroMQ identity
-    choices: list[Request]  # every choice (n > 1), as add_request handed them: what its end reports
-    tenant: str | None
-    trace_id: str | None  # from the gateway's traceparent, for log lines, with tracing on or off
-    parent: Context | None  # the gateway's span, only while tracing is on: its spans go out when it ends
-    next_seq: int = 0  # the seq of its next update (protocol.RequestUpdate.seq)
-    prefilled: bool = False  # its first token went out: its prompt and time to first token are counted
 
 
 class ExecutorService:
@@ -73,12 +53,12 @@ class ExecutorService:
         self.wire = GatewayOutbox(socket, max_unsent)
         self.index = index
         self.grace_s = grace_s
-        self.owners: dict[str, Owned] = {}  # by request id
-        self.outbox: dict[bytes, list[protocol.RequestUpdate]] = defaultdict(list)
         self.drain_deadline: float | None = None
         self.gateways = GatewayLiveness()
-        # its histograms and token counters are counted here; the other counters are the engine's
+        # its histograms and token counters are counted here and by the requests' books; the other counters
+        # are the engine's
         self.stats = ExecutorStats()
+        self.requests = OwnedRequests(index.executor_id, self.stats)
         self.stats_pending = True  # changed since last published
         self.next_stats_at = 0.0
 
@@ -87,11 +67,13 @@ class ExecutorService:
         asked a second time (a second Ctrl-C), stop now."""
         if self.drain_deadline is None:
             log.info(
-                "draining: refusing new requests, %d running, grace %.0f s", len(self.owners), self.grace_s
+                "draining: refusing new requests, %d running, grace %.0f s",
+                len(self.requests.owners),
+                self.grace_s,
             )
             self.drain_deadline = time.monotonic() + self.grace_s
         else:
-            log.info("asked again to stop: aborting %d running requests now", len(self.owners))
+            log.info("asked again to stop: aborting %d running requests now", len(self.requests.owners))
             self.drain_deadline = time.monotonic()
 
     def run(self) -> None:
@@ -144,7 +126,7 @@ class ExecutorService:
                     "failed to handle request %s from gateway %s",
                     request_id,
                     identity.hex(),
-                    extra=_ids(request_id, tracing.trace_id(getattr(msg, "traceparent", None))),
+                    extra=log_ids(request_id, tracing.trace_id(getattr(msg, "traceparent", None))),
                 )
                 if request_id is not None:
                     self._fail(identity, request_id, "internal error in the executor")
@@ -156,7 +138,7 @@ class ExecutorService:
             self.gateways.heard(identity, time.monotonic(), heartbeat=True)
         elif isinstance(msg, protocol.AbortRequest):
             # only the gateway that sent a request may abort it; an unknown id has most likely just finished
-            owned = self.owners.get(msg.request_id)
+            owned = self.requests.get(msg.request_id)
             if owned is None or owned.identity != identity:
                 return
             stopped = self.engine.abort(msg.request_id, msg.index)
@@ -165,7 +147,7 @@ class ExecutorService:
                     "request %s aborted by its gateway (choices %s)",
                     msg.request_id,
                     stopped,
-                    extra=_ids(msg.request_id, owned.trace_id),
+                    extra=log_ids(msg.request_id, owned.trace_id),
                 )
                 self._finished(msg.request_id, stopped)
         else:
@@ -206,15 +188,16 @@ class ExecutorService:
             self._send_error(identity, msg.request_id, str(error), protocol.BUSY, trace_id)
             return
         parent = tracing.parent_context(msg.traceparent) if tracing.enabled() else None
-        self.owners[msg.request_id] = Owned(identity, choices, msg.tenant, trace_id, parent)
+        owned = Owned(identity, choices, msg.tenant, trace_id, parent)
+        self.requests.add(msg.request_id, owned)
         if self.engine.is_compiling(msg.request_id):  # it holds none of the queue's places the gateway counts
-            self._emit(self.owners[msg.request_id], protocol.accepted(msg.request_id))
+            self.requests.emit(owned, protocol.accepted(msg.request_id))
         log.debug(
             "request %s received from %s (tenant %s)",
             msg.request_id,
             identity.hex(),
             msg.tenant,
-            extra=_ids(msg.request_id, trace_id),
+            extra=log_ids(msg.request_id, trace_id),
         )
 
     # -- the step and messages out ------------------------------------------------------------------
@@ -226,7 +209,7 @@ class ExecutorService:
         try:
             step = self.engine.step()
         except Exception:
-            log.exception("engine step failed; failing requests %s", ", ".join(self.owners))
+            log.exception("engine step failed; failing requests %s", ", ".join(self.requests.owners))
             self._fail_all("internal error in the executor's engine step")
             return StepResult()
         for seconds in step.queue_times:
@@ -239,105 +222,37 @@ class ExecutorService:
 
     def _hand_back_overdue(self) -> None:
         for request_id in self.engine.hand_back_overdue():
-            owned = self._release(request_id, "handed back")
+            owned = self.requests.release(request_id, "handed back")
             message = f"executor busy: waited {self.engine.config.max_waiting_time:g} s without starting"
             self._send_error(owned.identity, request_id, message, protocol.BUSY, owned.trace_id)
 
     def _queue(self, out: StepOutput) -> None:
-        owned = self.owners.get(out.request_id)
+        owned = self.requests.get(out.request_id)
         if owned is None:
             log.error("engine produced output for request %s that no gateway owns", out.request_id)
             return
         if out.error is not None:  # refused after queueing (a grammar that failed to compile)
-            self._release(out.request_id, "refused")
+            self.requests.release(out.request_id, "refused")
             self._send_error(owned.identity, out.request_id, out.error, out.error_code, owned.trace_id)
             return
-        logprobs = None
-        self._count_tokens(owned, out)
-        if any(lp is not None for lp in out.new_logprobs):
-            logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]
-        prompt_logprobs = None
-        if out.prompt_logprobs is not None:
-            prompt_logprobs = [_wire_logprobs(lp) for lp in out.prompt_logprobs]
-        self._emit(
-            owned,
-            protocol.RequestUpdate(
-                out.request_id,
-                out.new_token_ids,
-                logprobs,
-                out.finish_reason,
-                out.num_cached_tokens,
-                prompt_logprobs=prompt_logprobs,
-                index=out.index,
-                kv_block_seconds=_kv_block_seconds(owned) if out.group_finished else None,
-            ),
-        )
+        self.requests.step_output(owned, out)
         if out.group_finished:
-            self._release(out.request_id, out.finish_reason)
-
-    def _count_tokens(self, owned: Owned, out: StepOutput) -> None:
-        """vLLM's engine-side counts: prompt tokens and time to first token when the request's first token
-        comes (its choices share one prompt), every generated token as it comes."""
-        self.stats.counters["generation_tokens"] += len(out.new_token_ids)
-        r = owned.choices[0]
-        if owned.prefilled or not out.new_token_ids or not r.first_token_ns:
-            return
-        owned.prefilled = True
-        self.stats.counters["prompt_tokens"] += r.num_prompt_tokens
-        self.stats.histograms["time_to_first_token"].observe(max(0, r.first_token_ns - r.arrival_ns) / 1e9)
+            self.requests.release(out.request_id, out.finish_reason)
 
     def _finished(self, request_id: str, indexes: list[int]) -> None:
-        """Aborted choices end with an update each; the request is released once none of it runs, and the
-        first of its last updates says what its KV held."""
-        owned = self.owners[request_id]
+        """Aborted choices end with an update each; the request is released once none of it runs."""
         ended = not self.engine.is_unfinished(request_id)
-        for i, index in enumerate(indexes or [0]):  # none left to stop: the gateway still hears that it ended
-            kv_block_seconds = _kv_block_seconds(owned) if ended and i == 0 else None
-            self._emit(
-                owned,
-                protocol.RequestUpdate(
-                    request_id, [], None, "abort", 0, index=index, kv_block_seconds=kv_block_seconds
-                ),
-            )
+        self.requests.aborted(request_id, indexes, ended)
         if ended:
-            self._release(request_id, "abort")
-
-    def _release(self, request_id: str, reason: str) -> Owned:
-        """Forget a request that ended, for whatever reason; a traced one's spans go out now its life is known."""
-        owned = self.owners.pop(request_id)
-        r = owned.choices[0]
-        if reason not in NOT_RUN_HERE:
-            end = max(c.finished_ns for c in owned.choices) or time.time_ns()
-            self.stats.histograms["e2e_request_latency"].observe(max(0, end - r.arrival_ns) / 1e9)
-        log.info(
-            "request %s ended (%s): %d prompt tokens (%d cached), %d choices, %d output tokens, %d preemptions, "
-            "%.3f KV block-seconds",
-            request_id,
-            reason,
-            r.num_prompt_tokens,
-            max(0, r.num_cached_tokens),
-            len(owned.choices),
-            sum(c.num_output_tokens for c in owned.choices),
-            sum(c.num_preemptions for c in owned.choices),
-            _kv_block_seconds(owned),
-            extra=_ids(request_id, owned.trace_id),
-        )
-        if owned.parent is not None:
-            try:
-                record_request_spans(r, owned.parent, self.index.executor_id, owned.tenant, reason)
-            except Exception:  # a tracing fault must not cost a request its answer
-                log.exception(
-                    "recording the spans of request %s failed",
-                    request_id,
-                    extra=_ids(request_id, owned.trace_id),
-                )
-        return owned
+            self.requests.release(request_id, "abort")
 
     def _abort_all(self, why: str, identity: bytes | None = None) -> None:
         """Abort every request, or only those of the gateway with this identity."""
-        for request_id, owned in list(self.owners.items()):
+        for request_id, owned in list(self.requests.owners.items()):
             if identity is None or owned.identity == identity:
-                log.info("aborting request %s: %s", request_id, why, extra=_ids(request_id, owned.trace_id))
+                log.info(
+                    "aborting request %s: %s", request_id, why, extra=log_ids(request_id, owned.trace_id)
+                )
                 self._finished(request_id, self.engine.abort(request_id))
 
     def _abort_orphans(self) -> bool:
@@ -353,38 +268,35 @@ class ExecutorService:
 
     def _fail(self, identity: bytes, request_id: str, message: str) -> None:
         """An internal fault: the request ends with a 500, whatever state the engine has for it is dropped."""
-        owned = self.owners.get(request_id)
+        owned = self.requests.get(request_id)
         trace_id = owned.trace_id if owned is not None else None
         if owned is None or owned.identity == identity:  # never another gateway's request of that id
             try:
                 self.engine.abort(request_id)
             except Exception:
-                log.exception("abort of request %s failed too", request_id, extra=_ids(request_id, trace_id))
+                log.exception(
+                    "abort of request %s failed too", request_id, extra=log_ids(request_id, trace_id)
+                )
             if owned is not None:
-                self._release(request_id, "error")
+                self.requests.release(request_id, "error")
         self._send_error(identity, request_id, message, 500, trace_id)
 
     def _fail_all(self, message: str) -> None:
-        for request_id, owned in list(self.owners.items()):
+        for request_id, owned in list(self.requests.owners.items()):
             self._fail(owned.identity, request_id, message)
-
-    def _emit(self, owned: Owned, update: protocol.RequestUpdate) -> None:
-        update.seq, owned.next_seq = owned.next_seq, owned.next_seq + 1
-        self.outbox[owned.identity].append(update)
 
     def _flush(self) -> None:
         """One StepBatch per gateway holding all of its requests' updates, after what still waits for it."""
         self.wire.retry()
-        for identity, updates in self.outbox.items():
+        for identity, updates in self.requests.take_updates().items():
             self.wire.send_updates(identity, updates)
-        self.outbox.clear()
         self._end_undeliverable()
 
     def _end_undeliverable(self) -> None:
         """Requests whose updates cannot reach their gateway end here, their blocks freed: with an error when
         the gateway is still there to read it, so its client never gets a stream with tokens missing."""
         for identity in self.wire.behind():
-            lost = self.wire.drop(identity) | {r for r, o in self.owners.items() if o.identity == identity}
+            lost = self.wire.drop(identity) | self.requests.of_gateway(identity)
             why = f"this gateway fell behind reading its updates (over {self.wire.max_unsent} step messages)"
             self._undeliverable(identity, lost, why)
         for identity, request_ids in self.wire.oversized.items():
@@ -397,11 +309,11 @@ class ExecutorService:
 
     def _undeliverable(self, identity: bytes, request_ids: set[str], why: str) -> None:
         for request_id in sorted(request_ids):
-            owned = self.owners.get(request_id)
+            owned = self.requests.get(request_id)
             trace_id = owned.trace_id if owned is not None else None
             if owned is not None and owned.identity == identity:
                 self.engine.abort(request_id)
-                self._release(request_id, "undeliverable")
+                self.requests.release(request_id, "undeliverable")
             message = f"updates of this request could not be delivered: {why}"
             self._send_error(identity, request_id, message, protocol.UNDELIVERABLE, trace_id)
 
@@ -412,7 +324,13 @@ class ExecutorService:
         if code == protocol.BUSY:
             level = logging.DEBUG  # routine under load: the gateway sends the request elsewhere
         log.log(
-            level, "request %s %s (%d): %s", request_id, what, code, message, extra=_ids(request_id, trace_id)
+            level,
+            "request %s %s (%d): %s",
+            request_id,
+            what,
+            code,
+            message,
+            extra=log_ids(request_id, trace_id),
         )
         self.wire.send(identity, protocol.RequestError(request_id, message, code))
 
@@ -433,19 +351,3 @@ class ExecutorService:
         for numbers in (self.stats.counters, self.stats.gauges):
             numbers.update({name: getattr(stats, name) for name in numbers if name not in COUNTED_HERE})
         return self.stats.to_hash()
-
-
-def _ids(request_id: str | None, trace_id: str | None) -> dict[str, str | None]:
-    """`extra` for a log line about one request (shared.logs puts the ids in their own fields)."""
-    return {"request_id": request_id, "trace_id": trace_id}
-
-
-def _kv_block_seconds(owned: Owned) -> float:
-    """What a request's KV held, all its choices together (a group's shared prompt blocks counted once)."""
-    return sum(choice.kv_block_seconds for choice in owned.choices)
-
-
-def _wire_logprobs(lp: TokenLogprobs | None) -> list | None:
-    if lp is None:
-        return None
-    return [lp.token_id, lp.logprob, lp.rank, [[t, p] for t, p in lp.top]]

@@ -372,6 +372,7 @@ class _NoRedis:
     """Stands in for the IndexWriter where a test is about the loop alone."""
 
     peer_has_room = True  # as if another executor were idle: a request waiting too long may be handed back
+    executor_id = "local"
 
     def publish(self, *args) -> None:
         pass
@@ -498,7 +499,7 @@ def test_a_request_that_waits_too_long_without_starting_is_handed_back_as_busy(t
         waited = time.monotonic() - sent
         assert msg.request_id == "behind" and msg.code == protocol.BUSY and "without starting" in msg.message
         assert 0.3 <= waited < 5
-        assert set(service.owners) == {"long"}  # the one running stays; nothing of "behind" is left
+        assert set(service.requests.owners) == {"long"}  # the one running stays; nothing of "behind" is left
         client.send(protocol.AbortRequest("long"))
 
 
