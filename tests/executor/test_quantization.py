@@ -15,7 +15,7 @@ from executor.kv.sizing import profile_kv_bytes, weight_bytes
 from kvkernels.cpu_extension import cpu_kernels
 from kvkernels.quantized import QuantizedLinear
 from kvkernels.weight_quantization import Fp8Linear, TiedEmbedding, fp8_matmul_available
-from tests.executor.test_kv_sizing import GIB, FakeCudaMemory, LiveBytes
+from tests.executor.kv.test_sizing import GIB, FakeCudaMemory, LiveBytes
 
 # a fixed prompt set; greedy int8 tokens are compared with float32's on the default model
 PROMPTS = [

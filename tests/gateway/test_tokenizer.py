@@ -107,7 +107,7 @@ def gguf_model(tmp_path_factory) -> str:
     from transformers import LlamaForCausalLM
 
     from executor.models.gguf_convert import convert_gguf
-    from tests.executor.test_model_files import gguf_config, write_gguf
+    from tests.executor.models.test_model_files import gguf_config, write_gguf
 
     path = tmp_path_factory.mktemp("gguf")
     gguf_path = write_gguf(path / "tiny.gguf", LlamaForCausalLM(gguf_config("llama")), "llama")

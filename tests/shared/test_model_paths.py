@@ -35,7 +35,7 @@ def test_a_new_gguf_file_is_converted_by_a_kvserve_model_pull_child(tmp_path, mo
     from transformers import LlamaForCausalLM
 
     from gateway.prompt.tokenizer import load_tokenizer
-    from tests.executor.test_model_files import gguf_config, write_gguf
+    from tests.executor.models.test_model_files import gguf_config, write_gguf
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     gguf_path = write_gguf(tmp_path / "tiny.gguf", LlamaForCausalLM(gguf_config("llama")), "llama")

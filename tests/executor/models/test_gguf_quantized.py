@@ -24,7 +24,7 @@ from kvkernels.cpu_extension import cpu_kernels
 from kvkernels.quantized import QuantizedLinear, QuantizedWeight
 from kvkernels.weight_quantization import TiedEmbedding
 from shared.model_paths import GGUF_BLOCKS
-from tests.executor.test_model_files import gguf_config, write_gguf
+from tests.executor.models.test_model_files import gguf_config, write_gguf
 
 Q = GGMLQuantizationType
 QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants can write these
