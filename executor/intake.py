@@ -2,7 +2,8 @@
 engine's one map of unfinished requests until its last choice ends.
 
 A bad request raises ValueError naming the field and touches nothing. Parallel sampling (n > 1): choice 0 keeps the
-request's id and carries the others in its forks until its prompt is prefilled (executor/scheduling/scheduler.py's fork).
+request's id and carries the others in its forks until its prompt is prefilled (executor/scheduling/scheduler.py's
+fork).
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
-    # fair share (executor/scheduling/fair_share.py): whose request it is (None: the anonymous tenant), the tenant's weight,
-    # and its priority within the tenant (lower first)
+    # fair share (executor/scheduling/fair_share.py): whose request it is (None: the anonymous tenant), the
+    # tenant's weight, and its priority within the tenant (lower first)
     tenant: str | None = None
     weight: float = 1.0
     priority: int = 0

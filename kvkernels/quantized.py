@@ -1,6 +1,6 @@
 """Quantized linear weights: integers with a float scale (and, for GGUF's Q4_1 and K types, an offset) per group
 of consecutive inputs of one output row. Both sources land here: --quantization int8 quantizes a float checkpoint
-at load time, and a GGUF's quantized blocks convert into it without loss (executor/gguf_quantized.py).
+at load time, and a GGUF's quantized blocks convert into it without loss (executor/models/gguf_quantized.py).
 
 w[n, k] = values[n, k] * scales[n, k // group_size] (+ offsets[n, k // group_size])
 """

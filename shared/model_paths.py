@@ -1,5 +1,5 @@
 """Where a model's directory is, from its name, without reading it: the engine converts and loads what lies there
-(executor/model_files.py), the gateway reads only its tokenizer, and neither needs torch to find it."""
+(executor/models/model_files.py), the gateway reads only its tokenizer, and neither needs torch to find it."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from shared.defaults import DEFAULT_MODEL
 from shared.parent_death import dying_with_this_process
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-# a converted GGUF's quantized weights as they are (executor/gguf_quantized.py), in a subfolder: HF loaders and
-# the *.safetensors of a model directory leave it alone
+# a converted GGUF's quantized weights as they are (executor/models/gguf_quantized.py), in a subfolder: HF loaders
+# and the *.safetensors of a model directory leave it alone
 GGUF_BLOCKS = Path("gguf-blocks") / "weights.safetensors"
 
 

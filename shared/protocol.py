@@ -59,8 +59,8 @@ class GenerateRequest:
     tenant: str | None = None
     cache_salt: str | None = None
     traceparent: str | None = None  # W3C trace context, so one trace spans both processes
-    # fair share (executor/fair_share.py): the tenant's weight, and the request's priority within its tenant
-    # (lower first, as vLLM's `priority`)
+    # fair share (executor/scheduling/fair_share.py): the tenant's weight, and the request's priority within its
+    # tenant (lower first, as vLLM's `priority`)
     tenant_weight: float = 1.0
     priority: int = 0
 
@@ -76,7 +76,7 @@ class AbortRequest:
 @dataclass(slots=True)
 class GatewayHeartbeat:
     """The gateway still reads what it asked for: an executor that has had one from a gateway and then hears
-    nothing from it for GATEWAY_SILENCE_S aborts its requests (executor/gateway_liveness.py)."""
+    nothing from it for GATEWAY_SILENCE_S aborts its requests (executor/service/gateway_liveness.py)."""
 
     TYPE: ClassVar[str] = "heartbeat"
 

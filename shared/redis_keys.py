@@ -1,4 +1,4 @@
-"""Every Redis key kvserve uses, in one place: the executor index (executor/index_writer.py writes it,
+"""Every Redis key kvserve uses, in one place: the executor index (executor/service/index_writer.py writes it,
 gateway/routing/index_reader.py reads it), tenants' API keys and usage.
 
 Layout (`<id>` is an executor id):

@@ -2,10 +2,11 @@
 Models", Sheng et al., OSDI 2024).
 
 Each tenant with work has a counter of the service it received, in tokens divided by its weight; the scheduler
-hands the next prefill chunk to the tenant whose counter is lowest (executor/scheduling/scheduler.py), so tenants that are
-all backlogged get tokens in proportion to their weights, and a burst waits behind itself. A tenant that had no
-work is lifted, when work arrives, to the lowest counter among tenants that have some: time spent idle banks no
-credit to spend later in a burst of its own, and a tenant cannot escape a debt by going idle for a moment.
+hands the next prefill chunk to the tenant whose counter is lowest (executor/scheduling/scheduler.py), so tenants
+that are all backlogged get tokens in proportion to their weights, and a burst waits behind itself. A tenant that
+had no work is lifted, when work arrives, to the lowest counter among tenants that have some: time spent idle
+banks no credit to spend later in a burst of its own, and a tenant cannot escape a debt by going idle for a
+moment.
 """
 
 from __future__ import annotations

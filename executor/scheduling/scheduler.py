@@ -7,10 +7,10 @@ place that moves a request's num_computed_tokens.
 Fair share. Every running decode goes first, each step, and a step computes at most max_num_batched_tokens
 tokens, decodes included: whatever any tenant prefills, a stream's next token waits one step at most. What the
 budget leaves is handed out one prefill chunk at a time, to the tenant with the least service so far
-(executor/scheduling/fair_share.py), counting this step's chunks: that tenant's partial prefills first, oldest first, then
-its next waiting request. So a tenant's burst of long prompts waits behind itself, and the tenants' prefill
-tokens follow their weights while all have work. With fair share off, or with one tenant, the order is first
-come first served: running prefills, oldest first, then the waiting requests in their order.
+(executor/scheduling/fair_share.py), counting this step's chunks: that tenant's partial prefills first, oldest
+first, then its next waiting request. So a tenant's burst of long prompts waits behind itself, and the tenants'
+prefill tokens follow their weights while all have work. With fair share off, or with one tenant, the order is
+first come first served: running prefills, oldest first, then the waiting requests in their order.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Requests waiting to start: a queue per tenant, and the places each tenant may hold.
 
 Within a tenant, a lower priority value goes first (vLLM's `priority`), then first come first served; a preempted
-request goes back first in its tenant's line. Which tenant's turn it is, is the scheduler's (executor/scheduling/fair_share.py).
-A tenant holds at most --max-waiting-seqs places (and --max-waiting-tokens prompt tokens to prefill), all tenants
-together TENANTS_SHARE times that: a tenant's burst fills its own places, and another tenant's request still finds
-one. With fair share off, every request queues as one tenant: one line, one bound.
+request goes back first in its tenant's line. Which tenant's turn it is, is the scheduler's
+(executor/scheduling/fair_share.py). A tenant holds at most --max-waiting-seqs places (and --max-waiting-tokens
+prompt tokens to prefill), all tenants together TENANTS_SHARE times that: a tenant's burst fills its own places,
+and another tenant's request still finds one. With fair share off, every request queues as one tenant: one line,
+one bound.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """What a structured-outputs spec compiles to: the grammar library's calls and the fixes its output needs. It runs in
-the compile worker's process (executor/structured/grammar_worker.py), so it holds nothing but the compiler it is given."""
+the compile worker's process (executor/structured/grammar_worker.py), so it holds nothing but the compiler it is
+given."""
 
 from __future__ import annotations
 

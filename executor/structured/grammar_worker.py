@@ -2,15 +2,15 @@
 
 A compile runs inside the library's C++ code for as long as the grammar asks (a regex's time grows with the square
 of its length: half an hour at 6 KB) and no thread can stop it, but a process can be killed. So each grammar is
-compiled first in one worker process, `python -m executor.structured.grammar_worker`, under a deadline: a fresh interpreter
-(the executor runs torch's threads, and a fork would copy the locks they hold; multiprocessing's spawn would also
-run the parent's main script again, which an offline script without a main guard does not survive), at a lower CPU
-priority (it takes what the engine leaves), sent the tokenizer info once as the library's JSON and then one spec at
-a time, answering whether it compiled. It does not send the compiled grammar back: the library's only format is
-JSON of every token mask, 10-50x slower to write than the compile, so the parent compiles a spec again once the
-worker has shown it fits the deadline. It never outlives the executor: between compiles the pipe's closing ends
-it; during one, on Linux, the kernel kills it when the parent's thread that started it (the compile thread, which
-lives as long as the executor's grammars) ends, crashes included.
+compiled first in one worker process, `python -m executor.structured.grammar_worker`, under a deadline: a fresh
+interpreter (the executor runs torch's threads, and a fork would copy the locks they hold; multiprocessing's spawn
+would also run the parent's main script again, which an offline script without a main guard does not survive), at
+a lower CPU priority (it takes what the engine leaves), sent the tokenizer info once as the library's JSON and
+then one spec at a time, answering whether it compiled. It does not send the compiled grammar back: the library's
+only format is JSON of every token mask, 10-50x slower to write than the compile, so the parent compiles a spec
+again once the worker has shown it fits the deadline. It never outlives the executor: between compiles the pipe's
+closing ends it; during one, on Linux, the kernel kills it when the parent's thread that started it (the compile
+thread, which lives as long as the executor's grammars) ends, crashes included.
 """
 
 from __future__ import annotations

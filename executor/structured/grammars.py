@@ -3,10 +3,11 @@
 The grammar library is xgrammar (vLLM's and SGLang's default): at the default model's 49k vocabulary it fills a
 mask in ~5 us a token, several times faster than llguidance. A grammar's compile time is the client's to choose
 (a regex's grows with the square of its length), so no compile may stall anyone: each is tried first in a worker
-process under --grammar-compile-timeout (executor/structured/grammar_worker.py), which fails only that request, and one that
-fits is compiled again here, on the compile thread. Specs take turns by tenant (executor/scheduling/tenant_turns.py).
-Compiled grammars are kept per tenant and spec in a bounded LRU: another tenant's compile is never a hit, so
-timing tells no tenant what another asked. A failed compile is a ValueError naming structured_outputs.<kind>.
+process under --grammar-compile-timeout (executor/structured/grammar_worker.py), which fails only that request,
+and one that fits is compiled again here, on the compile thread. Specs take turns by tenant
+(executor/scheduling/tenant_turns.py). Compiled grammars are kept per tenant and spec in a bounded LRU: another
+tenant's compile is never a hit, so timing tells no tenant what another asked. A failed compile is a ValueError
+naming structured_outputs.<kind>.
 
 Rows without a grammar cost nothing: no mask exists when no row of the batch is constrained. The matcher advances
 only with emitted tokens, which survive preemption, so recompute needs nothing from here. Speculation: each

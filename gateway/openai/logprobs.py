@@ -24,7 +24,8 @@ class TokenLogprob:
 
 def token_logprob(entry) -> TokenLogprob:
     """From the wire's `[token_id, logprob, rank, [[id, logprob], ...]]` (shared.protocol) or an object with
-    those attributes (executor.sampler.TokenLogprobs), so the gateway reads either without caring which."""
+    those attributes (executor.sampling.sampler.TokenLogprobs), so the gateway reads either without caring
+    which."""
     if isinstance(entry, (list, tuple)):
         token_id, logprob, rank, top = entry
     else:

@@ -1,14 +1,14 @@
 """Back-pressure at the gateway: a request no executor can start soon waits here, not in an executor's queue.
 
-An executor's waiting queue is bounded per tenant and for all tenants together (executor/waiting_queue.py). The
-router skips executors without room for the request's tenant; when no live one has room, the request waits in
-this backlog, in its tenant's line, oldest arrival first, until one has room. Each tenant's line has one
-reader, its oldest request, which asks Redis (with backoff, and at once when a request of this gateway ends), so
-a long backlog costs one reader per tenant waiting, and a tenant's burst waits behind itself: another tenant's
-request, with places free for it, never queues behind it. Work then goes to whichever executor frees first,
-never to one queue chosen at arrival. Past the deadline (--queue-timeout after arrival) the request gets 503 with
-Retry-After. Executors that keep one bound for all tenants (--no-fair-share) get one line for all, as they have
-one queue.
+An executor's waiting queue is bounded per tenant and for all tenants together
+(executor/scheduling/waiting_queue.py). The router skips executors without room for the request's tenant; when no
+live one has room, the request waits in this backlog, in its tenant's line, oldest arrival first, until one has
+room. Each tenant's line has one reader, its oldest request, which asks Redis (with backoff, and at once when a
+request of this gateway ends), so a long backlog costs one reader per tenant waiting, and a tenant's burst waits
+behind itself: another tenant's request, with places free for it, never queues behind it. Work then goes to
+whichever executor frees first, never to one queue chosen at arrival. Past the deadline (--queue-timeout after
+arrival) the request gets 503 with Retry-After. Executors that keep one bound for all tenants (--no-fair-share)
+get one line for all, as they have one queue.
 
 An executor may also refuse one request as busy while publishing room: its tenant has all its places waiting for
 grammars to compile. Such a request tries another executor at once; with none, it waits out of turn (its own

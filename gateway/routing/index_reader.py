@@ -1,5 +1,5 @@
-"""The reading half of the executor index in Redis (executor/index_writer.py writes it): what the gateway knows
-of the executors, read fresh for each request (the gateway keeps none).
+"""The reading half of the executor index in Redis (executor/service/index_writer.py writes it): what the gateway
+knows of the executors, read fresh for each request (the gateway keeps none).
 
 One Lua script reads everything a routing decision needs in a single round trip: which registered executors
 are still alive, their registration, which of the prompt's block hashes each holds, and each one's load.
