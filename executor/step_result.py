@@ -51,7 +51,8 @@ class EngineStats:
     spec_draft_tokens: int
     spec_accepted_tokens: int
     block_hash_mismatches: int  # requests whose gateway hashed their prompt otherwise
-    structured_output_mask_seconds: float  # building and applying token masks (bench/offline/structured_outputs.py)
+    # building and applying token masks (bench/offline/structured_outputs.py)
+    structured_output_mask_seconds: float
 
     @property
     def kv_usage(self) -> float:

@@ -31,7 +31,8 @@ class StepSampler:
         self.runner = runner  # its lm head scores the prompt rows
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self.mask_seconds = 0.0  # spent building and applying token masks, for bench/offline/structured_outputs.py
+        # spent building and applying token masks, for bench/offline/structured_outputs.py
+        self.mask_seconds = 0.0
 
     def __call__(self, step: StepLogits, fork: Callable[[Request], list[Request]]) -> SampledTokens:
         """fork(request): the choices a group's first choice forks into now its prompt is prefilled."""
