@@ -37,6 +37,7 @@ from executor.structured.grammars import Grammars
 from kvkernels.backend import choose_kernels
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputsParams
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long at most for a grammar to be ready
 
@@ -74,18 +75,14 @@ class Engine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        cache_salt: str | None = None,
+        tenant: Tenant = ANONYMOUS_TENANT,
         block_hashes: Sequence[bytes] = (),
-        tenant: str | None = None,
-        weight: float = 1.0,
         priority: int = 0,
     ) -> list[Request]:
         """Validate and queue; the request's choices (n > 1), the first carrying the prompt. A bad request raises
         ValueError naming the field and touches nothing else, one that must wait for a compile while too many do
         raises EngineBusy. block_hashes: the prompt's chain as the gateway hashed it, checked against the engine's."""
-        choices = self.intake.add(
-            request_id, prompt, params, cache_salt, block_hashes, tenant, weight, priority
-        )
+        choices = self.intake.add(request_id, prompt, params, tenant, block_hashes, priority)
         request = choices[0]
         if request.grammar is not None and not request.grammar.future.done():
             self.grammar_queue.hold(request)  # to the scheduler once its grammar is ready (_admit_compiled)
@@ -130,7 +127,7 @@ class Engine:
         """All tenants together may have this many times --max-waiting-seqs waiting (1: one bound for all)."""
         return TENANTS_SHARE if self.config.fair_share else 1
 
-    def queue_full_for(self, tenant: str | None) -> bool:
+    def queue_full_for(self, tenant: Tenant) -> bool:
         """A new request of tenant's finds no place in the waiting queue: its own places (--max-waiting-seqs,
         --max-waiting-tokens) are taken, or all tenants' together."""
         return self.scheduler.queue_full_for(tenant)
@@ -152,8 +149,8 @@ class Engine:
         """The grammars compiled for this tokenizer (built on first use, with the process that compiles them)."""
         return self.grammar_queue.grammars
 
-    def compile_grammar(self, spec: StructuredOutputsParams, cache_salt: str | None = None) -> Future:
-        return self.grammars.compile(spec, cache_salt)
+    def compile_grammar(self, spec: StructuredOutputsParams, tenant: Tenant = ANONYMOUS_TENANT) -> Future:
+        return self.grammars.compile(spec, tenant)
 
     def close(self) -> None:
         """Let go of what outlives the engine's own objects: the grammar compile process and its thread."""

@@ -20,8 +20,8 @@ from executor.sampling.sampling_state import PromptTerms, SamplingState
 from executor.structured.grammar_queue import GrammarQueue
 from executor.structured.grammars import RequestGrammar
 from shared.block_hash import hash_blocks
-from shared.protocol import MAX_TENANT_WEIGHT
 from shared.sampling_params import SamplingParams
+from shared.tenant import MAX_TENANT_WEIGHT, Tenant
 
 log = logging.getLogger("kvserve.engine")
 
@@ -63,10 +63,8 @@ class Intake:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        cache_salt: str | None,
+        tenant: Tenant,
         block_hashes: Sequence[bytes],
-        tenant: str | None,
-        weight: float,
         priority: int,
     ) -> list[Request]:
         """Check and build a request's choices, the first carrying the others in its forks; it raises EngineBusy
@@ -75,8 +73,10 @@ class Intake:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        if not 0 < weight <= MAX_TENANT_WEIGHT:  # the fair share divides service by it
-            raise ValueError(f"weight: a tenant's weight must be in (0, {MAX_TENANT_WEIGHT:g}], got {weight}")
+        if not 0 < tenant.weight <= MAX_TENANT_WEIGHT:  # the fair share divides service by it
+            raise ValueError(
+                f"weight: a tenant's weight must be in (0, {MAX_TENANT_WEIGHT:g}], got {tenant.weight}"
+            )
         token_ids = self._prompt_token_ids(prompt)
         self._check_fits(len(token_ids), params)
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
@@ -87,7 +87,7 @@ class Intake:
         if taken is not None:
             raise ValueError(f"request_id: {taken!r} is already in use")
         spec = params.structured_outputs
-        compiled = None if spec is None else self.grammar_queue.compiled(spec, cache_salt)
+        compiled = None if spec is None else self.grammar_queue.compiled(spec, tenant)
         prompt_terms = PromptTerms(params, token_ids)  # built once, at the first step, for every choice
         choices = [
             Request(
@@ -95,9 +95,7 @@ class Intake:
                 token_ids,
                 params,
                 self.eos_token_ids,
-                cache_salt=cache_salt,
                 tenant=tenant,
-                weight=weight,
                 priority=priority,
                 generator=self._generator(params.choice_seed(index)),
                 grammar=None if compiled is None else RequestGrammar(compiled),  # a matcher each
@@ -177,7 +175,7 @@ class Intake:
         cached prefix finds nothing here, and the hit rate drops to 0 without a word otherwise."""
         n = min(len(sent), HASHES_CHECKED)
         request.block_hashes = hash_blocks(
-            request.token_ids[: n * self.block_size], self.block_size, request.cache_salt
+            request.token_ids[: n * self.block_size], self.block_size, request.tenant.cache_salt
         )
         if list(sent[:n]) == request.block_hashes:
             return

@@ -11,6 +11,7 @@ import torch
 
 from executor.sampling.sampling_state import SamplingState
 from shared.sampling_params import SamplingParams
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 if TYPE_CHECKING:
     from executor.sampling.sampler import TokenLogprobs
@@ -29,12 +30,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    cache_salt: str | None = None
-    # fair share (executor/scheduling/fair_share.py): whose request it is (None: the anonymous tenant), the
-    # tenant's weight, and its priority within the tenant (lower first)
-    tenant: str | None = None
-    weight: float = 1.0
-    priority: int = 0
+    # whose request it is (shared/tenant.py): its fair share, waiting places, KV share and cache salt go by it
+    tenant: Tenant = ANONYMOUS_TENANT
+    priority: int = 0  # within its tenant, lower first (executor/scheduling/waiting_queue.py)
     # wall-clock times (time.time_ns) of its life, for queue-time metrics and trace spans; 0 until it happens
     arrival_ns: int = field(default_factory=time.time_ns)
     queued_ns: int = 0  # when it joined the scheduler's queue (later than arrival while its grammar compiled)

@@ -147,11 +147,11 @@ class Gateway:
         try:
             caller = await self.tenancy.identify(request.headers)
             if request.method == "DELETE":
-                if not await self.store.delete(caller.tenant, response_id):
+                if not await self.store.delete(caller.tenant.name, response_id):
                     raise response_not_found(response_id)
                 body = {"id": response_id, "object": "response.deleted", "deleted": True}
             else:
-                record = await self.store.load(caller.tenant, response_id)
+                record = await self.store.load(caller.tenant.name, response_id)
                 if record is None:
                     raise response_not_found(response_id)
                 body = record["response"]

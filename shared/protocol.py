@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from shared.tenant import ANONYMOUS_TENANT, MAX_TENANT_WEIGHT, Tenant
+
 PROTOCOL_VERSION = 2  # 2: RequestUpdate.seq, which the gateway needs to see a lost update
 # The largest message either side sends or accepts (ZMQ_MAXMSGSIZE on every socket). The largest legitimate ones:
 # - a generate request whose prompt came from the gateway's largest body (4 MiB, gateway.openai.body's
@@ -31,7 +33,6 @@ PROTOCOL_VERSION = 2  # 2: RequestUpdate.seq, which the gateway needs to see a l
 # - an update carrying the prompt logprobs of a 128k-token prompt with 20 top entries each (~340 bytes a token):
 #   ~44 MiB. The executor splits a step's batch that would be larger, and fails a request whose one update is.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-MAX_TENANT_WEIGHT = 1000.0  # a tenant's fair-share weight is in (0, this]
 MAX_PRIORITY = 2**31  # a request's priority is within +- this
 
 # logprobs of one generated token: [token_id, logprob, rank, [[token_id, logprob], ...]] (top entries, best first)
@@ -56,12 +57,11 @@ class GenerateRequest:
         default_factory=list
     )  # the prompt's full-block chain (shared.block_hash)
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields by name
-    tenant: str | None = None
-    cache_salt: str | None = None
+    # whose it is; on the wire as three keys: tenant (its name, nil for the anonymous one), cache_salt and
+    # tenant_weight
+    tenant: Tenant = ANONYMOUS_TENANT
     traceparent: str | None = None  # W3C trace context, so one trace spans both processes
-    # fair share (executor/scheduling/fair_share.py): the tenant's weight, and the request's priority within its
-    # tenant (lower first, as vLLM's `priority`)
-    tenant_weight: float = 1.0
+    # the request's own, not its tenant's: within its tenant, lower first (vLLM's `priority`)
     priority: int = 0
 
 
@@ -149,6 +149,8 @@ def encode(msg: Message) -> bytes:
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
     if isinstance(msg, StepBatch):
         body["outputs"] = [_update_fields(update) for update in msg.outputs]
+    elif isinstance(msg, GenerateRequest):
+        body.update(_generate_fields(msg))
     else:
         body.update(_fields(msg))
     return msgpack.packb(body, use_bin_type=True)
@@ -176,6 +178,14 @@ def decode(data: bytes) -> Message:
 
 def _fields(msg) -> dict[str, Any]:
     return {name: getattr(msg, name) for name in msg.__slots__}
+
+
+def _generate_fields(request: GenerateRequest) -> dict[str, Any]:
+    fields = _fields(request)
+    tenant = fields.pop("tenant")
+    name = None if tenant == ANONYMOUS_TENANT else tenant.name  # nil, as the wire has always named it
+    fields.update(tenant=name, cache_salt=tenant.cache_salt, tenant_weight=tenant.weight)
+    return fields
 
 
 def _update_fields(update: RequestUpdate) -> dict[str, Any]:
@@ -254,19 +264,24 @@ def _read_generate(f: _Fields) -> GenerateRequest:
             [],
         ),
         sampling=f.get("sampling", lambda v: isinstance(v, dict), "a map of sampling parameters", {}),
-        tenant=f.optional_text("tenant"),
-        tenant_weight=f.get(
-            "tenant_weight",
-            lambda v: _is_number(v) and 0 < v <= MAX_TENANT_WEIGHT,
-            "a number in (0, 1000]",
-            1.0,
-        ),
+        tenant=_read_tenant(f),
         priority=f.get(
             "priority", lambda v: _is_int(v) and abs(v) <= MAX_PRIORITY, "an integer in +-2**31", 0
         ),
-        cache_salt=f.optional_text("cache_salt"),
         traceparent=f.optional_text("traceparent"),
     )
+
+
+def _read_tenant(f: _Fields) -> Tenant:
+    """From its three keys; no name (nil) is the anonymous tenant."""
+    name = f.optional_text("tenant")
+    weight = f.get(
+        "tenant_weight",
+        lambda v: _is_number(v) and 0 < v <= MAX_TENANT_WEIGHT,
+        "a number in (0, 1000]",
+        1.0,
+    )
+    return Tenant(ANONYMOUS_TENANT.name if name is None else name, f.optional_text("cache_salt"), weight)
 
 
 def _read_abort(f: _Fields) -> AbortRequest:

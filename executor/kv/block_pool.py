@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-Tenant = str | None  # None: the anonymous tenant
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 
 @dataclass(eq=False, slots=True)
@@ -26,7 +26,7 @@ class Block:
     # set once the block is full and its KV computed; kept after free so the block stays reusable
     block_hash: bytes | None = None
     # the tenant whose request last took it from the free blocks, and how often the prefix cache served it since
-    owner: Tenant = None
+    owner: Tenant = ANONYMOUS_TENANT
     num_hits: int = 0
 
 
@@ -47,7 +47,7 @@ class BlockPool:
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._idle: dict[Tenant, tuple[OrderedDict[int, Block], OrderedDict[int, Block]]] = {}
         self._num_free = num_blocks
-        # per tenant owning any: blocks referenced, and cached blocks nobody references; its last weight
+        # per tenant owning any: blocks referenced, and cached blocks nobody references; its latest weight
         self._num_held: dict[Tenant, int] = {}
         self._num_idle: dict[Tenant, int] = {}
         self._weights: dict[Tenant, float] = {}
@@ -92,23 +92,21 @@ class BlockPool:
                 self._add(self._num_idle, block.owner, -1)
             block.ref_count += 1
 
-    def num_allocatable(self, tenant: Tenant = None, weight: float = 1.0, evict_others: bool = True) -> int:
+    def num_allocatable(self, tenant: Tenant = ANONYMOUS_TENANT, evict_others: bool = True) -> int:
         """How many blocks allocate() with these arguments can hand out now."""
         if evict_others or not self.shares:
             return self._num_free
-        shares = self._shares(tenant, weight)
+        shares = self._shares(tenant)
         n = len(self._free) + self._num_idle.get(tenant, 0)
         for other, idle in self._num_idle.items():
             if other != tenant:  # evicted while over: usage - k > share, for k = 0, 1, ...
                 n += min(idle, max(0, self._usage(other) - math.floor(shares[other])))
         return n
 
-    def allocate(
-        self, n: int, tenant: Tenant = None, weight: float = 1.0, evict_others: bool = True
-    ) -> list[Block]:
-        """n blocks for a request of tenant (whose weight is weight), evicting cached blocks as the shares say;
+    def allocate(self, n: int, tenant: Tenant = ANONYMOUS_TENANT, evict_others: bool = True) -> list[Block]:
+        """n blocks for a request of tenant's (at the weight it carries), evicting cached blocks as the shares say;
         another tenant's blocks within its share only if evict_others."""
-        room = self.num_allocatable(tenant, weight, evict_others)
+        room = self.num_allocatable(tenant, evict_others)
         if n > room:
             raise RuntimeError(f"asked for {n} KV blocks, {room} to be had")
         # the shares, fixed for the call (num_allocatable's), are needed only once no free block is left: until
@@ -117,7 +115,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             if not self._free and shares is None:
-                shares = self._shares(tenant, weight)
+                shares = self._shares(tenant)
             block = self._victim(tenant, shares, evict_others)
             self._num_free -= 1
             if block.block_hash is not None:
@@ -126,7 +124,7 @@ class BlockPool:
             self._add(self._num_held, tenant, 1)
             out.append(block)
         if out:  # after the evictions: taking its own last cached block on the way would forget it
-            self._weights[tenant] = weight
+            self._weights[tenant] = tenant.weight
         return out
 
     def free(self, blocks: list[Block]) -> None:
@@ -191,11 +189,13 @@ class BlockPool:
         self._dequeue(block)
         return block
 
-    def _shares(self, tenant: Tenant, weight: float) -> dict[Tenant, float]:
+    def _shares(self, tenant: Tenant) -> dict[Tenant, float]:
         """Each tenant owning blocks, and tenant: its share of the pool in blocks, by weight."""
         # the asking tenant may own blocks taken in this call before its weight is recorded: it has it here
-        weights = {t: self._weights.get(t, weight) for t in self._num_held.keys() | self._num_idle.keys()}
-        weights[tenant] = weight
+        weights = {
+            t: self._weights.get(t, tenant.weight) for t in self._num_held.keys() | self._num_idle.keys()
+        }
+        weights[tenant] = tenant.weight
         total = sum(weights.values())
         return {t: self.num_blocks * w / total for t, w in weights.items()}
 

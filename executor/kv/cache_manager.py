@@ -103,7 +103,7 @@ class KVCacheManager:
         # cached blocks nobody holds sit in the free queue: taking them shrinks what is left to allocate
         num_reclaimed = sum(1 for b in cached_prefix if b.ref_count == 0)
         evict_others = self._may_evict_others(request)
-        room = self.pool.num_allocatable(request.tenant, request.weight, evict_others) - num_reclaimed
+        room = self.pool.num_allocatable(request.tenant, evict_others) - num_reclaimed
         if max(num_needed, 0) + len(shared) + reserve > room:
             return False
         old_len = len(table)
@@ -114,7 +114,7 @@ class KVCacheManager:
             table = table + list(cached_prefix)
             self._num_cached[request.request_id] = len(cached_prefix)
         if num_needed > 0:
-            table = table + self.pool.allocate(num_needed, request.tenant, request.weight, evict_others)
+            table = table + self.pool.allocate(num_needed, request.tenant, evict_others)
         self.tables[request.request_id] = table
         if shared:
             self._write_row(request.request_id, shared[0], table)
@@ -135,7 +135,7 @@ class KVCacheManager:
     ) -> list[Block]:
         """The table with its shared blocks at these positions replaced by private copies of them."""
         table = list(table)
-        copies = self.pool.allocate(len(shared), request.tenant, request.weight, evict_others)
+        copies = self.pool.allocate(len(shared), request.tenant, evict_others)
         self.pool.free([table[i] for i in shared])  # the siblings keep theirs
         for i, copy in zip(shared, copies, strict=True):
             self.pending_copies.append((table[i].block_id, copy.block_id))
@@ -205,5 +205,5 @@ class KVCacheManager:
     def _update_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             request.block_hashes = hash_blocks(
-                request.token_ids, self.block_size, request.cache_salt, request.block_hashes
+                request.token_ids, self.block_size, request.tenant.cache_salt, request.block_hashes
             )

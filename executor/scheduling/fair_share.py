@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from shared.tenant import Tenant
+
 # A prompt token found in the prefix cache costs no forward pass, but it holds a KV slot while its request runs and
 # is attended to at every step after; at no cost a tenant could replay long cached prompts without limit. A tenth
 # of a computed token: cheap enough that sending a shared prefix pays, dear enough that a flood of them counts.
@@ -23,34 +25,34 @@ REMEMBERED_IDLE_TENANTS = (
 
 
 class VirtualTokenCounter:
-    """Service received per tenant (None: the anonymous tenant, a tenant like any other), in weighted tokens."""
+    """Service received per tenant (the anonymous one a tenant like any other), in weighted tokens."""
 
     def __init__(self, remembered: int = REMEMBERED_IDLE_TENANTS) -> None:
-        self._active: dict[str | None, float] = {}  # tenants with work: their counters
-        self._num_requests: dict[str | None, int] = {}  # of each tenant with work: its requests
+        self._active: dict[Tenant, float] = {}  # tenants with work: their counters
+        self._num_requests: dict[Tenant, int] = {}  # of each tenant with work: its requests
         # counters of tenants without work, longest idle first; a forgotten one is lifted as a new tenant is
-        self._idle: OrderedDict[str | None, float] = OrderedDict()
+        self._idle: OrderedDict[Tenant, float] = OrderedDict()
         self._last_left = 0.0  # the counter of the last tenant to leave while none had work: the floor then
         self.remembered = remembered
 
-    def __contains__(self, tenant: str | None) -> bool:
+    def __contains__(self, tenant: Tenant) -> bool:
         """Whether the tenant has work."""
         return tenant in self._active
 
-    def of(self, tenant: str | None) -> float:
+    def of(self, tenant: Tenant) -> float:
         """A tenant's counter; one with no work, remembered or not, reads as it would be lifted on arrival."""
         if tenant in self._active:
             return self._active[tenant]
         return max(self._idle.get(tenant, 0.0), self._floor())
 
-    def join(self, tenant: str | None) -> None:
+    def join(self, tenant: Tenant) -> None:
         """A request of tenant's arrived; the first of a tenant without work lifts its counter to the floor."""
         if tenant not in self._active:
             self._active[tenant] = max(self._idle.pop(tenant, 0.0), self._floor())
             self._num_requests[tenant] = 0
         self._num_requests[tenant] += 1
 
-    def leave(self, tenant: str | None) -> None:
+    def leave(self, tenant: Tenant) -> None:
         """A request of tenant's finished; its last leaving makes the tenant idle."""
         self._num_requests[tenant] -= 1
         if self._num_requests[tenant]:
@@ -63,7 +65,7 @@ class VirtualTokenCounter:
         if len(self._idle) > self.remembered:
             self._idle.popitem(last=False)
 
-    def charge(self, tenant: str | None, weight: float, tokens: float) -> None:
+    def charge(self, tenant: Tenant, weight: float, tokens: float) -> None:
         """Count tokens of service (negative: give back service charged but not given) at the tenant's weight."""
         self._active[tenant] += tokens / weight
 

@@ -23,6 +23,7 @@ from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request, RequestStatus
 from executor.scheduling.fair_share import VirtualTokenCounter, service
 from executor.scheduling.waiting_queue import WaitingQueue
+from shared.tenant import Tenant
 
 
 @dataclass(slots=True)
@@ -100,7 +101,7 @@ class Scheduler:
         """Whether the waiting queue is at its bound, all tenants' places taken."""
         return self.waiting.full
 
-    def queue_full_for(self, tenant: str | None) -> bool:
+    def queue_full_for(self, tenant: Tenant) -> bool:
         """Whether a new request of tenant's would find no place in the waiting queue: it would wait for a step
         that is not near, so the service refuses it (the gateway sends it where it can start sooner, or holds it)."""
         return self.waiting.full_for(tenant)
@@ -117,7 +118,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._charged = {}
         budget = self.max_num_batched_tokens
-        prefills: dict[str | None, deque[Request]] = {}  # running prefills by tenant, oldest first
+        prefills: dict[Tenant, deque[Request]] = {}  # running prefills by tenant, oldest first
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens > 1:
                 prefills.setdefault(self.waiting.tenant_of(request), deque()).append(request)
@@ -143,7 +144,7 @@ class Scheduler:
         return out
 
     def _next_prefill(
-        self, prefills: dict[str | None, deque[Request]], admitting: bool, budget: int
+        self, prefills: dict[Tenant, deque[Request]], admitting: bool, budget: int
     ) -> Request | None:
         """The request whose prefill chunk goes next, None when no tenant has one to give (or may start one): the
         next of the tenant whose counter would be lowest once charged for the chunk, a tenant's partial prefills
@@ -151,7 +152,7 @@ class Scheduler:
         not before it: a chunk may be a whole step's budget, and an arriving tenant is lifted to the lowest
         counter, so with the counter before it a tie would hand a burst one more step while a new tenant's short
         prompt waited."""
-        nexts: dict[str | None, Request] = {}
+        nexts: dict[Tenant, Request] = {}
         for tenant, queue in prefills.items():
             while queue and queue[0].status is not RequestStatus.RUNNING:
                 queue.popleft()  # preempted earlier in this step
@@ -161,11 +162,11 @@ class Scheduler:
             for tenant in self.waiting.tenants():
                 nexts.setdefault(tenant, self.waiting.first(tenant))
 
-        def finish_time(tenant: str | None) -> tuple[float, int]:
+        def finish_time(tenant: Tenant) -> tuple[float, int]:
             request = nexts[tenant]
             # a waiting request's cached prefix is looked up only if it starts: ranked as if none were cached
             chunk = min(request.num_tokens - request.num_computed_tokens, budget)
-            return self.counter.of(tenant) + service(chunk) / request.weight, request.arrival_ns
+            return self.counter.of(tenant) + service(chunk) / request.tenant.weight, request.arrival_ns
 
         return nexts[min(nexts, key=finish_time)] if nexts else None
 
@@ -195,10 +196,10 @@ class Scheduler:
         """The running request to preempt for blocks: the newest of the tenant whose running requests hold the
         most blocks for its weight, so a tenant's growth takes from its own newest work before another tenant's
         (with one tenant, or fair share off, the newest of all)."""
-        held: dict[str | None, float] = {}  # newest first: on a tie, the tenant of the newest request
+        held: dict[Tenant, float] = {}  # newest first: on a tie, the tenant of the newest request
         for r in reversed(self.running):
             tenant = self.waiting.tenant_of(r)
-            held[tenant] = held.get(tenant, 0.0) + self.kv.num_blocks(r) / r.weight
+            held[tenant] = held.get(tenant, 0.0) + self.kv.num_blocks(r) / r.tenant.weight
         if len(held) == 1:
             return self.running[-1]
         tenant = max(held, key=held.get)
@@ -230,7 +231,7 @@ class Scheduler:
         return num_new
 
     def _charge(self, request: Request, tokens: float) -> None:
-        self.counter.charge(self.waiting.tenant_of(request), request.weight, tokens)
+        self.counter.charge(self.waiting.tenant_of(request), request.tenant.weight, tokens)
         self._charged[request] = self._charged.get(request, 0.0) + tokens
 
     def fork(self, out: SchedulerOutput, parent: Request) -> list[Request]:
@@ -266,7 +267,7 @@ class Scheduler:
         self.waiting.requeue(request)
         refund = self._charged.pop(request, 0.0)  # scheduled earlier in this step: it computes none of it now
         if refund:
-            self.counter.charge(self.waiting.tenant_of(request), request.weight, -refund)
+            self.counter.charge(self.waiting.tenant_of(request), request.tenant.weight, -refund)
         out.preempted.append(request)
         out.scheduled = [(r, n) for r, n in out.scheduled if r is not request]
 

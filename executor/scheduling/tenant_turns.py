@@ -7,19 +7,21 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Generic, TypeVar
 
+from shared.tenant import Tenant
+
 T = TypeVar("T")
 
 REMEMBERED_TENANTS = 1024  # tenants whose last turn is kept
 
 
 class TenantTurns(Generic[T]):
-    """A fair queue over tenants (None: the anonymous one, a tenant like any other)."""
+    """A fair queue over tenants (the anonymous one a tenant like any other)."""
 
     def __init__(self, remembered: int = REMEMBERED_TENANTS) -> None:
-        self._queued: dict[str | None, deque[T]] = {}  # tenants with work, in the order their work arrived
+        self._queued: dict[Tenant, deque[T]] = {}  # tenants with work, in the order their work arrived
         # each tenant's last turn, least recent first; past `remembered` tenants the oldest are forgotten (memory
         # stays bounded; a forgotten tenant ranks as one never served, so the order is exact up to that many)
-        self._served: OrderedDict[str | None, int] = OrderedDict()
+        self._served: OrderedDict[Tenant, int] = OrderedDict()
         self._turns = 0
         self._size = 0
         self.remembered = remembered
@@ -27,7 +29,7 @@ class TenantTurns(Generic[T]):
     def __len__(self) -> int:
         return self._size
 
-    def push(self, tenant: str | None, item: T) -> None:
+    def push(self, tenant: Tenant, item: T) -> None:
         self._queued.setdefault(tenant, deque()).append(item)
         self._size += 1
 
@@ -50,7 +52,7 @@ class TenantTurns(Generic[T]):
             self._served.popitem(last=False)
         return item
 
-    def remove(self, tenant: str | None, item: T) -> bool:
+    def remove(self, tenant: Tenant, item: T) -> bool:
         """Take back an item still queued; whether it was."""
         queue = self._queued.get(tenant)
         if queue is None or item not in queue:

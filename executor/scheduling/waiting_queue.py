@@ -4,8 +4,8 @@ Within a tenant, a lower priority value goes first (vLLM's `priority`), then fir
 request goes back first in its tenant's line. Which tenant's turn it is, is the scheduler's
 (executor/scheduling/fair_share.py). A tenant holds at most --max-waiting-seqs places (and --max-waiting-tokens
 prompt tokens to prefill), all tenants together TENANTS_SHARE times that: a tenant's burst fills its own places,
-and another tenant's request still finds one. With fair share off, every request queues as one tenant: one line,
-one bound.
+and another tenant's request still finds one. With fair share off, every request queues as one tenant, the
+anonymous one: one line, one bound.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from executor.request import Request
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 # places of all tenants together, as a multiple of one tenant's: enough for a few tenants' bursts at once, while the
 # queue a new request waits behind stays a few steps long (it is also the bound on requests compiling their grammars)
@@ -30,13 +31,14 @@ class WaitingQueue:
         self.fair_share = fair_share
         self.max_seqs = max_seqs  # one tenant's places; None: no bound (the offline API queues everything)
         self.max_tokens = max_tokens  # one tenant's prompt tokens to prefill; None: no bound
-        self._queues: dict[str | None, deque[Request]] = {}  # tenants with requests waiting
+        self._queues: dict[Tenant, deque[Request]] = {}  # tenants with requests waiting
         self._ranks: dict[Request, tuple[float, int]] = {}  # every request waiting: (priority, arrival)
         self._arrivals = itertools.count()
 
-    def tenant_of(self, request: Request) -> str | None:
-        """The tenant a request queues and is served as: its own, or with fair share off the one for all."""
-        return request.tenant if self.fair_share else None
+    def tenant_of(self, request: Request) -> Tenant:
+        """The tenant a request queues and is served as: its own, or with fair share off the anonymous one, as
+        every request is then."""
+        return request.tenant if self.fair_share else ANONYMOUS_TENANT
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -48,10 +50,10 @@ class WaitingQueue:
         """Every request waiting, tenant by tenant, each tenant's in its order."""
         return itertools.chain.from_iterable(list(self._queues.values()))
 
-    def tenants(self) -> Iterable[str | None]:
+    def tenants(self) -> Iterable[Tenant]:
         return self._queues.keys()
 
-    def first(self, tenant: str | None) -> Request:
+    def first(self, tenant: Tenant) -> Request:
         """The request of tenant's that starts next."""
         return self._queues[tenant][0]
 
@@ -88,9 +90,9 @@ class WaitingQueue:
         """Whether all tenants' places together are taken."""
         return _at_bound(self, self.max_seqs, self.max_tokens, TENANTS_SHARE if self.fair_share else 1)
 
-    def full_for(self, tenant: str | None) -> bool:
+    def full_for(self, tenant: Tenant) -> bool:
         """Whether a new request of tenant's finds no place: its own are taken, or all tenants' together."""
-        key = tenant if self.fair_share else None
+        key = tenant if self.fair_share else ANONYMOUS_TENANT
         return self.full or _at_bound(self._queues.get(key, ()), self.max_seqs, self.max_tokens, 1)
 
 

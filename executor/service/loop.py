@@ -175,10 +175,8 @@ class ExecutorService:
                 msg.request_id,
                 msg.prompt_token_ids,
                 params,
-                msg.cache_salt,
+                msg.tenant,
                 msg.block_hashes,
-                tenant=msg.tenant,
-                weight=msg.tenant_weight,
                 priority=msg.priority,
             )
         except ValueError as error:
@@ -188,7 +186,7 @@ class ExecutorService:
             self._send_error(identity, msg.request_id, str(error), protocol.BUSY, trace_id)
             return
         parent = tracing.parent_context(msg.traceparent) if tracing.enabled() else None
-        owned = Owned(identity, choices, msg.tenant, trace_id, parent)
+        owned = Owned(identity, choices, trace_id, parent)
         self.requests.add(msg.request_id, owned)
         if self.engine.is_compiling(msg.request_id):  # it holds none of the queue's places the gateway counts
             self.requests.emit(owned, protocol.accepted(msg.request_id))
@@ -196,7 +194,7 @@ class ExecutorService:
             "request %s received from %s (tenant %s)",
             msg.request_id,
             identity.hex(),
-            msg.tenant,
+            msg.tenant.name,
             extra=log_ids(msg.request_id, trace_id),
         )
 

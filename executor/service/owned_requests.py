@@ -35,7 +35,6 @@ class Owned:
 
     identity: bytes  # the gateway's ZeroMQ identity
     choices: list[Request]  # every choice (n > 1), as add_request handed them: what its end reports
-    tenant: str | None
     trace_id: str | None  # from the gateway's traceparent, for log lines, with tracing on or off
     parent: Context | None  # the gateway's span, only while tracing is on: its spans go out when it ends
     next_seq: int = 0  # the seq of its next update (protocol.RequestUpdate.seq)
@@ -126,7 +125,7 @@ class OwnedRequests:
         )
         if owned.parent is not None:
             try:
-                record_request_spans(r, owned.parent, self.executor_id, owned.tenant, reason)
+                record_request_spans(r, owned.parent, self.executor_id, reason)
             except Exception:  # a tracing fault must not cost a request its answer
                 log.exception(
                     "recording the spans of request %s failed",

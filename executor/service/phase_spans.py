@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from shared import tracing
+from shared.tenant import ANONYMOUS_TENANT
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -17,9 +18,7 @@ if TYPE_CHECKING:
     from executor.request import Request
 
 
-def record_request_spans(
-    r: Request, parent: Context, executor_id: str, tenant: str | None, reason: str
-) -> None:
+def record_request_spans(r: Request, parent: Context, executor_id: str, reason: str) -> None:
     """executor.request in the gateway's trace, with a child per phase that began (queue, prefill, decode),
     each ending where the next began or where the request ended."""
     end = r.finished_ns or time.time_ns()  # a request that failed may never have reached the engine's end
@@ -40,7 +39,8 @@ def record_request_spans(
     attributes = {
         "kvserve.executor.id": executor_id,
         "kvserve.request.id": r.request_id,
-        **({"kvserve.tenant": tenant} if tenant else {}),
+        # the gateway's span names the anonymous tenant; here, as ever, only a key's tenant is named
+        **({"kvserve.tenant": r.tenant.name} if r.tenant != ANONYMOUS_TENANT else {}),
         **inputs,
         **outputs,
         **spec,

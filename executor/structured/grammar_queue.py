@@ -13,6 +13,7 @@ from executor.request import Request
 from executor.scheduling.waiting_queue import TENANTS_SHARE
 from executor.structured.grammars import Grammars
 from shared.structured_outputs import StructuredOutputsParams
+from shared.tenant import Tenant
 
 
 class GrammarQueue:
@@ -36,19 +37,19 @@ class GrammarQueue:
     def holds(self, request_id: str) -> bool:
         return any(r.request_id == request_id for r in self.requests)
 
-    def compiled(self, spec: StructuredOutputsParams, cache_salt: str | None) -> Future:
+    def compiled(self, spec: StructuredOutputsParams, tenant: Tenant) -> Future:
         """The tenant's grammar for spec, compiled or compiling. Raises the ValueError of one known to fail, and
         EngineBusy for one that would wait for a compile without room to."""
-        known = self.grammars.lookup(spec, cache_salt)
+        known = self.grammars.lookup(spec, tenant)
         if known is None or not known.done():
-            self._check_room(cache_salt)
-        compiled = self.grammars.compile(spec, cache_salt)
+            self._check_room(tenant)
+        compiled = self.grammars.compile(spec, tenant)
         if compiled.done() and compiled.exception() is not None:  # cached, so the spec's own: a ValueError
             raise ValueError(str(compiled.exception()))
         return compiled
 
-    def _check_room(self, cache_salt: str | None) -> None:
-        own = sum(1 for r in self.requests if r.cache_salt == cache_salt)
+    def _check_room(self, tenant: Tenant) -> None:
+        own = sum(1 for r in self.requests if r.tenant == tenant)
         if own >= self.max_waiting_seqs:
             raise EngineBusy(
                 f"executor busy: {own} of this tenant's requests already wait for their grammars to compile"

@@ -37,6 +37,7 @@ from executor.structured.grammar_worker import (
     lower_thread_priority,
 )
 from shared.structured_outputs import StructuredOutputsParams
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 try:
     import xgrammar as xgr
@@ -52,11 +53,11 @@ log = logging.getLogger("kvserve.structured_output")
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, all tenants together, least recently used dropped first
 
-GrammarKey = tuple[str | None, str, str]  # (cache salt, kind, the spec's text)
+GrammarKey = tuple[Tenant, str, str]  # (tenant, kind, the spec's text)
 
 
-def _key(spec: StructuredOutputsParams, cache_salt: str | None) -> GrammarKey:
-    return (cache_salt, spec.kind, json.dumps(getattr(spec, spec.kind), ensure_ascii=False))
+def _key(spec: StructuredOutputsParams, tenant: Tenant) -> GrammarKey:
+    return (tenant, spec.kind, json.dumps(getattr(spec, spec.kind), ensure_ascii=False))
 
 
 @dataclass(slots=True, eq=False)
@@ -68,7 +69,7 @@ class _Compile:
     future: Future = field(default_factory=Future)
 
     @property
-    def tenant(self) -> str | None:
+    def tenant(self) -> Tenant:
         return self.key[0]
 
 
@@ -115,15 +116,15 @@ class Grammars:
         """The compile process's id; None while there is none."""
         return self._worker.pid
 
-    def lookup(self, spec: StructuredOutputsParams, cache_salt: str | None = None) -> Future | None:
+    def lookup(self, spec: StructuredOutputsParams, tenant: Tenant = ANONYMOUS_TENANT) -> Future | None:
         """The tenant's compile of spec, cached or under way; None when it would be a new one."""
         with self._changed:
-            return self._cache.get(_key(spec, cache_salt))
+            return self._cache.get(_key(spec, tenant))
 
-    def compile(self, spec: StructuredOutputsParams, cache_salt: str | None = None) -> Future:
+    def compile(self, spec: StructuredOutputsParams, tenant: Tenant = ANONYMOUS_TENANT) -> Future:
         """The compiled grammar, or its ValueError, once ready; the tenant's spec asked before shares the first
         one's future (another tenant's never does)."""
-        key = _key(spec, cache_salt)
+        key = _key(spec, tenant)
         with self._changed:
             if self._closed:
                 raise RuntimeError("structured outputs: the grammar compiler is closed")

@@ -61,10 +61,10 @@ class Responses:
     async def read(self, raw: bytes, caller: Caller) -> Reading:
         """The body names the conversation it continues, read from Redis before its prompt is built."""
         body = await self.workers.run(functools.partial(read_json_body, raw), len(raw))
-        items = await history(self.store, caller.tenant, body)
+        items = await history(self.store, caller.tenant.name, body)
         work = functools.partial(self._prompt, body, items)
         turn, ids, tokenizing_since = await self.workers.run(work, len(raw))
-        return Reading(turn.chat, ids, tokenizing_since, ResponsesReply(turn, self.store, caller.tenant))
+        return Reading(turn.chat, ids, tokenizing_since, ResponsesReply(turn, self.store, caller.tenant.name))
 
     def refusal(self, error: APIError) -> APIError:
         """The chat path's checks name chat's fields; the client knows the Responses request's."""

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from gateway.api_error import APIError
 from gateway.routing.router import Choice, Router, Saturated
+from shared.tenant import Tenant
 
 FIRST_BACKOFF_S = 0.01  # the oldest waiter asks Redis again after this, doubling up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 0.2  # an executor publishes its load every step: about this stale at worst on a CPU
@@ -39,7 +40,7 @@ class Backlog:
         self.router = router
         self.timeout_s = timeout_s
         # per tenant, a heap by arrival: each tenant's first one asks for the tenant's line
-        self._lines: dict[str | None | object, list[tuple[float, int, asyncio.Future]]] = {}
+        self._lines: dict[Tenant | object, list[tuple[float, int, asyncio.Future]]] = {}
         self._order = itertools.count()  # breaks ties between equal arrivals
         self._freed = asyncio.Event()  # set when a request ends here: some executor may have room now
 
@@ -55,19 +56,18 @@ class Backlog:
     async def choose(
         self,
         ids: Sequence[int],
-        cache_salt: str | None,
+        tenant: Tenant,
         arrival: float,
         exclude: set[str] = frozenset(),
         avoid: set[str] = frozenset(),
         refusals: int = 0,
-        tenant: str | None = None,
     ) -> Choice:
         """The router's choice among executors with room for the tenant (exclude: lost executors; avoid: ones
         that just refused as busy, the refusals-th time in a row for this request, skipped on the first look
         only); while none has, wait in the tenant's line."""
         if avoid:
             try:
-                return await self.router.choose(ids, cache_salt, exclude, avoid, tenant)
+                return await self.router.choose(ids, tenant, exclude, avoid)
             except Saturated:
                 pass
             # no other executor has room: back off out of turn, then look like a newcomer
@@ -80,7 +80,7 @@ class Backlog:
                 raise _saturated(self.timeout_s)
         if not self._lines.get(self._line(tenant)):  # with others in its line, a newcomer queues behind them
             try:
-                return await self.router.choose(ids, cache_salt, exclude, tenant=tenant)
+                return await self.router.choose(ids, tenant, exclude)
             except Saturated:
                 pass
         tenant_line = self._line(tenant)
@@ -94,7 +94,7 @@ class Backlog:
             turn.set_result(None)
         try:
             await asyncio.wait_for(asyncio.shield(turn), max(0.0, deadline - time.monotonic()))
-            choice = await self._poll(ids, cache_salt, exclude, deadline, tenant)
+            choice = await self._poll(ids, tenant, exclude, deadline)
             return dataclasses.replace(choice, held_s=time.monotonic() - held_since)
         except TimeoutError:
             raise _saturated(self.timeout_s) from None
@@ -104,16 +104,15 @@ class Backlog:
     async def _poll(
         self,
         ids: Sequence[int],
-        cache_salt: str | None,
+        tenant: Tenant,
         exclude: set[str],
         deadline: float,
-        tenant: str | None,
     ) -> Choice:
         """A line's oldest waiter's loop: ask, back off (or wake when a request ends), ask again."""
         backoff = FIRST_BACKOFF_S
         while True:
             try:
-                return await self.router.choose(ids, cache_salt, exclude, tenant=tenant)
+                return await self.router.choose(ids, tenant, exclude)
             except Saturated:
                 pass
             left = deadline - time.monotonic()
@@ -126,10 +125,10 @@ class Backlog:
             except TimeoutError:
                 backoff = min(2 * backoff, MAX_BACKOFF_S)
 
-    def _line(self, tenant: str | None) -> str | None | object:
+    def _line(self, tenant: Tenant) -> Tenant | object:
         return tenant if self.router.places_per_tenant else ONE_LINE
 
-    def _leave(self, line_key: str | None | object, entry: tuple[float, int, asyncio.Future]) -> None:
+    def _leave(self, line_key: Tenant | object, entry: tuple[float, int, asyncio.Future]) -> None:
         """Out of its line, however the wait ended; the line's next oldest, if any, takes its turn at once."""
         line = self._lines.get(line_key, [])
         if entry in line:

@@ -78,9 +78,7 @@ class Dispatch:
         """An executor with room for the prompt (waiting in the backlog until one has), recorded in the metrics
         and as the span's `route` child."""
         started = time.time_ns()
-        choice = await self.backlog.choose(
-            ids, caller.cache_salt, arrival, lost, avoid, busy_refusals, caller.key_tenant
-        )
+        choice = await self.backlog.choose(ids, caller.tenant, arrival, lost, avoid, busy_refusals)
         self.metrics.route_decisions.labels(self.policy, choice.reason).inc()
         attributes = {
             "kvserve.route.policy": self.policy,
@@ -228,4 +226,4 @@ class Dispatch:
         else:
             gap = now - delivered.last_token_at
         delivered.last_token_at = now
-        self.metrics.tokens_arrived(flight.caller.tenant, len(update.token_ids), gap)
+        self.metrics.tokens_arrived(flight.caller.tenant.name, len(update.token_ids), gap)

@@ -28,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 from gateway.routing.owed_usage import OwedUsage
 from shared import protocol
 from shared.curve_keys import DROPPED, GATEWAY, HANDSHAKE_EVENTS, CurveKeys, handshake_failure, secure_client
+from shared.tenant import Tenant
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -93,8 +94,8 @@ class ExecutorClient:
         self.awaiting: set[str] = set()
         self.unanswered: Counter[str] = Counter()
         # the same per (executor address, tenant): an executor's waiting places are per tenant
-        self.unanswered_of_tenant: Counter[tuple[str, str | None]] = Counter()
-        self.tenant_of: dict[str, str | None] = {}  # request id -> its tenant, while awaiting
+        self.unanswered_of_tenant: Counter[tuple[str, Tenant]] = Counter()
+        self.tenant_of: dict[str, Tenant] = {}  # request id -> its tenant, while awaiting
         self.started: set[str] = set()  # request ids whose stream has had an update
         self.next_seq: dict[str, int] = {}  # request id -> the seq its next update must have
         self.owed = OwedUsage()  # what the executors will say the KV of requests this gateway aborted held

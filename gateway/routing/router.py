@@ -17,6 +17,7 @@ from gateway.routing.cost import ROUTING_POLICIES, Candidate, prefill_tokens, ro
 from gateway.routing.index_reader import ExecutorInfo, IndexReader
 from shared.block_hash import hash_blocks
 from shared.defaults import DEFAULT_BLOCK_SIZE
+from shared.tenant import Tenant
 
 log = logging.getLogger("kvserve.gateway.router")
 
@@ -51,7 +52,7 @@ class SentRequests(Protocol):
 
     # executor address -> requests this gateway sent there that have had no answer yet
     unanswered: Mapping[str, int]
-    unanswered_of_tenant: Mapping[tuple[str, str | None], int]  # the same per (executor address, tenant)
+    unanswered_of_tenant: Mapping[tuple[str, Tenant], int]  # the same per (executor address, tenant)
     refused: Mapping[str, str]  # executor address -> why it refused this gateway's connection
 
 
@@ -81,20 +82,19 @@ class Router:
     async def choose(
         self,
         ids: Sequence[int],
-        cache_salt: str | None,
+        tenant: Tenant,
         exclude: set[str] = frozenset(),
         avoid: set[str] = frozenset(),
-        tenant: str | None = None,
     ) -> Choice:
         """The executor for a prompt under the policy, among those with room in their queue for the tenant's
         request; executors in exclude (tried and lost) are skipped, and so are those in avoid (they just refused
         it as busy). Raises Saturated when live executors exist but none has room."""
         block_size = DEFAULT_BLOCK_SIZE  # a guess, checked against what the executors report
-        hashes = hash_blocks(ids, block_size, cache_salt)
+        hashes = hash_blocks(ids, block_size, tenant.cache_salt)
         view = await self._view(hashes, exclude)
         if view[0][0].block_size != block_size:  # executors with other blocks: hash again, read again
             block_size = view[0][0].block_size
-            hashes = hash_blocks(ids, block_size, cache_salt)
+            hashes = hash_blocks(ids, block_size, tenant.cache_salt)
             view = await self._view(hashes, exclude)
         view = [(info, load) for info, load in view if info.block_size == block_size]
         self.places_per_tenant = any(info.waiting_tenants_share > 1 for info, _ in view)
@@ -123,7 +123,7 @@ class Router:
             reason,
         )
 
-    def _has_room(self, info: ExecutorInfo, load: Candidate, avoid: set[str], tenant: str | None) -> bool:
+    def _has_room(self, info: ExecutorInfo, load: Candidate, avoid: set[str], tenant: Tenant) -> bool:
         """Not at its queue bound for this tenant nor for all, by what it published or by what this gateway
         sent it since: a burst (or the backlog emptying) must not send all at once to the executor that looked
         free. The tenant's own places are counted by what this gateway sent (the executor publishes only the

@@ -25,7 +25,7 @@ CLOSE_UNREAD_BODY_BYTES = 64 * 1024
 
 def tenant_of(caller: Caller | None) -> str:
     """The tenant a request's metrics name: none is known until its key is."""
-    return caller.tenant if caller else "unauthenticated"
+    return caller.tenant.name if caller else "unauthenticated"
 
 
 def closes_connection(request: Request, caller: Caller | None) -> bool:
@@ -73,4 +73,4 @@ class Admission:
             await self.tenancy.withdraw(caller, request_id, reserved_tokens)
         # as in Billing.settle: the slot's lease and the bucket's refill heal what this misses
         except Exception as error:
-            log.error("giving back tenant %s's limits failed: %s", caller.tenant, error)
+            log.error("giving back tenant %s's limits failed: %s", caller.tenant.name, error)

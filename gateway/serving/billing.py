@@ -36,7 +36,7 @@ class Billing:
 
     async def settle(self, flight: InFlight, usage: tuple[int, int, int]) -> None:
         """Once the executor has been released: what its executor still owes is billed in the background."""
-        tenant = flight.caller.tenant
+        tenant = flight.caller.tenant.name
         self.metrics.count_usage(tenant, usage[0], usage[2], flight.delivered.kv_block_seconds)
         try:
             await self.tenancy.release(
@@ -56,8 +56,8 @@ class Billing:
         kv_block_seconds = await owed
         if not kv_block_seconds:
             return
-        self.metrics.kv_block_seconds.labels(caller.tenant).inc(kv_block_seconds)
+        self.metrics.kv_block_seconds.labels(caller.tenant.name).inc(kv_block_seconds)
         try:
             await self.tenancy.count_kv_block_seconds(caller, request_id, kv_block_seconds)
         except Exception as error:  # as in settle: billing must not fail a request, and this one has ended
-            log.error("counting tenant %s's KV block-seconds failed: %s", caller.tenant, error)
+            log.error("counting tenant %s's KV block-seconds failed: %s", caller.tenant.name, error)

@@ -144,7 +144,7 @@ class Pipeline:
         await self.dispatch.release(flight)
         usage = usage_of(flight)
         generation = flight.delivered.generations[0]
-        self.metrics.requests.labels(flight.caller.tenant, flight.endpoint, str(flight.status)).inc()
+        self.metrics.requests.labels(flight.caller.tenant.name, flight.endpoint, str(flight.status)).inc()
         self.metrics.e2e.observe(time.monotonic() - flight.arrival)
         flight.span.finish(
             flight.status,

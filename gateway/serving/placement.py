@@ -32,17 +32,15 @@ async def place(
     choice = await dispatch.choose(ids, caller, arrival, span)
     # again for the one chosen: executors may differ in their context length
     params = fit_to_context(parsed, len(ids), choice.executor.max_model_len, limits)
-    span.describe(caller.tenant, parsed.model, params.max_tokens, params.temperature, params.top_p)
+    span.describe(caller.tenant.name, parsed.model, params.max_tokens, params.temperature, params.top_p)
     generate = protocol.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=ids,
         block_hashes=choice.block_hashes,
         sampling=dataclasses.asdict(params),
-        tenant=caller.key_tenant,
-        tenant_weight=caller.weight,
-        priority=parsed.priority,
-        cache_salt=caller.cache_salt,
+        tenant=caller.tenant,
         traceparent=span.traceparent(),
+        priority=parsed.priority,
     )
 
     def restart() -> list[Generation]:

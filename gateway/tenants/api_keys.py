@@ -20,7 +20,7 @@ import redis
 import redis.asyncio as aioredis
 
 from shared import redis_keys
-from shared.protocol import MAX_TENANT_WEIGHT
+from shared.tenant import MAX_TENANT_WEIGHT
 
 KEY_PREFIX = "kvs_"
 _KEY_ID = re.compile(r"[0-9a-f]{16}")

@@ -24,11 +24,9 @@ import redis.asyncio as aioredis
 from gateway.api_error import APIError
 from gateway.tenants.api_keys import KeyRecord, authenticate, deployment_keyed
 from gateway.tenants.rate_limits import Limiter
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 log = logging.getLogger("kvserve.gateway.tenancy")
-
-ANONYMOUS = "anonymous"  # the tenant of requests to an open gateway
-
 
 # the error's `type` per limit, as OpenAI names the first two (its `code` is rate_limit_exceeded for all)
 _LIMIT_TYPES = {"rpm": "requests", "tpm": "tokens", "max_concurrency": "concurrent_requests"}
@@ -41,24 +39,15 @@ class NoKeysConfigured(RuntimeError):
 @dataclass(slots=True, frozen=True)
 class Caller:
     record: KeyRecord | None  # None: the gateway runs open
+    # whose requests it sends, as the executors know them too: its key's tenant, salt and weight
+    tenant: Tenant = ANONYMOUS_TENANT
 
-    @property
-    def tenant(self) -> str:
-        return self.record.tenant if self.record else ANONYMOUS
-
-    @property
-    def key_tenant(self) -> str | None:
-        """The tenant as the executors know it: None for an open gateway's callers."""
-        return self.record.tenant if self.record else None
-
-    @property
-    def weight(self) -> float:
-        """The tenant's share of the engine relative to others' (its key's --weight)."""
-        return self.record.weight if self.record else 1.0
-
-    @property
-    def cache_salt(self) -> str | None:
-        return self.record.cache_salt if self.record else None
+    @classmethod
+    def of(cls, record: KeyRecord | None) -> Caller:
+        """The caller a key record names; None: the anonymous tenant of an open gateway."""
+        if record is None:
+            return cls(None)
+        return cls(record, Tenant(record.tenant, record.cache_salt, record.weight))
 
     def models(self, served: Collection[str]) -> list[str]:
         """The served models this caller may use."""
@@ -137,7 +126,7 @@ class Tenancy:
         header = headers.get("authorization")
         if header is None:
             if await self._open():
-                return Caller(None)
+                return Caller.of(None)
             raise _unauthorized(_NO_KEY)
         scheme, _, presented = header.partition(" ")
         record = None
@@ -145,9 +134,9 @@ class Tenancy:
             record = await authenticate(self.client, presented.strip())
         if record is not None:
             self._close()
-            return Caller(record)
+            return Caller.of(record)
         if await self._open():
-            return Caller(None)
+            return Caller.of(None)
         if scheme.lower() != "bearer":
             raise _unauthorized("The Authorization header must be `Bearer <key>`.")
         raise _unauthorized("Incorrect API key provided, or it has been revoked.")
@@ -188,7 +177,7 @@ class Tenancy:
             try:  # best-effort: the caller is told of its limit whether or not Redis takes the count
                 await self.limiter.count_rejected(caller.record, request_id)
             except redis.RedisError as error:
-                log.warning("tenant %s's refused request not counted: %s", caller.tenant, error)
+                log.warning("tenant %s's refused request not counted: %s", caller.tenant.name, error)
             retry_after = max(1, math.ceil(admission.retry_after_s))
             raise APIError(
                 429,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from executor import LLM, SamplingParams
+from shared.tenant import Tenant
 from tests.kv_blocks import assert_no_blocks_held
 
 
@@ -186,11 +187,11 @@ def test_load_reports_the_most_requests_one_tenant_has_waiting(llm):
     """The gateway counts each tenant's places from it; a tenant's weight must be positive to share by."""
     engine, params = llm.engine, SamplingParams(max_tokens=1, temperature=0)
     for i in range(3):
-        engine.add_request(f"wa{i}", [5, 6, 7 + i], params, tenant="A")
-    engine.add_request("wb", [5, 6, 9], params, tenant="B", weight=2.5)
+        engine.add_request(f"wa{i}", [5, 6, 7 + i], params, Tenant("A", "a-salt"))
+    engine.add_request("wb", [5, 6, 9], params, Tenant("B", "b-salt", 2.5))
     assert (engine.stats().waiting, engine.stats().waiting_max_tenant) == (4, 3)
     with pytest.raises(ValueError, match="weight"):
-        engine.add_request("w0", [5, 6], params, tenant="C", weight=0)
+        engine.add_request("w0", [5, 6], params, Tenant("C", "c-salt", 0))
     while engine.has_unfinished():
         llm.step()
     assert engine.stats().waiting_max_tenant == 0

@@ -13,15 +13,23 @@ from executor.kv.block_pool import BlockPool
 from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request, RequestStatus
 from executor.scheduling.scheduler import Scheduler
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 BLOCK = 4
 _tags = count()
 
 
+def whose(name: str | None, weight: float = 1.0) -> Tenant:
+    """The tenant of that name, salted with it (None: the anonymous tenant)."""
+    return ANONYMOUS_TENANT if name is None else Tenant(name, name, weight)
+
+
 def make_request(rid, tokens, tenant, weight=1.0):
-    return Request(
-        rid, list(tokens), SamplingParams(max_tokens=4), cache_salt=tenant, tenant=tenant, weight=weight
-    )
+    return Request(rid, list(tokens), SamplingParams(max_tokens=4), tenant=whose(tenant, weight))
+
+
+def blocks_by_name(pool: BlockPool) -> dict[str, tuple[int, int]]:
+    return {tenant.name: counts for tenant, counts in pool.tenant_blocks().items()}
 
 
 def start(kv: KVCacheManager, request: Request) -> bool:
@@ -37,7 +45,7 @@ def start(kv: KVCacheManager, request: Request) -> bool:
 
 def cache(pool: BlockPool, tenant, n: int, weight=1.0) -> list[bytes]:
     """n blocks of tenant's, cached and freed, the first given first evicted: their hashes."""
-    blocks = pool.allocate(n, tenant, weight)
+    blocks = pool.allocate(n, whose(tenant, weight))
     hashes = [f"{tenant}-{next(_tags)}".encode() for _ in blocks]
     for block, block_hash in zip(blocks, hashes, strict=True):
         pool.cache(block, block_hash)
@@ -94,13 +102,13 @@ def test_a_tenant_over_its_share_loses_its_own_blocks_first():
     a_hashes = cache(pool, "A", 12)  # A owns 12 of 16 blocks, over its half
     pool.drain_events()
     # B's new request needs 4: the one free block, then A's least recently freed
-    pool.allocate(4, "B", evict_others=False)
+    pool.allocate(4, whose("B"), evict_others=False)
     assert pool.drain_events() == ([], a_hashes[:3])
-    assert pool.tenant_blocks() == {"A": (0, 9), "B": (4, 3)}
+    assert blocks_by_name(pool) == {"A": (0, 9), "B": (4, 3)}
     assert all(pool.lookup(h) for h in b_hashes + a_hashes[3:])
     # down to its share (8 of 16), A's requests take its own blocks, not B's within its share
-    pool.allocate(1, "A", evict_others=False)
-    pool.allocate(1, "A", evict_others=False)
+    pool.allocate(1, whose("A"), evict_others=False)
+    pool.allocate(1, whose("A"), evict_others=False)
     assert pool.drain_events() == ([], a_hashes[3:5]) and all(pool.lookup(h) for h in b_hashes)
 
 
@@ -108,14 +116,16 @@ def test_shares_follow_weights_the_most_over_losing_first():
     pool = BlockPool(16)
     a_hashes = cache(pool, "A", 9, weight=3.0)  # share 12 of 16
     b_hashes = cache(pool, "B", 6, weight=1.0)  # share 4: two over
-    assert pool.num_allocatable("A", 3.0, evict_others=False) == 1 + 9 + 2
-    pool.allocate(4, "A", 3.0, evict_others=False)  # the free block, B's two over its share, then A's own
+    assert pool.num_allocatable(whose("A", 3.0), evict_others=False) == 1 + 9 + 2
+    pool.allocate(
+        4, whose("A", 3.0), evict_others=False
+    )  # the free block, B's two over its share, then A's own
     assert [pool.lookup(h) is not None for h in b_hashes] == [False, False, True, True, True, True]
     assert [pool.lookup(h) is not None for h in a_hashes] == [False] + [True] * 8
-    assert pool.tenant_blocks() == {"A": (4, 8), "B": (0, 4)}
+    assert blocks_by_name(pool) == {"A": (4, 8), "B": (0, 4)}
     # B weighs as much as A now: A, at 12 of 16, is the one over
-    pool.allocate(2, "B", 3.0, evict_others=False)
-    assert all(pool.lookup(h) for h in b_hashes[2:]) and pool.tenant_blocks()["A"] == (4, 6)
+    pool.allocate(2, whose("B", 3.0), evict_others=False)
+    assert all(pool.lookup(h) for h in b_hashes[2:]) and blocks_by_name(pool)["A"] == (4, 6)
 
 
 def test_a_running_request_gets_blocks_only_in_share_blocks_of_others_can_give():
@@ -127,9 +137,9 @@ def test_a_running_request_gets_blocks_only_in_share_blocks_of_others_can_give()
     assert start(kv, a)  # A holds 4 blocks; one free left
     second = make_request("a2", unique(5), "A")
     assert not kv.allocate(second, 5)  # a new request of A's would need one of B's
-    assert "a2" not in kv.tables and kv.pool.tenant_blocks()["B"] == (0, 3)
+    assert "a2" not in kv.tables and blocks_by_name(kv.pool)["B"] == (0, 3)
     assert kv.allocate(a, 8)  # a running one takes the free block and one of B's
-    assert kv.pool.tenant_blocks() == {"A": (6, 0), "B": (0, 2)}
+    assert blocks_by_name(kv.pool) == {"A": (6, 0), "B": (0, 2)}
 
 
 def test_a_tenants_first_request_may_take_others_blocks_when_it_needs_more_than_its_share():
@@ -138,7 +148,7 @@ def test_a_tenants_first_request_may_take_others_blocks_when_it_needs_more_than_
     cache(kv.pool, "B", 12, weight=3.0)  # B's share: 12 of 16, all cached
     big = make_request("a", unique(32), "A")  # 8 blocks; A's share is 4
     assert start(kv, big)
-    assert kv.pool.tenant_blocks() == {"A": (8, 0), "B": (0, 8)}
+    assert blocks_by_name(kv.pool) == {"A": (8, 0), "B": (0, 8)}
     assert not kv.allocate(make_request("a2", unique(4), "A"), 4)  # while it holds some, it waits
 
 
@@ -214,9 +224,7 @@ def test_engine_keeps_a_tenants_prefix_through_anothers_burst(tiny_models, kv_sh
     def run(requests: dict[str, tuple[list[int], str]]) -> dict[str, int]:
         """Run them together to the end: each one's cached prompt tokens."""
         for rid, (prompt, tenant) in requests.items():
-            engine.add_request(
-                rid, prompt, SamplingParams(max_tokens=8, temperature=0), tenant, tenant=tenant
-            )
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=8, temperature=0), whose(tenant))
         cached = {}
         while engine.has_unfinished():
             for out in engine.step().outputs:

@@ -14,11 +14,17 @@ from shared import protocol
 from shared import redis_keys as keys
 from shared.block_hash import hash_blocks
 from shared.executor_stats import ExecutorStats
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 from tests.otlp_receiver import OtlpReceiver
 from tests.processes import ExecutorProcess, eventually, free_port
 
 PROMPT_A = list(range(100, 140))  # 40 tokens: two full blocks of 16
 PROMPT_B = [5, 17, 23, 99, 1000, 2000, 7]
+
+
+def whose(tenant: str | None) -> Tenant:
+    """The tenant of that name (None: the anonymous tenant)."""
+    return ANONYMOUS_TENANT if tenant is None else Tenant(tenant)
 
 
 class Gateway:
@@ -36,7 +42,9 @@ class Gateway:
         self.socket.send(protocol.encode(msg))
 
     def generate(self, request_id: str, prompt: list[int], tenant: str | None = None, **sampling) -> None:
-        self.send(protocol.GenerateRequest(request_id, prompt, hash_blocks(prompt, 16), sampling, tenant))
+        self.send(
+            protocol.GenerateRequest(request_id, prompt, hash_blocks(prompt, 16), sampling, whose(tenant))
+        )
 
     def receive(self, timeout: float = 20.0):
         if not self.socket.poll(int(timeout * 1000)):
@@ -192,7 +200,7 @@ def test_block_hashes_that_disagree_with_the_executors_are_counted_and_warned_ab
     gateway.generate("h-agrees", prompt, max_tokens=1, temperature=0.0)  # hashed as the executor hashes
     gateway.collect({"h-agrees"})
     salted = protocol.GenerateRequest(
-        "h-salt", prompt, hash_blocks(prompt, 16), {"max_tokens": 1}, cache_salt="t"
+        "h-salt", prompt, hash_blocks(prompt, 16), {"max_tokens": 1}, Tenant("t", cache_salt="t")
     )
     eight = protocol.GenerateRequest("h-size", prompt, hash_blocks(prompt, 8), {"max_tokens": 1})
     for msg in (salted, eight):  # a gateway that forgot the salt, one with another block size
@@ -302,7 +310,7 @@ def test_traced_requests_leave_spans_in_the_gateways_trace(tiny_models, redis_ur
                 sampling = {"temperature": 0.0, "ignore_eos": True, **sampling}
                 tp = traceparent(traced[request_id])
                 client.send(
-                    protocol.GenerateRequest(request_id, prompt, [], sampling, tenant, traceparent=tp)
+                    protocol.GenerateRequest(request_id, prompt, [], sampling, whose(tenant), traceparent=tp)
                 )
 
             send("t1", PROMPT_A, tenant="acme", max_tokens=16)

@@ -12,8 +12,10 @@ from gateway.routing.backlog import FIRST_BACKOFF_S, Backlog
 from gateway.routing.cost import Candidate
 from gateway.routing.index_reader import ExecutorInfo
 from gateway.routing.router import Choice, Router, Saturated
+from shared.tenant import Tenant
 
 EXECUTOR = ExecutorInfo("e1", "tcp://127.0.0.1:1", "tiny", 16, 1024)
+ALPHA, BETA = Tenant("alpha", "alpha-salt"), Tenant("beta", "beta-salt")
 
 
 class OneExecutor:
@@ -24,8 +26,8 @@ class OneExecutor:
     def __init__(self) -> None:
         self.asked: list[tuple[str, frozenset]] = []  # (who, avoid) per call
 
-    async def choose(self, ids, cache_salt, exclude=frozenset(), avoid=frozenset(), tenant=None):
-        self.asked.append((cache_salt, frozenset(avoid)))
+    async def choose(self, ids, tenant, exclude=frozenset(), avoid=frozenset()):
+        self.asked.append((tenant.name, frozenset(avoid)))
         if EXECUTOR.executor_id in avoid:
             raise Saturated()
         return Choice(EXECUTOR, [], 0, 0, 0.0, "least_loaded")
@@ -35,12 +37,10 @@ def test_a_refused_request_backs_off_without_holding_up_others():
     async def scenario():
         router = OneExecutor()
         backlog = Backlog(router, timeout_s=30)
-        refused = asyncio.create_task(
-            backlog.choose([1], "alpha", time.monotonic(), avoid={"e1"}, refusals=4)
-        )
+        refused = asyncio.create_task(backlog.choose([1], ALPHA, time.monotonic(), avoid={"e1"}, refusals=4))
         await asyncio.sleep(0)  # alpha has asked once, skipping e1, and is pausing
         assert router.asked == [("alpha", frozenset({"e1"}))] and backlog.waiting == 0
-        newcomer = await asyncio.wait_for(backlog.choose([2], "beta", time.monotonic()), 0.1)
+        newcomer = await asyncio.wait_for(backlog.choose([2], BETA, time.monotonic()), 0.1)
         assert newcomer.executor is EXECUTOR and not refused.done()  # beta did not wait behind alpha
         choice = await refused
         assert choice.executor is EXECUTOR
@@ -54,7 +54,7 @@ def test_the_pause_doubles_with_each_refusal_and_respects_the_deadline():
     async def timed(refusals: int) -> float:
         backlog = Backlog(OneExecutor(), timeout_s=30)
         started = time.monotonic()
-        await backlog.choose([1], "alpha", started, avoid={"e1"}, refusals=refusals)
+        await backlog.choose([1], ALPHA, started, avoid={"e1"}, refusals=refusals)
         return time.monotonic() - started
 
     assert asyncio.run(timed(0)) >= FIRST_BACKOFF_S
@@ -62,7 +62,7 @@ def test_the_pause_doubles_with_each_refusal_and_respects_the_deadline():
 
     async def late():
         backlog = Backlog(OneExecutor(), timeout_s=1)
-        await backlog.choose([1], "alpha", time.monotonic() - 0.99, avoid={"e1"}, refusals=5)
+        await backlog.choose([1], ALPHA, time.monotonic() - 0.99, avoid={"e1"}, refusals=5)
 
     with pytest.raises(APIError) as refused:
         asyncio.run(late())
@@ -77,11 +77,11 @@ class PlacesPerTenant:
         self.room = room
         self.chosen: list[tuple[str, int]] = []  # (tenant, ids[0]) in the order they got a place
 
-    async def choose(self, ids, cache_salt, exclude=frozenset(), avoid=frozenset(), tenant=None):
-        if self.room.get(tenant, 0) <= 0:
+    async def choose(self, ids, tenant, exclude=frozenset(), avoid=frozenset()):
+        if self.room.get(tenant.name, 0) <= 0:
             raise Saturated()
-        self.room[tenant] -= 1
-        self.chosen.append((tenant, ids[0]))
+        self.room[tenant.name] -= 1
+        self.chosen.append((tenant.name, ids[0]))
         return Choice(EXECUTOR, [], 0, 0, 0.0, "least_loaded")
 
 
@@ -89,13 +89,11 @@ def test_a_tenants_burst_waits_in_its_own_line_and_another_tenant_goes_first():
     async def scenario():
         router = PlacesPerTenant({"alpha": 0, "beta": 1})
         backlog = Backlog(router, timeout_s=30)
-        burst = [
-            asyncio.create_task(backlog.choose([i], None, time.monotonic(), tenant="alpha")) for i in range(5)
-        ]
+        burst = [asyncio.create_task(backlog.choose([i], ALPHA, time.monotonic())) for i in range(5)]
         await asyncio.sleep(0.05)
         assert backlog.waiting == 5 and router.chosen == []
         # beta has a place: it gets it at once, not behind alpha's five
-        await asyncio.wait_for(backlog.choose([100], None, time.monotonic(), tenant="beta"), 0.1)
+        await asyncio.wait_for(backlog.choose([100], BETA, time.monotonic()), 0.1)
         assert router.chosen == [("beta", 100)] and backlog.waiting == 5
         router.room["alpha"] = 5  # places free for alpha: its line goes in arrival order
         backlog.freed()
@@ -109,9 +107,9 @@ def test_executors_with_one_bound_for_all_get_one_line_first_come_first_served()
     async def scenario():
         router = PlacesPerTenant({"alpha": 0, "beta": 0}, places_per_tenant=False)
         backlog = Backlog(router, timeout_s=30)
-        alpha = asyncio.create_task(backlog.choose([1], None, time.monotonic(), tenant="alpha"))
+        alpha = asyncio.create_task(backlog.choose([1], ALPHA, time.monotonic()))
         await asyncio.sleep(0.02)
-        beta = asyncio.create_task(backlog.choose([2], None, time.monotonic(), tenant="beta"))
+        beta = asyncio.create_task(backlog.choose([2], BETA, time.monotonic()))
         await asyncio.sleep(0.02)
         router.room["beta"] = 1  # room for beta alone: it still waits behind alpha, first in the one line
         backlog.freed()
@@ -147,12 +145,12 @@ def test_an_executors_places_are_counted_per_tenant_and_for_all():
     def room(waiting: int, share: int, sent: dict, tenant: str) -> bool:
         load = Candidate("e1", "tcp://127.0.0.1:1", 0, waiting=waiting)
         try:
-            asyncio.run(_router(load, share, sent).choose([1, 2, 3], None, tenant=tenant))
+            asyncio.run(_router(load, share, sent).choose([1, 2, 3], Tenant(tenant)))
         except Saturated:
             return False
         return True
 
-    alpha_full = {("tcp://127.0.0.1:1", "alpha"): 4}
+    alpha_full = {("tcp://127.0.0.1:1", Tenant("alpha")): 4}
     assert not room(4, 4, alpha_full, "alpha")  # alpha's own four places are taken
     assert room(4, 4, alpha_full, "beta")  # beta's are not
     assert not room(16, 4, alpha_full, "beta")  # all tenants' sixteen are

@@ -13,7 +13,8 @@ from starlette.testclient import TestClient
 from gateway.api_error import APIError
 from gateway.app import GatewayConfig, build_app
 from gateway.tenants.api_keys import KeyStore
-from gateway.tenants.tenancy import ANONYMOUS, Caller, NoKeysConfigured, Tenancy
+from gateway.tenants.tenancy import Caller, NoKeysConfigured, Tenancy
+from shared.tenant import ANONYMOUS_TENANT
 
 DB = 11  # a database of its own: whether any key exists is the question here
 
@@ -39,14 +40,14 @@ def identify(url: str, headers: dict, require: bool = False):
 
 def test_open_until_a_key_exists_then_keys_are_checked(db_url):
     # open: no key needed, and whatever key an SDK insists on sending is ignored
-    assert identify(db_url, {}).tenant == ANONYMOUS
-    assert identify(db_url, {"authorization": "Bearer sk-anything"}).tenant == ANONYMOUS
+    assert identify(db_url, {}).tenant == ANONYMOUS_TENANT
+    assert identify(db_url, {"authorization": "Bearer sk-anything"}).tenant == ANONYMOUS_TENANT
     with pytest.raises(APIError) as refused:
         identify(db_url, {}, require=True)
     assert refused.value.status == 401
     key, _ = KeyStore(redis.Redis.from_url(db_url)).create(f"t-{uuid.uuid4().hex[:6]}")
     caller = identify(db_url, {"authorization": f"Bearer {key}"})
-    assert caller.tenant.startswith("t-") and caller.cache_salt
+    assert caller.tenant.name.startswith("t-") and caller.tenant.cache_salt == caller.record.cache_salt
     for headers in ({}, {"authorization": "Bearer sk-anything"}, {"authorization": f"Basic {key}"}):
         with pytest.raises(APIError) as refused:
             identify(db_url, headers)
@@ -99,7 +100,9 @@ def test_once_keys_existed_it_never_opens_again(db_url):
         client = aioredis.from_url(db_url)
         try:
             tenancy = Tenancy(client, False)
-            assert (await tenancy.identify({})).tenant == ANONYMOUS and await tenancy.serves_anonymously()
+            assert (
+                await tenancy.identify({})
+            ).tenant == ANONYMOUS_TENANT and await tenancy.serves_anonymously()
             store = KeyStore(redis.Redis.from_url(db_url))
             _, record = store.create("t-latch")
             store.revoke(record.key_id)  # the last key: the marker keeps the deployment keyed
@@ -115,7 +118,7 @@ def test_once_keys_existed_it_never_opens_again(db_url):
             assert not await tenancy.serves_anonymously()
             assert (
                 await Tenancy(client, False).identify({})
-            ).tenant == ANONYMOUS  # a new one: nothing to know
+            ).tenant == ANONYMOUS_TENANT  # a new one: nothing to know
         finally:
             await client.aclose()
 
@@ -147,7 +150,7 @@ def test_a_429_stays_a_429_while_redis_refuses_writes(db_url, caplog):
         client = aioredis.from_url(db_url)
         try:
             tenancy = Tenancy(client, False)
-            caller = Caller(record)
+            caller = Caller.of(record)
             await tenancy.admit(caller, "first", 0)  # the minute's one request
             admin.config_set("min-replicas-to-write", 1)  # no replica: every write is refused
             try:

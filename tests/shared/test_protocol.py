@@ -13,6 +13,7 @@ from shared.protocol import (
     decode,
     encode,
 )
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 MESSAGES = [
     GenerateRequest(
@@ -26,9 +27,9 @@ MESSAGES = [
             "seed": None,
             "logit_bias": {50: -100.0},
         },
-        tenant="acme",
-        cache_salt="salt",
+        tenant=Tenant("acme", "salt", 2.5),
         traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        priority=-3,
     ),
     GenerateRequest("req-2", [7]),
     AbortRequest("req-1"),
@@ -54,6 +55,30 @@ def test_every_message_round_trips(msg):
     data = encode(msg)
     assert isinstance(data, bytes)
     assert decode(data) == msg
+
+
+def test_a_tenant_rides_as_its_three_keys_and_nil_names_the_anonymous_one():
+    request = GenerateRequest("r", [1], tenant=Tenant("acme", "salt", 2.5), priority=4)
+    body = msgpack.unpackb(encode(request))
+    wire = {key: body[key] for key in ("tenant", "cache_salt", "tenant_weight", "priority")}
+    assert wire == {"tenant": "acme", "cache_salt": "salt", "tenant_weight": 2.5, "priority": 4}
+    assert decode(encode(request)).tenant.weight == 2.5  # the weight is no part of a tenant's equality
+    anonymous = GenerateRequest("r", [1])
+    assert msgpack.unpackb(encode(anonymous))["tenant"] is None
+    assert decode(encode(anonymous)).tenant == ANONYMOUS_TENANT
+    named_so = Tenant("anonymous", "salt")  # a key's tenant may be called that, and stays itself
+    assert decode(encode(GenerateRequest("r", [1], tenant=named_so))).tenant == named_so != ANONYMOUS_TENANT
+    for weight in (0, -1.0, 1000.5, "2", True, float("nan")):
+        with pytest.raises(ProtocolError, match=r"'tenant_weight' must be a number in \(0, 1000\]"):
+            decode(
+                _raw(
+                    v=PROTOCOL_VERSION,
+                    type="generate",
+                    request_id="r",
+                    prompt_token_ids=[1],
+                    tenant_weight=weight,
+                )
+            )
 
 
 def test_every_map_carries_version_and_type():
@@ -218,7 +243,7 @@ def test_the_message_bound_holds_the_largest_legitimate_messages():
         "structured_outputs": {"grammar": "x" * limits.max_grammar_bytes},
     }
     hashes = [bytes(16)] * (len(prompt) // 16)
-    request = GenerateRequest("r" * 64, prompt, hashes, sampling, "t" * 256, "s" * 256, "0" * 55)
+    request = GenerateRequest("r" * 64, prompt, hashes, sampling, Tenant("t" * 64, "s" * 64), "0" * 55)
     top = [[2**31 - 1, -1.0e-300]] * 20
     update = RequestUpdate(
         "r" * 64, [1], None, None, 0, [[2**31 - 1, -1.0e-300, 2**31 - 1, top]] * 128 * 1024

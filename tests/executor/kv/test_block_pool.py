@@ -4,10 +4,12 @@ from executor.kv.block_pool import BlockPool
 from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request
 from shared.sampling_params import SamplingParams
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 
 def make_request(rid, tokens, salt=None):
-    return Request(rid, list(tokens), SamplingParams(max_tokens=4), cache_salt=salt)
+    tenant = ANONYMOUS_TENANT if salt is None else Tenant(salt, salt)
+    return Request(rid, list(tokens), SamplingParams(max_tokens=4), tenant=tenant)
 
 
 def test_allocate_and_free_track_ref_counts():

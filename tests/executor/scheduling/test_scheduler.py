@@ -3,6 +3,7 @@ from executor.kv.cache_manager import KVCacheManager
 from executor.request import Request, RequestStatus
 from executor.scheduling.scheduler import Scheduler
 from shared.sampling_params import SamplingParams
+from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 MAX_MODEL_LEN = 1024
 
@@ -13,10 +14,10 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, c
 
 
 def request(rid, n, first=0, max_tokens=8, eos=frozenset(), tenant=None, weight=1.0, priority=0):
+    """tenant: its name (None: the anonymous tenant)."""
     params = SamplingParams(max_tokens=max_tokens)
-    return Request(
-        rid, list(range(first, first + n)), params, eos, tenant=tenant, weight=weight, priority=priority
-    )
+    whose = ANONYMOUS_TENANT if tenant is None else Tenant(tenant, weight=weight)
+    return Request(rid, list(range(first, first + n)), params, eos, tenant=whose, priority=priority)
 
 
 def run_step(sched, sample=lambda request: [7]):
@@ -110,9 +111,10 @@ def test_the_waiting_queue_is_full_at_its_bound_of_requests_or_tokens_to_prefill
     by_count = Scheduler(kv, 1, 32, MAX_MODEL_LEN, max_waiting_seqs=2, fair_share=False)
     by_count.add(request("a", 3, tenant="A"))
     by_count.add(request("b", 3, tenant="A"))
-    assert by_count.queue_full and by_count.queue_full_for("B")  # one tenant's burst takes every place
+    # one tenant's burst takes every place
+    assert by_count.queue_full and by_count.queue_full_for(Tenant("B"))
     run_step(by_count)  # a starts: one waits
-    assert not by_count.queue_full and not by_count.queue_full_for("A")
+    assert not by_count.queue_full and not by_count.queue_full_for(Tenant("A"))
     kv = KVCacheManager(BlockPool(64, True), 4)
     by_tokens = Scheduler(kv, 1, 32, MAX_MODEL_LEN, max_waiting_tokens=20, fair_share=False)
     assert not by_tokens.queue_full  # an empty queue is never full, whatever the bound
@@ -124,7 +126,7 @@ def test_the_waiting_queue_is_full_at_its_bound_of_requests_or_tokens_to_prefill
     unbounded = make(max_num_seqs=1)  # the offline API queues whatever it is given
     for i in range(50):
         unbounded.add(request(f"r{i}", 3))
-    assert not unbounded.queue_full and not unbounded.queue_full_for(None)
+    assert not unbounded.queue_full and not unbounded.queue_full_for(ANONYMOUS_TENANT)
 
 
 def test_each_tenant_has_its_own_waiting_places_and_all_together_four_times_that():
@@ -132,19 +134,23 @@ def test_each_tenant_has_its_own_waiting_places_and_all_together_four_times_that
     sched = Scheduler(kv, 1, 32, MAX_MODEL_LEN, max_waiting_seqs=2)
     sched.add(request("a1", 3, tenant="A"))
     sched.add(request("a2", 3, tenant="A"))
-    assert sched.queue_full_for("A")  # A's burst fills A's places...
-    assert not sched.queue_full_for("B") and not sched.queue_full  # ...and B still finds one
+    assert sched.queue_full_for(Tenant("A"))  # A's burst fills A's places...
+    assert not sched.queue_full_for(Tenant("B")) and not sched.queue_full  # ...and B still finds one
     for tenant in "BCD":
         for i in range(2):
             sched.add(request(f"{tenant}{i}", 3, tenant=tenant))
-    assert sched.queue_full and sched.queue_full_for("E")  # 4 x 2 places, all taken
+    assert sched.queue_full and sched.queue_full_for(Tenant("E"))  # 4 x 2 places, all taken
     assert sched.waiting.max_per_tenant == 2
     run_step(sched)  # a1 starts: a place is free again, for anyone
-    assert not sched.queue_full and not sched.queue_full_for("E") and not sched.queue_full_for("A")
+    assert (
+        not sched.queue_full
+        and not sched.queue_full_for(Tenant("E"))
+        and not sched.queue_full_for(Tenant("A"))
+    )
     kv = KVCacheManager(BlockPool(64, True), 4)
     by_tokens = Scheduler(kv, 1, 32, MAX_MODEL_LEN, max_waiting_tokens=20)
     by_tokens.add(request("a", 20, tenant="A"))
-    assert by_tokens.queue_full_for("A") and not by_tokens.queue_full_for(None)
+    assert by_tokens.queue_full_for(Tenant("A")) and not by_tokens.queue_full_for(ANONYMOUS_TENANT)
 
 
 def test_unstarted_since_lists_only_requests_never_scheduled():
@@ -249,7 +255,7 @@ def test_backlogged_tenants_get_prefill_tokens_in_proportion_to_their_weights():
     given = {"A": 0, "B": 0}
     for _ in range(40):
         for r, n in run_step(sched).scheduled:
-            given[r.tenant] += n
+            given[r.tenant.name] += n
     assert given["A"] + given["B"] == 40 * 30
     assert abs(given["A"] - 2 * given["B"]) <= 2 * 30  # within a chunk or so of 2:1 (800:400)
 
@@ -280,7 +286,11 @@ def test_a_preempted_request_goes_back_first_in_its_own_tenants_line():
     run_step(sched)  # no block for b2 or a2: they wait
     out = run_step(sched)  # a's slot 8 needs a third block: the newest, b, makes room
     assert out.preempted == [b]
-    assert sched.waiting.first("B") is b and [r.request_id for r in sched.waiting] == ["b", "b2", "a2"]
+    assert sched.waiting.first(Tenant("B")) is b and [r.request_id for r in sched.waiting] == [
+        "b",
+        "b2",
+        "a2",
+    ]
 
 
 def test_with_one_tenant_or_without_fair_share_the_schedule_is_first_come_first_served():
@@ -325,5 +335,5 @@ def test_blocks_for_a_tenants_growth_come_from_the_tenant_holding_the_most_first
     out = run_step(
         sched
     )  # b's slot 8 needs a block, the last free one goes to a2's slot 4: someone must make room
-    assert b not in out.preempted and out.preempted[0].tenant == "A"
-    assert [r.request_id for r, _ in out.scheduled if r.tenant == "B"] == ["b"]
+    assert b not in out.preempted and out.preempted[0].tenant.name == "A"
+    assert [r.request_id for r, _ in out.scheduled if r.tenant.name == "B"] == ["b"]

@@ -23,6 +23,7 @@ from executor.engine_busy import EngineBusy
 from executor.kv.layout import kv_block_bytes
 from executor.structured.grammars import Grammars, step_bitmask
 from shared.structured_outputs import StructuredOutputsParams
+from shared.tenant import Tenant
 from tests.processes import REPO, eventually
 
 PERSON = {
@@ -62,6 +63,11 @@ def run_to_the_end(engine: Engine, timeout_s: float = 120) -> tuple[dict, dict]:
             if out.finish_reason is not None:
                 finished[out.request_id] = out
     return finished, tokens
+
+
+def salted(name: str) -> Tenant:
+    """The tenant of that name, salted with it."""
+    return Tenant(name, name)
 
 
 def constrained(**kind) -> StructuredOutputsParams:
@@ -196,7 +202,7 @@ def test_a_schema_the_library_would_not_hold_is_refused_naming_it():
 def test_a_grammar_that_fails_while_queued_ends_only_its_request(tiny_engine):
     engine = tiny_engine
     # the worker busy with another tenant's compile (killed at the deadline), so both grammars below wait
-    engine.grammars.compile(constrained(regex=slow_regex()), "holder")
+    engine.grammars.compile(constrained(regex=slow_regex()), salted("holder"))
     (bad,) = engine.add_request(
         "bad", [1, 2, 3], SamplingParams(structured_outputs=constrained(regex="[z-a]"))
     )
@@ -237,11 +243,11 @@ def test_a_grammar_past_its_deadline_fails_alone_and_the_next_compiles_in_a_fres
 
 def test_a_compile_process_that_dies_fails_its_request_as_our_fault_and_is_replaced(tiny_engine):
     engine, grammars = tiny_engine, tiny_engine.grammars
-    grammars.compile(constrained(regex="(warm)+"), "dies").result(timeout=120)
+    grammars.compile(constrained(regex="(warm)+"), salted("dies")).result(timeout=120)
     grammars.timeout_s = 120  # for this test: time to kill the process mid-compile from here
     try:
         params = SamplingParams(max_tokens=2, structured_outputs=constrained(regex=slow_regex(70)))
-        engine.add_request("dies", [1, 2, 3], params, "dies")
+        engine.add_request("dies", [1, 2, 3], params, salted("dies"))
         pid = grammars.worker_pid
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
@@ -250,18 +256,18 @@ def test_a_compile_process_that_dies_fails_its_request_as_our_fault_and_is_repla
         grammars.timeout_s = DEADLINE_S
     assert finished["dies"].error_code == 500  # the spec may well be fine: it is not called bad
     assert "structured_outputs.regex: the grammar compiler failed" in finished["dies"].error
-    assert grammars.compile(constrained(regex="(after)+"), "dies").result(timeout=120) is not None
+    assert grammars.compile(constrained(regex="(after)+"), salted("dies")).result(timeout=120) is not None
     assert gone(pid) and grammars.worker_pid not in (None, pid)
 
 
 def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(tiny_engine):
     engine = tiny_engine
     ready = constrained(regex="(xy)+")
-    engine.grammars.compile(ready, "alpha").result()  # compiled before: a request for it never waits
+    engine.grammars.compile(ready, salted("alpha")).result()  # compiled before: a request for it never waits
     specs = [constrained(regex=slow_regex(50 + i)) for i in range(3)]
     for i, spec in enumerate(specs):
         params = SamplingParams(max_tokens=2, structured_outputs=spec)
-        engine.add_request(f"c{i}", [1, 2, 3], params, cache_salt="alpha")
+        engine.add_request(f"c{i}", [1, 2, 3], params, tenant=salted("alpha"))
     assert (
         len(engine.grammar_queue.requests) == 3
         and not engine.scheduler.waiting
@@ -270,19 +276,21 @@ def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(t
     assert engine.stats().waiting == 3 and engine.stats().compiling == 3
     more = SamplingParams(max_tokens=2, structured_outputs=constrained(regex="(zw)+"))
     with pytest.raises(EngineBusy, match="3 of this tenant's requests already wait for their grammars"):
-        engine.add_request("refused", [1, 2, 3], more, cache_salt="alpha")
+        engine.add_request("refused", [1, 2, 3], more, tenant=salted("alpha"))
     assert "refused" not in engine.intake.requests
-    assert engine.grammars.lookup(more.structured_outputs, "alpha") is None  # nothing queued for it
-    engine.add_request("beta", [1, 2, 3], more, cache_salt="beta")  # another tenant still has room
+    assert engine.grammars.lookup(more.structured_outputs, salted("alpha")) is None  # nothing queued for it
+    engine.add_request("beta", [1, 2, 3], more, tenant=salted("beta"))  # another tenant still has room
     assert len(engine.grammar_queue.requests) == 4 and not engine.stats().queue_full
     assert engine.abort("beta") == [0]
-    engine.add_request("ready", [1, 2, 3], SamplingParams(max_tokens=2, structured_outputs=ready), "alpha")
+    engine.add_request(
+        "ready", [1, 2, 3], SamplingParams(max_tokens=2, structured_outputs=ready), salted("alpha")
+    )
     engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(engine.scheduler.waiting) == 2
     # c2 waits behind c0 and c1: aborted, its compile is dropped unstarted, and asked again it compiles afresh
     queued = engine.intake.requests["c2"].grammar.future
     assert engine.abort("c2") == [0] and queued.cancelled()
-    assert engine.grammars.lookup(specs[2], "alpha") is None
+    assert engine.grammars.lookup(specs[2], salted("alpha")) is None
     assert engine.abort("c0") == [0] and engine.abort("c1") == [0]
     assert not engine.grammar_queue.requests and engine.stats().waiting == 2
     finished, tokens = run_to_the_end(engine)
@@ -296,11 +304,13 @@ def test_all_tenants_together_have_four_times_one_tenants_places(tiny_engine):
         for i in range(3):  # --max-waiting-seqs 3: each tenant's most
             spec = constrained(regex=f"(t{tenant}r{i})+{slow_regex(45)}")
             added.append(f"t{tenant}-{i}")
-            engine.add_request(added[-1], [1, 2, 3], SamplingParams(structured_outputs=spec), f"t{tenant}")
+            engine.add_request(
+                added[-1], [1, 2, 3], SamplingParams(structured_outputs=spec), salted(f"t{tenant}")
+            )
     late = SamplingParams(structured_outputs=constrained(regex="(late)+"))
     with pytest.raises(EngineBusy, match="12 requests already wait for their grammars to compile"):
-        engine.add_request("late", [1, 2, 3], late, "t4")
-    engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True), "t4")
+        engine.add_request("late", [1, 2, 3], late, salted("t4"))
+    engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True), salted("t4"))
     for request_id in added:
         engine.abort(request_id)
     finished, _ = run_to_the_end(engine)
@@ -312,7 +322,7 @@ def test_tenants_take_turns_at_the_compiler(tiny_engine):
     queued = [("t-a", "a1"), ("t-a", "a2"), ("t-a", "a3"), ("t-b", "b1"), ("t-b", "b2"), ("t-c", "c1")]
     futures = []
     for tenant, name in queued:  # a1 may start at once or not: the turns come out the same
-        future = grammars.compile(constrained(regex=f"{name}(x|y)+"), tenant)
+        future = grammars.compile(constrained(regex=f"{name}(x|y)+"), salted(tenant))
         future.add_done_callback(lambda _, name=name: served.append(name))  # called in compile order
         futures.append(future)
     for future in futures:
@@ -323,12 +333,14 @@ def test_tenants_take_turns_at_the_compiler(tiny_engine):
 def test_a_tenants_cached_grammar_is_no_hit_for_another(tiny_engine):
     grammars = tiny_engine.grammars
     spec = constrained(regex="(ab|ba)+c")
-    alpha = grammars.compile(spec, "alpha")
+    alpha = grammars.compile(spec, salted("alpha"))
     alpha.result(timeout=120)
     compiled = grammars.num_compiled
-    assert grammars.compile(constrained(regex="(ab|ba)+c"), "alpha") is alpha  # a hit: the tenant's own
-    assert grammars.lookup(spec, "beta") is None and grammars.lookup(spec, None) is None
-    beta = grammars.compile(spec, "beta")
+    assert (
+        grammars.compile(constrained(regex="(ab|ba)+c"), salted("alpha")) is alpha
+    )  # a hit: the tenant's own
+    assert grammars.lookup(spec, salted("beta")) is None and grammars.lookup(spec) is None
+    beta = grammars.compile(spec, salted("beta"))
     assert beta is not alpha and grammars.num_compiled == compiled + 1
     beta.result(timeout=120)
 
