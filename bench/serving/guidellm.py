@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -156,11 +157,18 @@ def ensure_venv(peers: Path, name: str, packages: list[str], remove: list[str] =
     return bin_dir
 
 
+def kvserve_env() -> dict[str, str]:
+    """This environment with a data directory of its own for `kvserve up`: a benchmark's stack keeps nothing of
+    the user's own store (whose keys would close its gateway to the load client) and leaves nothing in it."""
+    return {**os.environ, "KVSERVE_HOME": tempfile.mkdtemp(prefix="kvserve-bench-")}
+
+
 def server_command(
     system: str, peers: Path, model_dir: str, port: int, extra: list[str]
 ) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if system == "kvserve":
+        env = kvserve_env()
         kvserve = Path(sys.executable).parent / "kvserve"
         command = [str(kvserve), "up", "--port", str(port), "--max-model-len", "2048", "--log-format", "text"]
         # GuideLLM shares the server's cores, which a deployment's clients do not. Beside an executor at kvserve

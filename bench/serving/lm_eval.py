@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.serving.guidellm import MODEL_NAME, ensure_venv, model_dir, stop, wait_ready
+from bench.serving.guidellm import MODEL_NAME, ensure_venv, kvserve_env, model_dir, stop, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval_task"
@@ -82,7 +82,7 @@ def main() -> None:
                "--executor-niceness", "0", "--shutdown-grace-period", "1"]  # fmt: skip
     log = (args.out / "kvserve.log").open("w")
     process = subprocess.Popen(
-        command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command, cwd=REPO, env=kvserve_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         wait_ready(url, process)
