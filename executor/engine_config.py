@@ -12,7 +12,7 @@ from shared.defaults import DEFAULT_BLOCK_SIZE
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # --quantization (kvkernels/weight_quantization.py): auto serves the checkpoint's weights as they are
 QUANTIZATIONS = ("auto", "none", "int8", "fp8")
-QUANTIZED_ACTIVATIONS = ("int8", "float32")
+QUANTIZED_ACTIVATIONS = ("int8", "int16", "float32")
 
 _UNITS = {
     "": 1,
@@ -94,7 +94,7 @@ class EngineConfig:
     quantization_group_size: int | None = (
         None  # int8: inputs sharing a scale (None: one scale per output row)
     )
-    # what quantized weights multiply on the CPU (kvkernels/csrc/int8_dot_kernel.h): int8 where it can, or float32
+    # what quantized weights multiply on the CPU (kvkernels/csrc/int8_dot_kernel.h): int8, int16 or float32
     quantized_activations: str = "int8"
     # on the CPU, run the forward pass on fewer threads while other processes take cores (executor/cpu_threads.py)
     adaptive_cpu_threads: bool = True
@@ -296,8 +296,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZED_ACTIVATIONS,
         help="what quantized weights multiply on the CPU: int8 (default; each row's activations in blocks of 32 "
         "with a scale each, multiplied as integers where the CPU has AVX-512 VNNI, as llama.cpp does: 1.5-1.8x "
-        "faster, greedy tokens nearer to ties may differ from float32's) or float32 (the weights converted to "
-        "floats: the dequantized model's results to float32 rounding)",
+        "faster, greedy tokens nearer to ties may differ from float32's), int16 (int8 and each block's rounding "
+        "error as a second int8, multiplied beside it: the dequantized model's greedy answers, a row's integer "
+        "work doubled) or float32 (the weights converted to floats: the dequantized model's results to float32 "
+        "rounding)",
     )
     g.add_argument(
         "--adaptive-cpu-threads",

@@ -31,7 +31,7 @@ class StackLayer:
 def _linear_args(module: nn.Module) -> tuple | None:
     """The C++ stack's description of a linear layer packed for the CPU kernels; None for any other."""
     if isinstance(module, PackedLinear) and module.uses_cpu_kernels:
-        return (module.packed_weight, None, None, module.bias, module.out_features, 0, 0, False)
+        return (module.packed_weight, None, None, module.bias, module.out_features, 0, 0, 0)
     panels = module.panels if isinstance(module, QuantizedLinear) else None
     if panels is None:
         return None
@@ -43,7 +43,7 @@ def _linear_args(module: nn.Module) -> tuple | None:
         module.out_features,
         panels.bits,
         panels.zero_point,
-        panels.int8_activations,
+        panels.activation_planes,
     )
 
 

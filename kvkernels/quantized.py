@@ -92,6 +92,10 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
     return QuantizedWeight(values.view(n, k), scales.contiguous(), None, group, 8)
 
 
+# --quantized-activations -> the int8 planes the CPU GEMM quantizes its input to (PanelWeight.activation_planes)
+ACTIVATION_PLANES = {"float32": 0, "int8": 1, "int16": 2}
+
+
 @dataclass(frozen=True, slots=True)
 class PanelWeight:
     """A QuantizedWeight in the panels the CPU kernel reads (kvkernels/csrc/quantized_gemm_cpu.cpp): values
@@ -100,10 +104,12 @@ class PanelWeight:
     of them is exactly a float16 (GGUF's blocks carry float16 scales and offsets: Q4_1 then reads 20 bytes a
     block of 32 weights, not 24), else float32.
 
-    int8_activations: the GEMM quantizes its input to int8 in blocks of 32 and multiplies integers (AVX-512 VNNI,
-    as llama.cpp's CPU path does; several times fewer instructions than converting the weights to floats, which
-    bound decode steps at a few rows); chosen at packing where the CPU has those instructions and the groups are
-    whole blocks of 32."""
+    activation_planes: what the GEMM multiplies (ACTIVATION_PLANES): 1, its input quantized to int8 in blocks of
+    32 and multiplied as integers (AVX-512 VNNI, as llama.cpp's CPU path does; several times fewer instructions
+    than converting the weights to floats, which bound decode steps at a few rows); 2, each block's rounding error
+    as a second int8 plane beside it (int16: the float product to about 16 bits, a row's integer work doubled); 0,
+    float32. Planes are chosen at packing where the CPU has those instructions and the groups are whole blocks of
+    32, else 0."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -112,12 +118,12 @@ class PanelWeight:
     group_size: int
     bits: int
     zero_point: int
-    int8_activations: bool
+    activation_planes: int
 
     @staticmethod
-    def pack(weight: QuantizedWeight, ops, int8_activations: bool = True) -> PanelWeight:
+    def pack(weight: QuantizedWeight, ops, activation_planes: int = 1) -> PanelWeight:
         """weight in panels, by the kernels' pack function (ops: kvkernels.cpu_extension.cpu_kernels());
-        int8_activations: where the CPU and the groups allow it (False: float32 activations always)."""
+        activation_planes where the CPU and the groups allow them (0: float32 activations always)."""
         zero_point = 8 if weight.bits == 4 and int(weight.values.min()) < 0 else 0
         values, scales, offsets = ops.pack_quantized_weight(
             weight.values, weight.scales, weight.offsets, weight.bits, zero_point
@@ -134,7 +140,7 @@ class PanelWeight:
             weight.group_size,
             weight.bits,
             zero_point,
-            int8_activations and bool(ops.int8_dot_available()) and weight.group_size % 32 == 0,
+            activation_planes if ops.int8_dot_available() and weight.group_size % 32 == 0 else 0,
         )
 
     @property
@@ -177,8 +183,8 @@ class QuantizedLinear(nn.Module):
         self._panels: PanelWeight | None = None
         self._ops = None
         self.bias = None if bias is None else bias.detach().float()
-        # the packed GEMM multiplies int8 activations where the CPU can (--quantized-activations)
-        self.int8_activations = True
+        # what the packed GEMM multiplies where the CPU can (--quantized-activations, ACTIVATION_PLANES)
+        self.activation_planes = 1
 
     @property
     def weight_q(self) -> QuantizedWeight:
@@ -197,7 +203,7 @@ class QuantizedLinear(nn.Module):
     def pack(self, ops) -> None:
         """Hold the weight only in the panels of ops (the C++ CPU kernels), whose GEMM then serves float32 input."""
         if self._panels is None:
-            packed = PanelWeight.pack(self._weight, ops, self.int8_activations)
+            packed = PanelWeight.pack(self._weight, ops, self.activation_planes)
             self._panels, self._weight, self._ops = packed, None, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,7 +221,7 @@ class QuantizedLinear(nn.Module):
                 p.bits,
                 p.zero_point,
                 self.bias,
-                p.int8_activations,
+                p.activation_planes,
             )
             return y.view(*x.shape[:-1], self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)

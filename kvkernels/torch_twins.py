@@ -80,3 +80,22 @@ def rotary_embedding(
         return (xf * cos.float()[:, None, :] + rotated * sin.float()[:, None, :]).to(x.dtype)
 
     return rotate(query), rotate(key)
+
+
+def int8_activations(x: torch.Tensor, planes: int = 1) -> torch.Tensor:
+    """What quantized_gemm's activations stand for (kvkernels/csrc/int8_dot_kernel.h), in float64 [M, K]: each
+    block of 32 of a row in steps of its largest magnitude / 127, rounded to nearest even (planes 1, int8); planes 2
+    (int16) adds each block's rounding error, x - q * step in float32, in steps of step / 254. The integers are
+    the kernel's bit for bit: the same float32 operations decide them."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    step = amax / 127.0
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse).clamp_(-128, 127)
+    held = q.double() * step.double()
+    if planes == 2:
+        error = blocks - q * step
+        residual = torch.round(error * (inverse * 254.0)).clamp_(-128, 127)
+        held += residual.double() * (step / 254.0).double()
+    return held.reshape(m, k)

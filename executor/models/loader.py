@@ -10,7 +10,7 @@ import torch
 from executor.models.llama import FUSED_PROJECTIONS, DecoderLM, DecoderSpec
 from executor.models.quantized import place_quantized, stack
 from kvkernels.backend import Kernels
-from kvkernels.quantized import QuantizedLinear, QuantizedWeight
+from kvkernels.quantized import ACTIVATION_PLANES, QuantizedLinear, QuantizedWeight
 from kvkernels.weight_quantization import quantize_linears
 
 # architecture -> (qkv bias, q/k norm)
@@ -169,7 +169,7 @@ def build_model(
     quantize_linears(model, quantization, quantization_group_size)
     for layer in model.modules():
         if isinstance(layer, QuantizedLinear):
-            layer.int8_activations = quantized_activations == "int8"
+            layer.activation_planes = ACTIVATION_PLANES[quantized_activations]
     kernels.prepare(model, device, dtype)
     model.fuse_decode_layers()
     return model

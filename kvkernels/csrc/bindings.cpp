@@ -20,15 +20,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 values [N, K] (4 bits: plus zero_point in 0..15), scales and offsets [N, K / G] -> the panels of "
         "quantized_gemm");
   m.def("quantized_gemm", &quantized_gemm,
-        "x W^T (+ b) with W from pack_quantized_weight's panels, x float32 (CPU); int8_activations: x quantized "
-        "to int8 in blocks of 32 and multiplied as integers (needs int8_dot_available())");
+        "x W^T (+ b) with W from pack_quantized_weight's panels, x float32 (CPU); activation_planes 1: x "
+        "quantized to int8 in blocks of 32 and multiplied as integers, 2: and each block's rounding error as a "
+        "second int8 plane (int16), 0: float32 (1 and 2 need int8_dot_available())");
   m.def("int8_dot_available", &int8_dot_available,
-        "whether quantized_gemm takes int8_activations here (AVX-512 VNNI and VBMI)");
+        "whether quantized_gemm takes activation_planes 1 and 2 here (AVX-512 VNNI and VBMI)");
   pybind11::class_<DecoderStack>(m, "DecoderStack", "a decode step's decoder layers in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double>(), "num_heads, num_kv_heads, head_dim, scale")
       .def("add_layer", &DecoderStack::add_layer,
            "input_norm, post_norm, eps, then qkv, o, gate_up and down as (weight, scales, offsets, bias, "
-           "out_features, bits, zero_point, int8_activations), bits 0 for small_gemm's float panels")
+           "out_features, bits, zero_point, activation_planes), bits 0 for small_gemm's float panels")
       .def("team_rows", &DecoderStack::team_rows,
            "the most sequences a step may hold to run on one team of threads (0: it never does)")
       .def("team_rescues", &DecoderStack::team_rescues,

@@ -26,6 +26,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quantized_weight(const at::T
                                                                      int64_t bits, int64_t zero_point);
 at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
-                          const c10::optional<at::Tensor>& bias, bool int8_activations);
+                          const c10::optional<at::Tensor>& bias, int64_t activation_planes);
 bool int8_dot_available();
 at::Tensor argmax_rows(const at::Tensor& logits);

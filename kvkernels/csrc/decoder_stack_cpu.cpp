@@ -16,17 +16,18 @@
 #include "quantized_gemm_cpu.h"
 
 StackLinear::StackLinear(LinearArgs args) {
-  std::tie(weight, scales, offsets, bias, out_features, bits, zero_point, int8_activations) = std::move(args);
+  std::tie(weight, scales, offsets, bias, out_features, bits, zero_point, activation_planes) = std::move(args);
   TORCH_CHECK(bits == 0 || scales.has_value(), "decoder stack: a quantized linear needs its scales");
+  TORCH_CHECK(activation_planes >= 0 && activation_planes <= 2, "decoder stack: activation_planes 0, 1 or 2");
 #if defined(KVSERVE_INT8_DOT)
-  if (bits != 0 && int8_activations)
+  if (bits != 0 && activation_planes > 0)
     int8_weights.emplace(weight.size(1), weight, *scales, offsets, out_features, bits, zero_point, bias);
 #endif
 }
 
 at::Tensor StackLinear::operator()(const at::Tensor& x) const {
   if (bits == 0) return small_gemm(x, weight, out_features, bias);
-  return quantized_gemm(x, weight, *scales, offsets, out_features, bits, zero_point, bias, int8_activations);
+  return quantized_gemm(x, weight, *scales, offsets, out_features, bits, zero_point, bias, activation_planes);
 }
 
 void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps, LinearArgs qkv, LinearArgs o,

@@ -11,10 +11,10 @@
 
 #include "quantized_gemm_cpu.h"
 
-// (weight, scales, offsets, bias, out_features, bits, zero_point, int8_activations): bits 0 is a float weight in
+// (weight, scales, offsets, bias, out_features, bits, zero_point, activation_planes): bits 0 is a float weight in
 // small_gemm's panels; 4 or 8, quantized_gemm's panels with their scales and offsets
 using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                              c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool>;
+                              c10::optional<at::Tensor>, int64_t, int64_t, int64_t, int64_t>;
 
 struct StackLinear {
   explicit StackLinear(LinearArgs args);
@@ -23,9 +23,9 @@ struct StackLinear {
   at::Tensor weight;
   c10::optional<at::Tensor> scales, offsets, bias;
   int64_t out_features = 0, bits = 0, zero_point = 0;
-  bool int8_activations = false;
+  int64_t activation_planes = 0;  // quantized_gemm's: 0 float32, 1 int8, 2 int16
 #if defined(KVSERVE_INT8_DOT)
-  std::optional<Int8DotWeights> int8_weights;  // where the layer multiplies int8 activations
+  std::optional<Int8DotWeights> int8_weights;  // where the layer multiplies int8 activations (one plane or two)
 #endif
 };
 

@@ -167,11 +167,12 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
   float *rp = residual.data_ptr<float>(), *hp = h.data_ptr<float>(), *actp = act.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();  // forward made them contiguous
 
-  auto linear_of = [&](int64_t l, int64_t g) -> const Int8DotWeights& {
+  auto stack_linear = [&](int64_t l, int64_t g) -> const StackLinear& {
     const StackLayer& layer = layers_[l];
     const StackLinear* linear[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    return *linear[g]->int8_weights;
+    return *linear[g];
   };
+  auto linear_of = [&](int64_t l, int64_t g) -> const Int8DotWeights& { return *stack_linear(l, g).int8_weights; };
   std::vector<DecodeAttention> attention;
   attention.reserve(L);
   for (int64_t l = 0; l < L; ++l) {
@@ -187,9 +188,9 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
     const int which[] = {kQkvOut, kOOut, kGateUpOut, kDownOut};
     return buffer(l, which[g]);
   };
-  // GEMM g of layer l takes x [T, K]: quantized, and its panels split into one range a thread
+  // GEMM g of layer l takes x [T, K]: quantized (in its planes), and its panels split into one range a thread
   auto prepare = [&](int64_t l, int64_t g, const float* x, int64_t K) {
-    ws.rows[l * kGemms + g].quantize(x, T, K, K);
+    ws.rows[l * kGemms + g].quantize(x, T, K, K, stack_linear(l, g).activation_planes);
     stealing::split(ws.ranges.data() + (l * kGemms + g) * threads, threads, linear_of(l, g).panels());
   };
   // residual += x (x null: left as it is); h = rms_norm(residual) * weight, row by row

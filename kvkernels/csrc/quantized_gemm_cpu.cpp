@@ -22,8 +22,9 @@
 // Threads take panels from a shared counter (dynamic_parallel.h) as the float32 kernel does; with int8 activations at
 // one block of rows, each its own range of them (stealing_parallel.h).
 //
-// With int8_activations the activations are quantized to int8 in blocks of 32 and multiplied as integers
+// With activation_planes 1 (int8) the activations are quantized to int8 in blocks of 32 and multiplied as integers
 // (int8_dot_kernel.h, AVX-512 VNNI), at every row count: a row's result then does not depend on the rows beside it.
+// With 2 (int16) each block's rounding error is a second int8 plane, multiplied beside the first; 0 is float32.
 #include "cpu_vec.h"
 #include "dynamic_parallel.h"
 #include "int8_dot_kernel.h"
@@ -237,7 +238,7 @@ void float_gemm(const at::Tensor& x, const int8_t* qp, const S* sp, const S* m, 
 
 }  // namespace
 
-// whether quantized_gemm can take int8_activations on this CPU
+// whether quantized_gemm can take activation_planes 1 and 2 on this CPU
 bool int8_dot_available() {
 #if defined(KVSERVE_INT8_DOT)
   return true;
@@ -290,7 +291,7 @@ struct Operands {
 
 Operands checked(int64_t K, const at::Tensor& values, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point, const c10::optional<at::Tensor>& bias,
-                 bool int8_activations) {
+                 int64_t activation_planes) {
   TORCH_CHECK(bits == 8 || bits == 4, "quantized_gemm: bits 8 or 4");
   const int64_t row_bytes = bits == 8 ? kCols : kCols / 2;
   TORCH_CHECK(values.dim() == 3 && values.size(1) == K && values.size(2) == row_bytes && values.is_contiguous() &&
@@ -315,7 +316,9 @@ Operands checked(int64_t K, const at::Tensor& values, const at::Tensor& scales,
                 "quantized_gemm: bias [N] float32");
     b = bias->data_ptr<float>();
   }
-  if (int8_activations) {
+  TORCH_CHECK(activation_planes >= 0 && activation_planes <= 2,
+              "quantized_gemm: activation_planes 0 (float32), 1 (int8) or 2 (int16)");
+  if (activation_planes > 0) {
     TORCH_CHECK(int8_dot_available(), "quantized_gemm: int8 activations need AVX-512 VNNI and VBMI");
     TORCH_CHECK(K % 32 == 0 && G % 32 == 0, "quantized_gemm: int8 activations need groups of whole blocks of 32");
   }
@@ -326,26 +329,32 @@ Operands checked(int64_t K, const at::Tensor& values, const at::Tensor& scales,
 }  // namespace
 
 #if defined(KVSERVE_INT8_DOT)
-void Int8Rows::quantize(const float* x, int64_t rows, int64_t k, int64_t ldx) {
-  M = rows, K = k;
+void Int8Rows::quantize(const float* x, int64_t rows, int64_t k, int64_t ldx, int64_t plane_count) {
+  TORCH_CHECK(plane_count == 1 || plane_count == 2, "int8 activations: 1 or 2 planes");
+  M = rows, K = k, planes = plane_count;
   const int64_t blocks = K / int8_dot::kBlock;
   values.resize(M * K);
   scales.resize(M * blocks);
   sums.resize(M * blocks);
+  residual.resize(planes == 2 ? M * K : 0);
+  residual_scales.resize(planes == 2 ? M * blocks : 0);
   each.resize(M);
+  auto row_residual = [&](int64_t r) { return planes == 2 ? residual.data() + r * K : nullptr; };
+  auto row_residual_scales = [&](int64_t r) { return planes == 2 ? residual_scales.data() + r * blocks : nullptr; };
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       int8_dot::quantize_row(x + r * ldx, K, values.data() + r * K, scales.data() + r * blocks,
-                             sums.data() + r * blocks);
+                             sums.data() + r * blocks, row_residual(r), row_residual_scales(r));
   });
   for (int64_t r = 0; r < M; ++r)
-    each[r] = {values.data() + r * K, scales.data() + r * blocks, sums.data() + r * blocks, K};
+    each[r] = {values.data() + r * K, scales.data() + r * blocks, sums.data() + r * blocks, K,
+               row_residual(r),       row_residual_scales(r)};
 }
 
 Int8DotWeights::Int8DotWeights(int64_t K, const at::Tensor& values, const at::Tensor& scales,
                                const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
                                const c10::optional<at::Tensor>& bias) {
-  const Operands op = checked(K, values, scales, offsets, N, bits, zero_point, bias, true);
+  const Operands op = checked(K, values, scales, offsets, N, bits, zero_point, bias, 1);
   K_ = op.K, N_ = op.N, G_ = op.G, bits_ = op.bits, zero_point_ = op.zero_point;
   q_ = op.q, scales_ = op.scales, offsets_ = op.offsets, half_ = op.half, bias_ = op.bias;
 }
@@ -356,12 +365,13 @@ int64_t Int8DotWeights::chunk() const {
   return std::max<int64_t>(1, kStealBytes / (K_ * (bits_ == 8 ? kCols : kCols / 2)));
 }
 
-template <typename S>
+template <int PLANES, typename S>
 void Int8DotWeights::run_panels(const Int8Rows& x, float* y, int64_t begin, int64_t end) const {
   const int64_t groups = K_ / G_, row_bytes = bits_ == 8 ? kCols : kCols / 2, M = x.M;
   const auto* sp = static_cast<const S*>(scales_);
   const auto* m = static_cast<const S*>(offsets_);
-  const int8_dot::Kernel<S>* kernels = bits_ == 8 ? int8_dot::kKernels<8, S> : int8_dot::kKernels<4, S>;
+  const int8_dot::Kernel<S>* kernels =
+      bits_ == 8 ? int8_dot::kKernels<8, PLANES, S> : int8_dot::kKernels<4, PLANES, S>;
   const auto zp = static_cast<float>(zero_point_);
   for (int64_t p = begin; p < end; ++p) {
     const int64_t col = p * kCols, cols = std::min(kCols, N_ - col);
@@ -375,31 +385,37 @@ void Int8DotWeights::run_panels(const Int8Rows& x, float* y, int64_t begin, int6
 }
 
 void Int8DotWeights::run(const Int8Rows& x, float* y, int64_t begin, int64_t end) const {
-  if (half_)
-    run_panels<c10::Half>(x, y, begin, end);
-  else
-    run_panels<float>(x, y, begin, end);
+  if (x.planes == 2) {
+    if (half_)
+      run_panels<2, c10::Half>(x, y, begin, end);
+    else
+      run_panels<2, float>(x, y, begin, end);
+  } else if (half_) {
+    run_panels<1, c10::Half>(x, y, begin, end);
+  } else {
+    run_panels<1, float>(x, y, begin, end);
+  }
 }
 #endif
 
 // x [M, K] (rows contiguous) times pack_quantized_weight's panels for N outputs, bias [N] or undefined -> [M, N]
 at::Tensor quantized_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t zero_point,
-                          const c10::optional<at::Tensor>& bias, bool int8_activations) {
+                          const c10::optional<at::Tensor>& bias, int64_t activation_planes) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "quantized_gemm: x [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1);
 #if defined(KVSERVE_INT8_DOT)
-  if (int8_activations) {
+  if (activation_planes == 1 || activation_planes == 2) {
     const Int8DotWeights weights(K, values, scales, offsets, N, bits, zero_point, bias);
     auto y = at::empty({M, N}, x.options());
     if (M == 0) return y;
     Int8Rows rows;
-    rows.quantize(x.data_ptr<float>(), M, K, x.stride(0));
+    rows.quantize(x.data_ptr<float>(), M, K, x.stride(0), activation_planes);
     int8_dot_gemm(weights, rows, y.data_ptr<float>());
     return y;
   }
 #endif
-  const Operands op = checked(K, values, scales, offsets, N, bits, zero_point, bias, int8_activations);
+  const Operands op = checked(K, values, scales, offsets, N, bits, zero_point, bias, activation_planes);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   if (op.half) {

@@ -11,15 +11,16 @@
 #include "int8_dot_kernel.h"
 
 #if defined(KVSERVE_INT8_DOT)
-// rows of activations quantized to int8 in blocks of 32, kept for reuse: a quantize call of no more rows and
-// inputs than the last allocates nothing
+// rows of activations quantized to int8 in blocks of 32, in one plane (int8) or two (int16: the second holds each
+// block's rounding error, int8_dot_kernel.h), kept for reuse: a quantize call of no more rows and inputs than the
+// last allocates nothing
 struct Int8Rows {
-  // x [rows, k], rows ldx floats apart
-  void quantize(const float* x, int64_t rows, int64_t k, int64_t ldx);
+  // x [rows, k], rows ldx floats apart; planes 1 or 2
+  void quantize(const float* x, int64_t rows, int64_t k, int64_t ldx, int64_t planes);
 
-  int64_t M = 0, K = 0;
-  std::vector<int8_t> values;
-  std::vector<float> scales, sums;
+  int64_t M = 0, K = 0, planes = 1;
+  std::vector<int8_t> values, residual;
+  std::vector<float> scales, sums, residual_scales;
   std::vector<int8_dot::Rows> each;
 };
 
@@ -37,7 +38,7 @@ class Int8DotWeights {
   void run(const Int8Rows& x, float* y, int64_t begin, int64_t end) const;
 
  private:
-  template <typename S>
+  template <int PLANES, typename S>
   void run_panels(const Int8Rows& x, float* y, int64_t begin, int64_t end) const;
 
   int64_t K_ = 0, N_ = 0, G_ = 0, bits_ = 8, zero_point_ = 0;

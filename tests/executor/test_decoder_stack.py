@@ -28,21 +28,29 @@ def _outputs(llm: LLM, params: SamplingParams, prompts: list[str]) -> list[tuple
 
 
 @pytest.mark.parametrize(
-    ("family", "quantization", "prompts"),
-    [("llama", "none", 4), ("llama", "int8", 4), ("llama", "int8", 1), ("qwen2", "int8", 4)],
+    ("family", "quantization", "prompts", "activations"),
+    [
+        ("llama", "none", 4, "int8"),
+        ("llama", "int8", 4, "int8"),
+        ("llama", "int8", 1, "int8"),
+        ("qwen2", "int8", 4, "int8"),
+        ("llama", "int8", 4, "int16"),
+        ("llama", "int8", 1, "int16"),
+    ],
 )
 def test_decode_steps_through_the_stack_equal_the_layer_loop(
-    tiny_models, family, quantization, prompts, two_threads
+    tiny_models, family, quantization, prompts, activations, two_threads
 ):
-    """int8 weights with int8 activations run on one team of threads (forward_team) up to its rows, the rest one
-    parallel region an operation: both must give the layer loop's bits, one sequence (whose attention is cut into
-    parts of its context) and several."""
+    """int8 weights with int8 (or int16) activations run on one team of threads (forward_team) up to its rows, the
+    rest one parallel region an operation: both must give the layer loop's bits, one sequence (whose attention is
+    cut into parts of its context) and several."""
     llm = LLM(
         tiny_models[family],
         device="cpu",
         kv_cache_memory="16MiB",
         max_model_len=256,
         quantization=quantization,
+        quantized_activations=activations,
         enable_prefix_caching=False,
     )
     model = llm.engine.runner.model

@@ -13,7 +13,7 @@ from executor import LLM, SamplingParams
 from executor.engine_config import EngineConfig, add_engine_args, config_from_args
 from executor.kv.sizing import profile_kv_bytes, weight_bytes
 from kvkernels.cpu_extension import cpu_kernels
-from kvkernels.quantized import QuantizedLinear
+from kvkernels.quantized import ACTIVATION_PLANES, QuantizedLinear
 from kvkernels.weight_quantization import Fp8Linear, TiedEmbedding, fp8_matmul_available
 from tests.executor.kv.test_sizing import GIB, FakeCudaMemory, LiveBytes
 
@@ -153,14 +153,16 @@ def test_bad_values_name_the_flag(argv, error, capsys):
     assert error in message and "quantiz" in message
     with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, fp8, got 'q4'"):
         EngineConfig(quantization="q4")
-    with pytest.raises(ValueError, match="quantized_activations must be one of int8, float32, got 'fp16'"):
+    with pytest.raises(
+        ValueError, match="quantized_activations must be one of int8, int16, float32, got 'fp16'"
+    ):
         EngineConfig(quantized_activations="fp16")
 
 
-@pytest.mark.parametrize("activations", ["int8", "float32"])
+@pytest.mark.parametrize("activations", ["int8", "int16", "float32"])
 def test_quantized_activations_choose_how_the_packed_gemm_multiplies(tiny_models, activations):
-    """int8 (default) where the CPU has VNNI and the groups are whole blocks of 32; float32 always where asked.
-    Either way the layers serve tokens."""
+    """int8 (default) and int16 where the CPU has VNNI and the groups are whole blocks of 32; float32 always where
+    asked. Either way the layers serve tokens."""
     llm = _llm(
         tiny_models["llama"],
         quantization="int8",
@@ -170,10 +172,37 @@ def test_quantized_activations_choose_how_the_packed_gemm_multiplies(tiny_models
     packed = [m._panels for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     if not packed or packed[0] is None:
         pytest.skip("the C++ CPU kernels could not be built here")
-    available = bool(cpu_kernels().int8_dot_available())
-    assert all(p.int8_activations == (activations == "int8" and available) for p in packed)
+    planes = ACTIVATION_PLANES[activations] if cpu_kernels().int8_dot_available() else 0
+    assert all(p.activation_planes == planes for p in packed)
     out = llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels are not built here")
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_quantized_activations_give_the_same_greedy_tokens_on_one_thread_as_on_two(tiny_models, activations):
+    """A row's activations are quantized alone and each panel's arithmetic is the same on any thread, so the
+    thread governor (executor/cpu_threads.py) may move the count without moving an answer; decodes of one and of
+    several sequences, through the decoder stack's team and the layer loop."""
+    llm = _llm(
+        tiny_models["llama"],
+        quantization="int8",
+        quantization_group_size=32,
+        quantized_activations=activations,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = [[5, 6, 7], list(range(40, 90)), [9] * 12]
+    threads = torch.get_num_threads()
+    answers = []
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            alone = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+            together = [o.outputs[0] for o in llm.generate(prompts, params)]
+            answers.append([(o.token_ids, o.logprobs) for o in alone + together])
+    finally:
+        torch.set_num_threads(threads)
+    assert answers[0] == answers[1]
 
 
 def test_a_group_size_that_does_not_divide_a_layer_is_refused(tiny_models):

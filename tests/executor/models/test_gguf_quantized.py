@@ -21,7 +21,7 @@ from executor.models.gguf_quantized import load_blocks, quantized_weight
 from executor.models.model_files import default_gguf, resolve_model
 from executor.models.quantized import stack
 from kvkernels.cpu_extension import cpu_kernels
-from kvkernels.quantized import QuantizedLinear, QuantizedWeight
+from kvkernels.quantized import ACTIVATION_PLANES, QuantizedLinear, QuantizedWeight
 from kvkernels.weight_quantization import TiedEmbedding
 from shared.model_paths import GGUF_BLOCKS
 from tests.executor.models.test_model_files import gguf_config, write_gguf
@@ -126,7 +126,7 @@ def test_quantized_gguf_serves_its_blocks(arch: str, tmp_path: Path) -> None:
     assert len(modules(served, TiedEmbedding)) == 1 and not modules(float32, QuantizedLinear)
     prompts = [[5, 6, 7], list(range(40, 90))]
     tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] for llm in (served, float32)]
-    if modules(served, QuantizedLinear)[0]._panels.int8_activations:
+    if modules(served, QuantizedLinear)[0]._panels.activation_planes == 1:
         # the blocks are the float32 weights exactly, but the activations are rounded to int8 for the integer
         # products (about 0.4% of a block's largest): a random model's greedy path parts from float32's after a
         # few tokens, where a wrong block would part at once
@@ -163,7 +163,9 @@ def test_default_model_serves_quantized(default_model: str) -> None:
     text = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text
     assert "Paris" in text
     assert len(modules(llm, QuantizedLinear)) == 4 * 30 + 1  # the tied LM head is the embedding's table
-    assert not any(m._panels.int8_activations for m in modules(llm, QuantizedLinear) if m._panels is not None)
+    assert not any(
+        m._panels.activation_planes for m in modules(llm, QuantizedLinear) if m._panels is not None
+    )
     with safe_open(Path(default_model) / "model.safetensors", framework="pt") as floats:
         float_bytes = sum(4 * math.prod(floats.get_slice(n).get_shape()) for n in floats.keys())  # noqa: SIM118
     blocks = load_blocks(Path(default_model) / GGUF_BLOCKS)
@@ -174,3 +176,37 @@ def test_default_model_serves_quantized(default_model: str) -> None:
     assert (
         weight_bytes(llm.engine.runner.model) < float_bytes / 3
     )  # as held: 4-bit values in bytes without panels
+
+
+def test_int16_activations_answer_as_the_dequantized_model(default_model: str) -> None:
+    """Issue 47: int8 activations round each GEMM's input by about 1% (a step of 1/127 of each block's largest),
+    which tipped near-tie answers, the README's example among them ("L'Étoile, la Marseillaise"); int16 ones hold
+    the products to about 16 bits and answer as float32 activations do. Where the CPU has no AVX-512 VNNI both run
+    the float path and agree trivially."""
+    questions = [
+        "What is the capital of France?",
+        "What is the capital of Japan?",
+        "Who wrote Romeo and Juliet?",
+        "What is the largest planet in our solar system?",
+        "Why is the sky blue?",
+        "Write a haiku about the sea.",
+    ]
+    replies = {}
+    for activations in ("float32", "int16"):
+        llm = LLM(
+            default_model, kv_cache_memory="64MiB", max_model_len=512, quantized_activations=activations
+        )
+        prompts = [
+            llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for q in questions
+        ]
+        vnni = cpu_kernels() is not None and cpu_kernels().int8_dot_available()
+        planes = {m._panels.activation_planes for m in modules(llm, QuantizedLinear) if m._panels is not None}
+        assert planes <= {ACTIVATION_PLANES[activations] if vnni else 0}  # empty without the kernels
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+        replies[activations] = [o.outputs[0].text for o in outs]
+        del llm
+    assert "Paris" in replies["int16"][0]
+    assert replies["int16"] == replies["float32"]
