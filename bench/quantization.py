@@ -1,7 +1,8 @@
 """Quantized weights side by side, in one run: output tokens per second at one stream and at 16 (closed loop,
 128 output tokens each, EOS ignored, temperature 0, one short chat prompt: PROMPT below) for
 
-- kvserve float32, int8, Q8_0 GGUF and Q4_1 GGUF (bench/quantized_models.py), each as `kvserve up`;
+- kvserve float32, int8, Q8_0 GGUF and Q4_1 GGUF (bench/quantized_models.py), each as `kvserve up`, with its
+  default activations or as VARIANT:ACTIVATIONS (--quantized-activations, e.g. q4_1:int16);
 - llama.cpp's `llama-server` on the same two GGUF files, with --llama-server PATH (built outside the repository:
   docs/benchmarks.md, Peers). Both servers of a file are up at once and measured in
   --rounds alternating rounds, each first in every other: the median round of each, and the median of kvserve's
@@ -37,7 +38,7 @@ from pathlib import Path
 from bench.load import LoadConfig, run_load
 from bench.metrics import summarize
 from bench.prompts import FixedPrompt
-from bench.quantized_models import GGUF_FILES, VARIANTS, variant_model
+from bench.quantized_models import GGUF_FILES, VARIANTS, split_variant, variant_list, variant_model
 from bench.serving import guidellm
 
 PROMPT = "Write a short story about a robot."
@@ -92,8 +93,11 @@ def started(label: str, command: list[str], env: dict[str, str], port: int, args
 
 
 def kvserve_server(name: str, port: int, args: Namespace) -> tuple[str, list[str], dict[str, str]]:
-    model, quantization = variant_model(name)
+    base, activations = split_variant(name)
+    model, quantization = variant_model(base)
     extra = ["--model", model, "--quantization", quantization, "--served-model-name", guidellm.MODEL_NAME]
+    if activations is not None:
+        extra += ["--quantized-activations", activations]
     command, env = guidellm.server_command("kvserve", args.peers, model, port, extra)
     return f"kvserve-{name}", command, env
 
@@ -242,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)}"
+        "--variants",
+        type=variant_list,
+        default=",".join(VARIANTS),
+        help=f"comma-separated: {', '.join(VARIANTS)}, each optionally :ACTIVATIONS (--quantized-activations)",
     )
     parser.add_argument("--streams", default="1,16", help="comma-separated concurrency levels")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -261,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=Path, default=Path(default_peers), help="peers' virtual environments")
     parser.add_argument("--out", type=Path, default=Path("bench/results/quantization"))
     args = parser.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    if unknown := [v for v in variants if v not in VARIANTS]:
-        parser.error(f"--variants: unknown variant {unknown[0]!r} ({', '.join(VARIANTS)})")
+    variants = args.variants
     args.streams = [int(s) for s in args.streams.split(",") if s]
     if (
         not args.streams

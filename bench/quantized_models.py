@@ -10,6 +10,7 @@ of the same weights, not Q8_0 against the original checkpoint.
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -68,6 +69,23 @@ VARIANTS = {
     "q8_0": (default_q8_0, "auto"),
     "q4_1": (None, "auto"),
 }
+
+
+def split_variant(name: str) -> tuple[str, str | None]:
+    """VARIANT or VARIANT:ACTIVATIONS (--quantized-activations for its quantized weights, e.g. q4_1:int16) -> the
+    variant and the activations asked for (None: the engine's default)."""
+    base, _, activations = name.partition(":")
+    return base, activations or None
+
+
+def variant_list(text: str) -> list[str]:
+    """--variants: comma-separated VARIANT or VARIANT:ACTIVATIONS; an unknown variant is an argparse error."""
+    names = [name for name in text.split(",") if name]
+    if unknown := [name for name in names if split_variant(name)[0] not in VARIANTS]:
+        raise argparse.ArgumentTypeError(
+            f"unknown variant {unknown[0]!r} ({', '.join(VARIANTS)}, each optionally :ACTIVATIONS)"
+        )
+    return names
 
 
 def variant_model(name: str) -> tuple[str, str]:
