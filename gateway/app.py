@@ -20,8 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.api_error import EXECUTOR_HEADER, NO_EXECUTOR, APIError, error_response
-from gateway.endpoints.chat import ChatCompletions
-from gateway.endpoints.completions import TextCompletions
+from gateway.endpoints.completions import CompletionEndpoint, chat_completions, text_completions
 from gateway.endpoints.responses import Responses
 from gateway.openai.body import BODY_TIMEOUT_S
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
@@ -81,8 +80,8 @@ class Gateway:
         self.store = ResponseStore(self.index.redis, config.response_store)
         self.pipeline: Pipeline | None = None
         self.prompt_workers: PromptWorkers | None = None  # parse and tokenize large bodies off the event loop
-        self.chat_completions: ChatCompletions | None = None
-        self.text_completions: TextCompletions | None = None
+        self.chat_completions: CompletionEndpoint | None = None
+        self.text_completions: CompletionEndpoint | None = None
         self.responses_endpoint: Responses | None = None
         self.metrics_listener: MetricsListener | None = None
 
@@ -107,8 +106,8 @@ class Gateway:
         )
         self.prompt_workers = workers = PromptWorkers()
         model, tokenizer, parser = config.model_name, config.tokenizer, config.tool_call_parser
-        self.chat_completions = ChatCompletions(model, tokenizer, parser, config.limits, workers)
-        self.text_completions = TextCompletions(model, tokenizer, config.limits, workers)
+        self.chat_completions = chat_completions(model, tokenizer, parser, config.limits, workers)
+        self.text_completions = text_completions(model, tokenizer, config.limits, workers)
         self.responses_endpoint = Responses(model, tokenizer, parser, config.limits, workers, self.store)
         if self.config.metrics_port is not None:
             metrics_app = Starlette(

@@ -1,11 +1,14 @@
-"""POST /v1/completions: a text prompt (or its token ids) as it is, answered as a text_completion or its chunks."""
+"""POST /v1/chat/completions and /v1/completions: one endpoint each, differing only in how their body is parsed
+(messages rendered through the model's chat template, or a text prompt or its token ids as it is); both are
+answered as a chat.completion / text_completion or its chunks."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from gateway.api_error import APIError
-from gateway.openai.request import OpenAIRequest, parse_completion_request
+from gateway.openai.request import OpenAIRequest, parse_chat_request, parse_completion_request
 from gateway.openai.request_limits import RequestLimits
 from gateway.openai.responses import ChatReply
 from gateway.prompt.workers import PromptWorkers
@@ -13,14 +16,19 @@ from gateway.serving.reading import Reading, tokenized
 from gateway.tenants.tenancy import Caller
 
 
-class TextCompletions:
-    name = "completion"
-    prompt_field = "prompt"
-
-    def __init__(self, model_name: str, tokenizer, limits: RequestLimits, workers: PromptWorkers) -> None:
-        self.model_name = model_name
+class CompletionEndpoint:
+    def __init__(
+        self,
+        name: str,
+        prompt_field: str,
+        parse: Callable[[bytes], OpenAIRequest],
+        tokenizer,
+        workers: PromptWorkers,
+    ) -> None:
+        self.name = name
+        self.prompt_field = prompt_field
+        self.parse = parse
         self.tokenizer = tokenizer
-        self.limits = limits
         self.workers = workers
 
     async def read(self, raw: bytes, caller: Caller) -> Reading:
@@ -32,5 +40,23 @@ class TextCompletions:
         return error
 
     def _prompt(self, raw: bytes) -> tuple[OpenAIRequest, list[int], int]:
-        parsed = parse_completion_request(raw, [self.model_name], self.limits)
+        parsed = self.parse(raw)
         return parsed, *tokenized(parsed, self.tokenizer)
+
+
+def chat_completions(
+    model_name: str, tokenizer, tool_call_parser: str | None, limits: RequestLimits, workers: PromptWorkers
+) -> CompletionEndpoint:
+    """POST /v1/chat/completions: `tool_call_parser` reads tool_choice "auto"'s calls (None refuses "auto")."""
+    parse = functools.partial(
+        parse_chat_request, served_models=[model_name], tool_call_parser=tool_call_parser, limits=limits
+    )
+    return CompletionEndpoint("chat", "messages", parse, tokenizer, workers)
+
+
+def text_completions(
+    model_name: str, tokenizer, limits: RequestLimits, workers: PromptWorkers
+) -> CompletionEndpoint:
+    """POST /v1/completions."""
+    parse = functools.partial(parse_completion_request, served_models=[model_name], limits=limits)
+    return CompletionEndpoint("completion", "prompt", parse, tokenizer, workers)
