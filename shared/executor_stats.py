@@ -31,6 +31,8 @@ E2E_REQUEST_LATENCY_BUCKETS = (
     300.0,
     600.0,
 )
+# seconds one peer pull took, asked to delivered (bounded by --kv-pull-timeout; a fast pull of a few blocks is ms)
+KV_PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 COUNTERS = (
     "prefix_cache_queried_tokens",
@@ -41,13 +43,38 @@ COUNTERS = (
     "block_hash_mismatches",  # requests whose gateway's block hashes differ from the executor's own
     "prompt_tokens",  # of requests prefilled here (counted at their first token)
     "generation_tokens",
+    # prompt tokens not computed, by where their KV came from (issue 48's tiers; their sum is what usage calls
+    # cached_tokens)
+    "kv_cached_tokens_pool",
+    "kv_cached_tokens_host",
+    "kv_cached_tokens_disk",
+    "kv_cached_tokens_peer",
+    # bytes copied between the pool and each tier below it, and pulled from peers
+    "kv_offloaded_bytes_host",
+    "kv_offloaded_bytes_disk",
+    "kv_loaded_bytes_host",
+    "kv_loaded_bytes_disk",
+    "kv_pulled_bytes",
+    "kv_pulls",
+    "kv_pulls_failed",  # pulls that delivered fewer blocks than asked (dead, slow or refusing peer, bad block)
+    "kv_disk_files_rejected",  # corrupt, truncated or foreign block files skipped
 )
-GAUGES = ("kv_blocks_used", "kv_blocks_total", "running", "waiting")
+GAUGES = (
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "running",
+    "waiting",
+    "kv_host_blocks_used",  # slots of the host tier holding a block (0 / 0 when the tier is off)
+    "kv_host_blocks_total",
+    "kv_disk_blocks_used",
+    "kv_disk_blocks_total",
+)
 # name -> upper bounds; the hash holds f"{name}_bucket_{i}" (cumulative, the last for +Inf) and f"{name}_sum"
 HISTOGRAMS = {
     "queue_time": QUEUE_TIME_BUCKETS,
     "time_to_first_token": TIME_TO_FIRST_TOKEN_BUCKETS,
     "e2e_request_latency": E2E_REQUEST_LATENCY_BUCKETS,
+    "kv_pull_seconds": KV_PULL_BUCKETS,
 }
 
 

@@ -2,7 +2,7 @@
 
 The gateway's own series (requests by tenant and status, tokens, latencies as its clients see them, routing
 decisions) live in a registry per Gateway (several apps may share a test process). The executors' series
-(prefix cache, preemptions, speculative decoding, KV blocks, queue time) are read from the stats each one
+(prefix cache, preemptions, speculative decoding, KV blocks and tiers, peer pulls, latencies) are read from the stats each one
 publishes to Redis (shared.executor_stats), fresh at every scrape, labelled by executor.
 """
 
@@ -79,6 +79,61 @@ _EXECUTOR_COUNTERS = {
         "Tokens each executor generated.",
         "vllm:generation_tokens",
     ),
+    # where the KV of prompt tokens not computed came from (issue 48's tiers): their sum is usage's cached_tokens
+    "kv_cached_tokens_pool": (
+        "kvserve_kv_pool_cached_tokens",
+        "Prompt tokens each executor did not compute: their KV was in its pool (its prefix cache).",
+        None,
+    ),
+    "kv_cached_tokens_host": (
+        "kvserve_kv_host_cached_tokens",
+        "Prompt tokens each executor did not compute: their KV was loaded from its host memory tier.",
+        None,
+    ),
+    "kv_cached_tokens_disk": (
+        "kvserve_kv_disk_cached_tokens",
+        "Prompt tokens each executor did not compute: their KV was loaded from its disk tier.",
+        None,
+    ),
+    "kv_cached_tokens_peer": (
+        "kvserve_kv_peer_cached_tokens",
+        "Prompt tokens each executor did not compute: their KV was pulled from another executor.",
+        None,
+    ),
+    "kv_offloaded_bytes_host": (
+        "kvserve_kv_host_offloaded_bytes",
+        "KV bytes each executor copied from its pool to its host tier.",
+        None,
+    ),
+    "kv_offloaded_bytes_disk": (
+        "kvserve_kv_disk_offloaded_bytes",
+        "KV bytes each executor wrote from its pool to its disk tier.",
+        None,
+    ),
+    "kv_loaded_bytes_host": (
+        "kvserve_kv_host_loaded_bytes",
+        "KV bytes each executor loaded into its pool from its host tier.",
+        None,
+    ),
+    "kv_loaded_bytes_disk": (
+        "kvserve_kv_disk_loaded_bytes",
+        "KV bytes each executor loaded into its pool from its disk tier.",
+        None,
+    ),
+    "kv_pulled_bytes": ("kvserve_kv_pulled_bytes", "KV bytes each executor pulled from peers.", None),
+    "kv_pulls": ("kvserve_kv_pulls", "KV pulls each executor made from a peer.", None),
+    "kv_pulls_failed": (
+        "kvserve_kv_pulls_failed",
+        "KV pulls that delivered fewer blocks than asked (a dead, slow or refusing peer, or a bad block): the "
+        "rest was computed.",
+        None,
+    ),
+    "kv_disk_files_rejected": (
+        "kvserve_kv_disk_files_rejected",
+        "Block files each executor's disk tier skipped and removed: corrupt, truncated or made by another "
+        "model, dtype, block size or quantization.",
+        None,
+    ),
 }
 _EXECUTOR_GAUGES = {
     "kv_blocks_used": ("kvserve_kv_blocks_used", "KV cache blocks in use on each executor.", None),
@@ -92,6 +147,26 @@ _EXECUTOR_GAUGES = {
         "kvserve_waiting_requests",
         "Requests waiting on each executor.",
         "vllm:num_requests_waiting",
+    ),
+    "kv_host_blocks_used": (
+        "kvserve_kv_host_blocks_used",
+        "Host tier slots holding a block on each executor.",
+        None,
+    ),
+    "kv_host_blocks_total": (
+        "kvserve_kv_host_blocks_total",
+        "Host tier slots each executor has (0: no host tier).",
+        None,
+    ),
+    "kv_disk_blocks_used": (
+        "kvserve_kv_disk_blocks_used",
+        "Disk tier slots holding a block file on each executor.",
+        None,
+    ),
+    "kv_disk_blocks_total": (
+        "kvserve_kv_disk_blocks_total",
+        "Disk tier slots each executor has (0: no disk tier).",
+        None,
     ),
 }
 _EXECUTOR_HISTOGRAMS = {
@@ -110,6 +185,11 @@ _EXECUTOR_HISTOGRAMS = {
         "kvserve_executor_e2e_request_latency_seconds",
         "Time from a request arriving at an executor to its end there.",
         "vllm:e2e_request_latency_seconds",
+    ),
+    "kv_pull_seconds": (
+        "kvserve_kv_pull_duration_seconds",
+        "Time each KV pull from a peer took, asked to last block delivered (or given up).",
+        None,
     ),
 }
 # KV blocks used / total, under both of vLLM's names (gpu_cache_usage_perc is the older): a fraction, 1 = full
@@ -137,7 +217,7 @@ class ExecutorStatsCollector:
             text = "KV cache usage: blocks used / blocks total (1 = full)."
             yield self._family(GaugeMetricFamily, metric, text, lambda s: (_kv_usage(s),))
         for field, (name, text, vllm) in _EXECUTOR_HISTOGRAMS.items():
-            for metric in (name, vllm):
+            for metric in filter(None, (name, vllm)):
                 yield self._family(HistogramMetricFamily, metric, text, lambda s, f=field: _buckets(s, f))
 
     def _family(self, kind, metric: str, text: str, values):

@@ -55,3 +55,19 @@ def test_each_executor_series_is_also_exported_under_vllms_name_with_the_same_va
     # an executor whose pool size is not published yet reads as empty, not a division by zero
     page = GatewayMetrics("tiny").render({"e2": ExecutorStats()}).decode()
     assert 'vllm:kv_cache_usage_perc{executor="e2",model_name="tiny"} 0.0' in page
+
+
+def test_kv_tier_series_render_per_executor():
+    stats = ExecutorStats.from_hash(
+        {b"kv_cached_tokens_host": b"64", b"kv_disk_blocks_total": b"800", b"kv_pulls_failed": b"1"}
+    )
+    stats.histograms["kv_pull_seconds"].observe(0.02)
+    page = GatewayMetrics("tiny").render({"e1": stats}).decode()
+    assert 'kvserve_kv_host_cached_tokens_total{executor="e1"} 64.0' in page
+    assert 'kvserve_kv_pool_cached_tokens_total{executor="e1"} 0.0' in page
+    assert 'kvserve_kv_disk_blocks_total{executor="e1"} 800.0' in page
+    assert 'kvserve_kv_pulls_failed_total{executor="e1"} 1.0' in page
+    assert 'kvserve_kv_pull_duration_seconds_bucket{executor="e1",le="0.025"} 1.0' in page
+    assert 'kvserve_kv_pull_duration_seconds_bucket{executor="e1",le="0.01"} 0.0' in page
+    # kvserve's own series only: vLLM has no names for them
+    assert "vllm:kv_pull" not in page
