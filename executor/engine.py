@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from executor.cpu_threads import cpu_threads_for
 from executor.engine_config import EngineConfig
 from executor.engine_setup import (
     build_proposers,
     build_runner,
+    build_kv_tiers,
     build_scheduler,
     load_models,
     log_kv_capacity,
@@ -38,6 +40,9 @@ from kvkernels.backend import choose_kernels
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputsParams
 from shared.tenant import ANONYMOUS_TENANT, Tenant
+
+if TYPE_CHECKING:
+    from shared.protocol import KVPeer
 
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long at most for a grammar to be ready
 
@@ -67,6 +72,7 @@ class Engine:
         self.intake = Intake(models, config, num_blocks, self.device, self.grammar_queue)
         log_kv_capacity(num_blocks, block_bytes, self.block_size, self.dtype, self.max_model_len)
         self.cpu_threads = cpu_threads_for(config.adaptive_cpu_threads, self.device, self.dtype)
+        self.kv_tiers = build_kv_tiers(config, models, self.kv, self.runner.kv_cache, self.device, self.dtype)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -78,17 +84,26 @@ class Engine:
         tenant: Tenant = ANONYMOUS_TENANT,
         block_hashes: Sequence[bytes] = (),
         priority: int = 0,
+        kv_peer: KVPeer | None = None,
     ) -> list[Request]:
         """Validate and queue; the request's choices (n > 1), the first carrying the prompt. A bad request raises
         ValueError naming the field and touches nothing else, one that must wait for a compile while too many do
-        raises EngineBusy. block_hashes: the prompt's chain as the gateway hashed it, checked against the engine's."""
+        raises EngineBusy. block_hashes: the prompt's chain as the gateway hashed it, checked against the engine's;
+        kv_peer: the executor that holds the prompt's first blocks, to pull those this one lacks."""
         choices = self.intake.add(request_id, prompt, params, tenant, block_hashes, priority)
         request = choices[0]
+        request.kv_peer = kv_peer
         if request.grammar is not None and not request.grammar.future.done():
             self.grammar_queue.hold(request)  # to the scheduler once its grammar is ready (_admit_compiled)
         else:
-            self.scheduler.add(request)
+            self._enqueue(request)
         return choices
+
+    def _enqueue(self, request: Request) -> None:
+        """To the scheduler, or first to the tiers when they hold blocks of its prefix the pool lacks (to the
+        scheduler once loaded: step)."""
+        if self.kv_tiers is None or not self.kv_tiers.start_load(request):
+            self.scheduler.add(request)
 
     def abort(self, request_id: str, index: int | None = None) -> list[int]:
         """Stop a request, every choice of it or only choice index, and free their blocks; the indexes of the
@@ -103,6 +118,8 @@ class Engine:
         """A choice ends outside a step (aborted, or its grammar failed); whether it was its group's last."""
         last = self._forget(request)
         self.scheduler.finish(request, reason)
+        if self.kv_tiers is not None:
+            self.kv_tiers.drop(request)
         return last
 
     def _forget(self, request: Request) -> bool:
@@ -121,6 +138,13 @@ class Engine:
     def is_compiling(self, request_id: str) -> bool:
         """The request waits for its grammar, outside the waiting queue."""
         return self.grammar_queue.holds(request_id)
+
+    def poll_tiers(self) -> None:
+        """What the KV tiers' workers finished, settled (loaded requests join the scheduler), and peers' pins
+        served: each step does it, and the service between steps while idle."""
+        if self.kv_tiers is not None:
+            for request in self.kv_tiers.poll():
+                self.scheduler.add(request)
 
     @property
     def waiting_tenants_share(self) -> int:
@@ -155,13 +179,15 @@ class Engine:
     def close(self) -> None:
         """Let go of what outlives the engine's own objects: the grammar compile process and its thread."""
         self.grammar_queue.close()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     def _admit_compiled(self) -> list[StepOutput]:
         """Structured outputs: requests whose grammar is ready join the scheduler's queue, in arrival order;
         those whose grammar failed end with its error (a 400, or a 500 where the fault was the engine's)."""
         ready, failed = self.grammar_queue.take_settled()
         for request in ready:
-            self.scheduler.add(request)
+            self._enqueue(request)
         refused = []
         for request, error in failed:
             for choice in [request, *request.forks]:  # none has started: they wait for the first one's prompt
@@ -178,7 +204,12 @@ class Engine:
         """Schedule, run the model and sample, let the scheduler book it, propose for the next step."""
         started = time.perf_counter()
         result = StepResult(self._admit_compiled() if len(self.grammar_queue) else [])
+        self.poll_tiers()
         sched = self.scheduler.schedule()
+        if self.kv_tiers is not None:
+            if not sched.scheduled and self.scheduler.num_unfinished and self.kv_tiers.release_all():
+                sched = self.scheduler.schedule()  # loads' pins held the blocks the first in line needs
+            self.kv_tiers.release_started()
         if self.cpu_threads is not None and sched.scheduled:
             self.cpu_threads.before_step()
         self.kv_block_seconds.charge(self.scheduler.running)
@@ -200,9 +231,14 @@ class Engine:
                 self._propose([new.request for new in news if new.request.finish_reason is None])
         elif len(self.grammar_queue):  # nothing else to do until a grammar is ready: wait for one, briefly
             self.grammar_queue.wait(GRAMMAR_WAIT_S)
+        elif self.kv_tiers is not None and self.kv_tiers.num_loading:  # likewise for blocks being loaded
+            self.kv_tiers.wait(GRAMMAR_WAIT_S)
         elif self.scheduler.num_unfinished:
             raise RuntimeError("scheduler made no progress with requests waiting")  # admission forbids this
         result.cached, result.evicted = self.kv.pool.drain_events()
+        if self.kv_tiers is not None:
+            self.kv_tiers.offload(result.cached)
+            result.tier_events = self.kv_tiers.drain_events()
         if self.cpu_threads is not None and sched.scheduled:
             self.cpu_threads.after_step(time.perf_counter() - started)
         return result
@@ -269,7 +305,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """The engine's numbers now, cheap enough to take every step."""
         scheduler, pool = self.scheduler, self.kv.pool
-        waiting = [*scheduler.waiting, *self.grammar_queue.requests]
+        waiting = [*scheduler.waiting, *self.grammar_queue.requests, *self._loading()]
         return EngineStats(
             running=len(scheduler.running),
             waiting=len(waiting),
@@ -289,6 +325,7 @@ class Engine:
             spec_accepted_tokens=scheduler.spec_accepted_tokens,
             block_hash_mismatches=self.intake.block_hash_mismatches,
             structured_output_mask_seconds=self.sampling.mask_seconds,
+            **({} if self.kv_tiers is None else self.kv_tiers.stats()),
         )
 
     def kv_tokens_stored(self) -> int:
@@ -298,3 +335,10 @@ class Engine:
     def cached_block_hashes(self) -> list[bytes]:
         """Every block hash in the prefix cache now (the executor index's republish after Redis lost it)."""
         return self.kv.pool.cached_hashes()
+
+    def tier_hashes(self) -> dict[str, list[bytes]]:
+        """Every block hash each tier below the pool holds now, by tier name (the republish's, too)."""
+        return {} if self.kv_tiers is None else self.kv_tiers.tier_hashes()
+
+    def _loading(self) -> list[Request]:
+        return [] if self.kv_tiers is None else self.kv_tiers.held_requests()

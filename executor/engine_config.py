@@ -31,13 +31,13 @@ _UNITS = {
 }
 
 
-def parse_bytes(value: str | int | float) -> int:
-    """'4GiB', '512MB', '1e9' or a plain number of bytes."""
+def parse_bytes(value: str | int | float, name: str = "kv_cache_memory") -> int:
+    """'4GiB', '512MB', '1e9' or a plain number of bytes; name is the setting, for the error."""
     if isinstance(value, int | float):
         return int(value)
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"kv_cache_memory: cannot read {value!r} as a size (e.g. 4GiB, 512MB, 1000000)")
+        raise ValueError(f"{name}: cannot read {value!r} as a size (e.g. 4GiB, 512MB, 1000000)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -46,6 +46,11 @@ def parse_bytes(value: str | int | float) -> int:
 # step ended, and every stream already decoding stalled as long. At 512 a step stays near one second and the
 # first prompts of a burst start decoding while the rest prefill; throughput is the same (bench/offline/step_profile.py).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
+# The host tier's size when none is given. On CUDA the pool is device memory and host memory is many times larger: a
+# tier there keeps what the pool evicts at a memcpy's cost. On the CPU the pool is host memory already: a tier
+# would hold the same bytes twice, so it is off unless asked for (it still pays where the pool must stay small).
+KV_OFFLOAD_DEFAULT_BYTES = {"cuda": 16 * 2**30, "cpu": 0}
+KV_OFFLOAD_DISK_BYTES = 10 * 2**30  # the disk tier's size when only its directory is given
 # a request refused by a full executor waits at the gateway for whichever executor frees first; one queued
 # at an executor waits for that one alone. So an executor queues about this many steps' prefill, no more
 WAITING_STEPS = 4
@@ -79,6 +84,13 @@ class EngineConfig:
     # a tenant's cached KV blocks within its share of the pool are not evicted for another tenant's requests, and
     # blocks used once go before blocks used again (executor/kv/block_pool.py); off: one LRU for all
     kv_shares: bool = True
+    # KV tiers below the pool (executor/kv/tiers/): host memory (None: the device's default, KV_OFFLOAD_DEFAULT_BYTES;
+    # 0: off), a directory of block files that outlives the process and its size (None: KV_OFFLOAD_DISK_BYTES), and
+    # how long a pull of a prefix from another executor may take before the request computes it instead
+    kv_offload_memory: int | str | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | str | None = None
+    kv_pull_timeout: float = 5.0
     speculative_model: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
@@ -105,6 +117,7 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 raise ValueError("kv_cache_memory must be positive")
+        self._check_tiers()
         for name in (
             "block_size",
             "max_num_seqs",
@@ -164,6 +177,27 @@ class EngineConfig:
                 raise ValueError(
                     f"quantization_group_size must be at least 1, got {self.quantization_group_size}"
                 )
+
+    def _check_tiers(self) -> None:
+        for name in ("kv_offload_memory", "kv_offload_disk"):
+            if getattr(self, name) is not None:
+                setattr(self, name, parse_bytes(getattr(self, name), name))
+                if getattr(self, name) < 0:
+                    raise ValueError(f"{name} must be a size >= 0, got {getattr(self, name)}")
+        if self.kv_offload_disk is not None and not self.kv_offload_dir:
+            raise ValueError("kv_offload_disk sizes the disk tier: give its directory too (kv_offload_dir)")
+        if not self.kv_pull_timeout >= 0:
+            raise ValueError(f"kv_pull_timeout must be >= 0 seconds, got {self.kv_pull_timeout}")
+        tiers = self.kv_offload_dir or self.kv_offload_memory
+        if tiers and self.speculative_model not in (None, "ngram"):
+            # a draft model's KV mirrors the target's block for block; the tiers keep the target's alone
+            raise ValueError("kv_offload_memory / kv_offload_dir cannot be combined with a draft speculative_model")
+
+    def offload_bytes(self, device_type: str) -> int:
+        """The host tier's size: as given, else the device's default (off on the CPU, whose pool is host memory)."""
+        if self.kv_offload_memory is not None:
+            return int(self.kv_offload_memory)
+        return KV_OFFLOAD_DEFAULT_BYTES.get(device_type, 0)
 
     def _check_speculative(self) -> None:
         if self.speculative_model is None:
@@ -249,6 +283,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.kv_shares,
         help="keep a tenant's cached KV within its share from other tenants' bursts; evict blocks used once "
         "before blocks used again (default: on)",
+    )
+    g.add_argument(
+        "--kv-offload-memory",
+        default=None,
+        metavar="SIZE",
+        help="a host-memory tier below the KV pool, e.g. 8GiB: blocks the pool caches are copied there and loaded "
+        "back for a request whose prefix the pool lost (default: 16GiB on CUDA, off on the CPU; 0: off)",
+    )
+    g.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        metavar="DIR",
+        help="a disk tier: one file per cached block in DIR (a local NVMe path), indexed again at start, so a "
+        "restarted executor serves warm (default: off)",
+    )
+    g.add_argument(
+        "--kv-offload-disk",
+        default=None,
+        metavar="SIZE",
+        help=f"the disk tier's size (default: {KV_OFFLOAD_DISK_BYTES // 2**30}GiB)",
+    )
+    g.add_argument(
+        "--kv-pull-timeout",
+        type=float,
+        default=d.kv_pull_timeout,
+        help="seconds a pull of a prefix from another executor may take before the request computes it "
+        "(default: %(default)s)",
     )
     g.add_argument("--speculative-model", default=None, help="ngram or a draft model path")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)

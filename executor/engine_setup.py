@@ -10,11 +10,15 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from executor.engine_config import EngineConfig
+from executor.engine_config import KV_OFFLOAD_DISK_BYTES, EngineConfig
 from executor.kv.block_pool import BlockPool
 from executor.kv.cache_manager import KVCacheManager
 from executor.kv.layout import kv_block_bytes
 from executor.kv.sizing import kv_cache_bytes, weight_bytes
+from executor.kv.tiers.disk_tier import DiskTier
+from executor.kv.tiers.fingerprint import KVFingerprint, model_identity
+from executor.kv.tiers.host_tier import HostTier
+from executor.kv.tiers.offloader import KVTiers
 from executor.model_runner import ModelRunner
 from executor.models.llama import DecoderLM
 from executor.models.loader import build_model, decoder_spec
@@ -136,6 +140,46 @@ def build_proposers(
     if draft_model is not None:
         return None, DraftProposer(draft_model, num_blocks, config.block_size, device, dtype)
     return None, None
+
+
+def build_kv_tiers(
+    config: EngineConfig,
+    models: Models,
+    kv: KVCacheManager,
+    kv_cache: torch.Tensor,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> KVTiers | None:
+    """The tiers below the pool (--kv-offload-memory, --kv-offload-dir), the disk tier indexed from what an
+    earlier run left; their coordinator exists whenever the prefix cache does, so peers can pull from the pool
+    and this executor from peers. None without a prefix cache."""
+    if not config.enable_prefix_caching:
+        return None
+    block_shape = tuple(kv_cache[:, :, 0].shape)
+    fingerprint = KVFingerprint(
+        model=model_identity(models.path),
+        dtype=str(dtype).removeprefix("torch."),
+        block_size=config.block_size,
+        block_shape=block_shape,
+        quantization=f"{config.quantization}/{config.quantized_activations}",
+    )
+    host = None
+    if host_bytes := config.offload_bytes(device.type):
+        host = HostTier(host_bytes, block_shape, dtype, pin=device.type == "cuda", shares=config.kv_shares)
+        log.info("KV host tier: %d blocks (%.2f GiB)", host.index.num_blocks, host_bytes / 2**30)
+    disk = None
+    if config.kv_offload_dir:
+        disk_bytes = config.kv_offload_disk if config.kv_offload_disk is not None else KV_OFFLOAD_DISK_BYTES
+        disk = DiskTier(Path(config.kv_offload_dir), disk_bytes, fingerprint, dtype, config.kv_shares)
+        found = disk.scan()
+        log.info(
+            "KV disk tier: %d blocks in %s (%.2f GiB), %d found from an earlier run",
+            disk.index.num_blocks,
+            config.kv_offload_dir,
+            disk_bytes / 2**30,
+            found,
+        )
+    return KVTiers(kv, kv_cache, fingerprint, host, disk, pull_timeout=config.kv_pull_timeout)
 
 
 def log_kv_capacity(num_blocks: int, block_bytes: int, block_size: int, dtype, max_model_len: int) -> None:

@@ -47,6 +47,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # prompt tokens whose KV came from the prefix cache when first scheduled; -1 until then
     num_cached_tokens: int = -1
+    # of those, how many came from each tier below the pool ("host", "disk", "peer": executor/kv/tiers/), loaded
+    # into the pool before it started; the rest the pool held already
+    cached_from: dict[str, int] = field(default_factory=dict)
+    # the executor the gateway named as holding the prompt's first blocks (shared.protocol.KVPeer), for a pull
+    kv_peer: object | None = None
     num_preemptions: int = 0
     # KV blocks it held x seconds (executor/kv/block_seconds.py): its tenant's bill for KV memory
     kv_block_seconds: float = 0.0

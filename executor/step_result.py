@@ -53,6 +53,32 @@ class EngineStats:
     block_hash_mismatches: int  # requests whose gateway hashed their prompt otherwise
     # building and applying token masks (bench/offline/structured_outputs.py)
     structured_output_mask_seconds: float
+    # the KV tiers below the pool (executor/kv/tiers/): prompt tokens not computed by where their KV came from
+    # (the pool's are the prefix cache's hits less the others), bytes moved, and the tiers' blocks now
+    kv_cached_tokens_host: int = 0
+    kv_cached_tokens_disk: int = 0
+    kv_cached_tokens_peer: int = 0
+    kv_offloaded_bytes_host: int = 0
+    kv_offloaded_bytes_disk: int = 0
+    kv_loaded_bytes_host: int = 0
+    kv_loaded_bytes_disk: int = 0
+    kv_pulled_bytes: int = 0
+    kv_pulls: int = 0
+    kv_pulls_failed: int = 0
+    kv_disk_files_rejected: int = 0
+    kv_host_blocks_used: int = 0
+    kv_host_blocks_total: int = 0
+    kv_disk_blocks_used: int = 0
+    kv_disk_blocks_total: int = 0
+
+    @property
+    def kv_cached_tokens_pool(self) -> int:
+        return (
+            self.prefix_cache_hit_tokens
+            - self.kv_cached_tokens_host
+            - self.kv_cached_tokens_disk
+            - self.kv_cached_tokens_peer
+        )
 
     @property
     def kv_usage(self) -> float:
@@ -84,3 +110,5 @@ class StepResult:
     queue_times: list[float] = field(default_factory=list)  # seconds each request first scheduled had waited
     cached: list[bytes] = field(default_factory=list)  # block hashes newly in the prefix cache, netted
     evicted: list[bytes] = field(default_factory=list)  # and those no longer in it
+    # the same for each KV tier below the pool: tier name (shared.redis_keys.TIERS) -> (added, removed), netted
+    tier_events: dict[str, tuple[list[bytes], list[bytes]]] = field(default_factory=dict)

@@ -64,6 +64,11 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self._num_free
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose KV the prefix cache holds, referenced or not."""
+        return len(self._cached)
+
     def num_held(self, tenant: Tenant) -> int:
         """Blocks the tenant's requests hold now."""
         return self._num_held.get(tenant, 0)
@@ -146,6 +151,20 @@ class BlockPool:
         self._cached[block_hash] = block
         if self._events is not None:
             self._events.setdefault(block_hash, False)
+
+    def discard(self, block: Block) -> None:
+        """Forget a cached block's hash (its content turned out bad): it stays allocated or becomes plainly free."""
+        if block.block_hash is None:
+            return
+        if block.ref_count == 0:
+            self._dequeue(block)
+            self._evict(block)
+            self._enqueue(block)
+            return
+        del self._cached[block.block_hash]
+        if self._events is not None:
+            self._events.setdefault(block.block_hash, True)
+        block.block_hash = None
 
     def cached_hashes(self) -> list[bytes]:
         """Every hash the prefix cache holds now: what a publisher writes again when its copy was lost."""

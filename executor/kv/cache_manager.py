@@ -9,6 +9,7 @@ out of it instead of rebuilding every request's table from Python objects each s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from executor.kv.block_pool import Block, BlockPool
 from executor.request import Request, RequestStatus
 from shared.block_hash import hash_blocks, max_cached_blocks
+from shared.tenant import Tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,9 @@ class KVCacheManager:
         # (source, destination) block ids whose KV the model runner must copy before the next forward pass:
         # copy-on-write of a block that forked choices share and one of them is about to write into
         self.pending_copies: list[tuple[int, int]] = []
+        # how many of a tenant's blocks only the KV tiers' pins hold (executor/kv/tiers/offloader.py), no request:
+        # they do not make it a tenant with work running (may_evict_others)
+        self.held_by_pins: Callable[[Tenant], int] = lambda tenant: 0
 
     def block_ids(self, request: Request) -> np.ndarray:
         """The request's block ids, a view into block_table: valid until its blocks change."""
@@ -67,18 +72,22 @@ class KVCacheManager:
         """The longest run of cached blocks at the head of the request, never covering its last token."""
         if not self.pool.enable_caching:
             return NO_PREFIX
-        self._update_hashes(request)
-        limit = max_cached_blocks(request.num_tokens, self.block_size)
-        if request.num_prompt_tokens_to_score:
-            # a cached block has KV but no logits: only positions whose next token is scored may come from it
-            limit = min(limit, (request.num_scored_prompt_tokens - 1) // self.block_size)
         hit = []
-        for block_hash in request.block_hashes[:limit]:
+        for block_hash in self.cacheable_hashes(request):
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hit.append(block)
         return CachedPrefix(tuple(hit), self.block_size)
+
+    def cacheable_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the request's leading blocks that a cache may supply: never its last token's block."""
+        self._update_hashes(request)
+        limit = max_cached_blocks(request.num_tokens, self.block_size)
+        if request.num_prompt_tokens_to_score:
+            # a cached block has KV but no logits: only positions whose next token is scored may come from it
+            limit = min(limit, (request.num_scored_prompt_tokens - 1) // self.block_size)
+        return request.block_hashes[:limit]
 
     def allocate(
         self, request: Request, num_new_tokens: int, cached: CachedPrefix = NO_PREFIX, reserve: int = 0
@@ -87,7 +96,7 @@ class KVCacheManager:
         the table; False if the pool is short, or would keep fewer than reserve blocks free (a group's choices
         still to fork each need one soon). The caller counts the prefix as computed. A block the new tokens
         land in that forked choices still share is first copied (copy-on-write). Whose cached blocks it may
-        evict: see _may_evict_others."""
+        evict: see may_evict_others."""
         cached_prefix = cached.blocks
         table = self.tables.get(request.request_id, [])
         first_written = request.num_computed_tokens + cached.num_tokens
@@ -102,7 +111,7 @@ class KVCacheManager:
         ]
         # cached blocks nobody holds sit in the free queue: taking them shrinks what is left to allocate
         num_reclaimed = sum(1 for b in cached_prefix if b.ref_count == 0)
-        evict_others = self._may_evict_others(request)
+        evict_others = self.may_evict_others(request)
         room = self.pool.num_allocatable(request.tenant, evict_others) - num_reclaimed
         if max(num_needed, 0) + len(shared) + reserve > room:
             return False
@@ -122,13 +131,15 @@ class KVCacheManager:
             self._write_row(request.request_id, old_len, table)
         return True
 
-    def _may_evict_others(self, request: Request) -> bool:
+    def may_evict_others(self, request: Request) -> bool:
         """Whether the request may take other tenants' cached blocks within their shares (block_pool.py). A
         running request may: running requests never starve for blocks. So may a new request of a tenant holding
         none, or one needing more than its share could wait forever, nothing of its own running to give blocks
         back. A tenant's other new requests wait for blocks it, or tenants over their shares, give up: a burst
         waits behind itself."""
-        return request.status is RequestStatus.RUNNING or self.pool.num_held(request.tenant) == 0
+        if request.status is RequestStatus.RUNNING:
+            return True
+        return self.pool.num_held(request.tenant) == self.held_by_pins(request.tenant)
 
     def _copy_on_write(
         self, request: Request, table: list[Block], shared: list[int], evict_others: bool

@@ -1,0 +1,494 @@
+"""The KV tiers below the pool, coordinated: what goes down to them and what comes back up, off the step's path.
+
+Down (write-through): every block the pool caches is copied to the host tier and written to the disk tier (each
+where it is not yet), by a worker thread. The pool block is pinned (a reference) only until the worker has
+gathered its bytes; the tier slots stay pinned, out of their index's lookups, until their copy is complete.
+Every block is offered, not only those the pool evicts: an evicted block's memory is rewritten by the very step
+that evicts it, and a write-through copy costs a memcpy per block computed, ~1% of computing it.
+
+Up (loads): a request whose chain of block hashes continues past the pool's hits in a tier, or at a peer the
+gateway named, is held out of the scheduler while a worker fills freshly allocated pool blocks from the tiers
+(then from the peer, over ZeroMQ, in bounded chunks under a deadline). Filled blocks join the pool's prefix cache
+pinned, with the request's leading pool hits, until the request starts: the scheduler then finds them as cached,
+counts them as such, and no step waits on a copy. A load that fails part-way keeps what arrived in order; the
+rest is computed. A block that fails its checks is never served.
+
+Peers read this executor's blocks through block_source(): the engine thread pins what a pull asks for, the
+transfer thread reads it, and the pins go when the transfer closes the lease.
+
+Threads: the engine thread alone touches the pool and the tiers' indexes (BlockPools); workers only move bytes
+between slots the engine thread pinned. They report through futures the engine thread polls each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.kv.block_pool import Block
+from executor.kv.cache_manager import KVCacheManager
+from executor.kv.tiers.fingerprint import KVFingerprint, tier_owner
+from executor.kv.tiers.host_tier import HostTier
+from executor.request import Request, RequestStatus
+
+log = logging.getLogger("kvserve.engine.tiers")
+
+TIER_NAMES = ("host", "disk")
+# blocks pinned for loads (in flight, or waiting for their request to start) are at most this share of the pool:
+# the rest stays for running requests, which must never starve for blocks behind a waiting one
+MAX_PINNED_SHARE = 0.5
+WORKERS = 2  # one may wait on a peer's network while the other copies
+
+
+@dataclass(slots=True)
+class _Offload:
+    blocks: list[Block]  # pool blocks, pinned until gathered
+    hashes: list[bytes]
+    owners: list  # each block's tier owner (fingerprint.tier_owner)
+    targets: list[list[tuple[object, Block]]]  # per block: (tier, slot) it goes to, each slot pinned
+    gathered: bool = False  # set by the worker once the pool blocks' bytes are copied out
+    future: Future | None = None
+
+
+@dataclass(slots=True)
+class _Load:
+    request: Request
+    prefix: list[Block]  # the request's leading pool hits, pinned so that no allocation breaks the chain
+    blocks: list[Block]  # pool blocks the load fills, in chain order
+    hashes: list[bytes]
+    sources: list[tuple[object, Block]]  # the local ones: (tier, slot), pinned; the rest come from the peer
+    peer: object | None  # shared.protocol.KVPeer
+    started: float = field(default_factory=time.monotonic)
+    future: Future | None = None
+    cancelled: bool = False
+
+
+class KVTiers:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        kv_cache: torch.Tensor,
+        fingerprint: KVFingerprint,
+        host: HostTier | None = None,
+        disk=None,  # executor.kv.tiers.disk_tier.DiskTier
+        puller=None,  # executor.kv.tiers.peer_transfer.KVPuller
+        pull_timeout: float = 5.0,
+    ) -> None:
+        self.kv, self.pool, self.kv_cache = kv, kv.pool, kv_cache
+        self.block_size = kv.block_size
+        self.fingerprint = fingerprint
+        self.tiers = [t for t in (host, disk) if t is not None]
+        self.host, self.disk, self.puller = host, disk, puller
+        self.pull_timeout = pull_timeout
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvserve-kv-tiers")
+        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        self._offloads: list[_Offload] = []
+        self._loads: dict[str, _Load] = {}  # by request id: in flight
+        self._pinned: dict[str, _Load] = {}  # by request id: loaded, held until their request starts
+        self._num_pinned = 0  # pool blocks pinned for loads
+        # every pin on a pool block (loads, copies down, peers' leases): a tenant whose blocks are held by pins
+        # alone has nothing running, and may evict as a tenant holding none may (KVCacheManager.may_evict_others)
+        self._pins: dict[Block, int] = {}
+        kv.held_by_pins = self._held_by_pins
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # for the engine thread
+        self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
+        self.cached_tokens = dict.fromkeys(("host", "disk", "peer"), 0)  # of requests that started
+        self.offloaded_bytes = dict.fromkeys(TIER_NAMES, 0)
+        self.loaded_bytes = dict.fromkeys(TIER_NAMES, 0)
+        self.pulled_bytes = self.pulls = self.pulls_failed = 0
+        self.pull_seconds: list[float] = []  # since the service last took them
+
+    # -- down -------------------------------------------------------------------------------------
+
+    def offload(self, hashes: list[bytes]) -> None:
+        """Copy blocks the pool has just cached down to every tier that lacks them (a step's newly cached hashes)."""
+        if not self.tiers:
+            return
+        job = _Offload([], [], [], [])
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                continue
+            owner = tier_owner(block.owner)
+            targets = []
+            for tier in self.tiers:
+                slot = tier.index.lookup(block_hash)
+                if slot is not None:
+                    continue  # there already (it came from there, or was offloaded before)
+                if tier.index.num_allocatable(owner) < 1:
+                    continue  # every slot is pinned by copies in flight
+                targets.append((tier, tier.index.allocate(1, owner)[0]))
+            if targets:
+                job.blocks.append(block)
+                job.hashes.append(block_hash)
+                job.owners.append(owner)
+                job.targets.append(targets)
+        if not job.blocks:
+            return
+        self._pin(job.blocks)
+        job.future = self._pool.submit(self._write_down, job)
+        self._offloads.append(job)
+
+    def _write_down(self, job: _Offload) -> None:
+        """Worker: gather the blocks' bytes out of the pool, then write each into its tier slots."""
+        with self._on_stream():
+            ids = torch.tensor([b.block_id for b in job.blocks], device=self.kv_cache.device)
+            payloads = self.kv_cache.movedim(2, 0)[ids].to("cpu")
+            self._sync()
+        job.gathered = True
+        for payload, block_hash, owner, targets in zip(
+            payloads, job.hashes, job.owners, job.targets, strict=True
+        ):
+            for tier, slot in targets:
+                if tier is self.host:
+                    tier.write(slot.block_id, payload)
+                else:
+                    tier.write(slot.block_id, block_hash, owner, payload)
+
+    def _settle_offloads(self) -> None:
+        still = []
+        for job in self._offloads:
+            if job.gathered and job.blocks:
+                self._unpin_blocks(job.blocks)
+                job.blocks = []
+            if not job.future.done():
+                still.append(job)
+                continue
+            error = job.future.exception()
+            if error is not None:
+                log.error("copying KV blocks down to the tiers failed: %r", error)
+            if job.blocks:  # failed before gathering
+                self._unpin_blocks(job.blocks)
+            for block_hash, targets in zip(job.hashes, job.targets, strict=True):
+                for tier, slot in targets:
+                    if error is None:
+                        tier.index.cache(slot, block_hash)
+                        self.offloaded_bytes[tier.name] += self.block_bytes
+                    tier.index.free([slot])
+        self._offloads = still
+
+    # -- up ---------------------------------------------------------------------------------------
+
+    def start_load(self, request: Request) -> bool:
+        """Start loading the request's blocks that the tiers or its peer hold past the pool's hits; True when it
+        is held for that (poll() hands it back), False when there is nothing to load (it goes to the scheduler)."""
+        if not self.pool.enable_caching or request.request_id in self._loads:
+            return False
+        hashes = self.kv.cacheable_hashes(request)
+        prefix = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            prefix.append(block)
+        sources = []
+        for block_hash in hashes[len(prefix) :]:
+            found = next(((t, s) for t in self.tiers if (s := t.index.lookup(block_hash)) is not None), None)
+            if found is None:
+                break
+            sources.append(found)
+        peer = request.kv_peer if self.puller is not None else None
+        num_wanted = len(sources)
+        if peer is not None and peer.num_blocks > len(prefix) + len(sources):
+            num_wanted = min(peer.num_blocks, len(hashes)) - len(prefix)
+        else:
+            peer = None
+        room = self.pool.num_allocatable(request.tenant, self.kv.may_evict_others(request))
+        room -= sum(1 for b in prefix if b.ref_count == 0)  # pinning them takes them out of the free blocks
+        cap = int(self.pool.num_blocks * MAX_PINNED_SHARE) - self._num_pinned - len(prefix)
+        num = min(num_wanted, room, cap)
+        if num < 1:
+            return False
+        sources = sources[:num]
+        if len(sources) == num:
+            peer = None
+        evict_others = self.kv.may_evict_others(request)
+        self._pin(prefix)
+        blocks = self.pool.allocate(num, request.tenant, evict_others)
+        for block in blocks:
+            self._pins[block] = 1
+        for tier, slot in sources:
+            tier.index.touch([slot])  # pinned for the copy, and a hit: reused blocks outlive one-off ones
+        self._num_pinned += len(prefix) + num
+        load = _Load(request, prefix, blocks, hashes[len(prefix) : len(prefix) + num], sources, peer)
+        load.future = self._pool.submit(self._load_up, load)
+        self._loads[request.request_id] = load
+        return True
+
+    def _load_up(self, load: _Load) -> int:
+        """Worker: fill the load's pool blocks in chain order; how many were filled before the first failure."""
+        with self._on_stream():
+            done = 0
+            for (tier, slot), block, block_hash in zip(load.sources, load.blocks, load.hashes, strict=False):
+                payload = tier.read(slot.block_id) if tier is self.host else tier.read(slot.block_id, block_hash)
+                if payload is None:  # a disk file that failed its checks: never served
+                    self._sync()
+                    return done
+                self._copy_into(block, payload)
+                done += 1
+            if load.peer is not None and done == len(load.sources) and not load.cancelled:
+                deadline = time.monotonic() + self.pull_timeout
+                blocks = load.blocks[done:]
+                done += self.puller.pull(
+                    load.peer.address,
+                    load.hashes[done:],
+                    self.fingerprint.digest(),
+                    deadline,
+                    lambda i, payload: self._copy_into(blocks[i], payload),
+                )
+            self._sync()
+        return done
+
+    def _copy_into(self, block: Block, payload: torch.Tensor) -> None:
+        self.kv_cache[:, :, block.block_id].copy_(payload, non_blocking=self._stream is not None)
+
+    def _settle_loads(self) -> list[Request]:
+        """Loads that finished: their filled blocks join the prefix cache (pinned); the requests, to schedule."""
+        ready = []
+        for request_id, load in list(self._loads.items()):
+            if not load.future.done():
+                continue
+            del self._loads[request_id]
+            error = load.future.exception()
+            if error is not None:
+                log.error("loading KV blocks for request %s failed: %r", request_id, error)
+            done = 0 if error is not None else load.future.result()
+            for i, (tier, slot) in enumerate(load.sources):
+                if i == done and tier is self.disk and error is None:
+                    tier.index.discard(slot)  # its file failed its checks and is gone
+                tier.index.free([slot])
+            num_local = min(done, len(load.sources))
+            for tier, _ in load.sources[:num_local]:
+                load.request.cached_from[tier.name] = load.request.cached_from.get(tier.name, 0) + self.block_size
+                self.loaded_bytes[tier.name] += self.block_bytes
+            if load.peer is not None:
+                self.pulls += 1
+                pulled = done - num_local
+                self.pulled_bytes += pulled * self.block_bytes
+                self.pulls_failed += pulled < len(load.blocks) - len(load.sources)
+                self.pull_seconds.append(time.monotonic() - load.started)
+                if pulled:
+                    load.request.cached_from["peer"] = pulled * self.block_size
+            for block, block_hash in zip(load.blocks[:done], load.hashes[:done], strict=True):
+                self.pool.cache(block, block_hash)  # a duplicate cached meanwhile keeps this one private
+            self._unpin_blocks(load.blocks[done:])
+            self._num_pinned -= len(load.blocks) - done
+            load.blocks = load.blocks[:done]
+            if load.cancelled:
+                self._unpin(load)
+                continue
+            self._pinned[request_id] = load
+            ready.append(load.request)
+        return ready
+
+    def release_started(self) -> None:
+        """After a schedule: the pins of loaded requests that started (they hold their blocks themselves now)."""
+        for request_id, load in list(self._pinned.items()):
+            if load.request.status is RequestStatus.WAITING:
+                continue
+            del self._pinned[request_id]
+            if load.request.status is RequestStatus.RUNNING:
+                for source, tokens in load.request.cached_from.items():
+                    self.cached_tokens[source] += tokens
+            self._unpin(load)
+
+    def release_all(self) -> bool:
+        """Let go of every loaded request's pins (they stay cached, unpinned): when the pins alone keep the
+        scheduler from starting anything. Whether there were any."""
+        pinned, self._pinned = list(self._pinned.values()), {}
+        for load in pinned:
+            self._unpin(load)
+        return bool(pinned)
+
+    def _unpin(self, load: _Load) -> None:
+        self._unpin_blocks(load.blocks + load.prefix)
+        self._num_pinned -= len(load.blocks) + len(load.prefix)
+
+    def _pin(self, blocks: list[Block]) -> None:
+        self.pool.share(blocks)
+        for block in blocks:
+            self._pins[block] = self._pins.get(block, 0) + 1
+
+    def _unpin_blocks(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            if self._pins[block] == 1:
+                del self._pins[block]
+            else:
+                self._pins[block] -= 1
+        self.pool.free(blocks)
+
+    def _held_by_pins(self, tenant) -> int:
+        """The tenant's pool blocks that pins alone hold (no request references them)."""
+        return sum(1 for block, n in self._pins.items() if block.owner == tenant and block.ref_count == n)
+
+    def drop(self, request: Request) -> None:
+        """The request ended (aborted) while loading or before it started: let go of what its load holds."""
+        load = self._loads.get(request.request_id)
+        if load is not None:
+            load.cancelled = True  # the worker finishes its copies into blocks still pinned; settled then
+            return
+        load = self._pinned.pop(request.request_id, None)
+        if load is not None:
+            self._unpin(load)
+
+    # -- the engine's hooks -------------------------------------------------------------------------
+
+    def poll(self) -> list[Request]:
+        """Settle what the workers finished and run the peers' pin requests; the requests now loaded."""
+        while True:
+            try:
+                self._tasks.get_nowait()()
+            except queue.Empty:
+                break
+        self._settle_offloads()
+        return self._settle_loads()
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._loads
+
+    def held_requests(self) -> list[Request]:
+        return [load.request for load in self._loads.values()]
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a load finishes, or timeout_s (nothing else to do meanwhile)."""
+        futures = [load.future for load in self._loads.values()]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def drain_events(self) -> dict[str, tuple[list[bytes], list[bytes]]]:
+        return {tier.name: tier.index.drain_events() for tier in self.tiers}
+
+    def tier_hashes(self) -> dict[str, list[bytes]]:
+        return {tier.name: tier.index.cached_hashes() for tier in self.tiers}
+
+    def stats(self) -> dict[str, int]:
+        """EngineStats' tier fields, by name."""
+        out = {f"kv_cached_tokens_{source}": n for source, n in self.cached_tokens.items()}
+        for name in TIER_NAMES:
+            out[f"kv_offloaded_bytes_{name}"] = self.offloaded_bytes[name]
+            out[f"kv_loaded_bytes_{name}"] = self.loaded_bytes[name]
+        for tier in self.tiers:
+            out[f"kv_{tier.name}_blocks_used"] = tier.index.num_cached_blocks
+            out[f"kv_{tier.name}_blocks_total"] = tier.index.num_blocks
+        out["kv_disk_files_rejected"] = self.disk.rejected if self.disk is not None else 0
+        out.update(kv_pulled_bytes=self.pulled_bytes, kv_pulls=self.pulls, kv_pulls_failed=self.pulls_failed)
+        return out
+
+    def take_pull_seconds(self) -> list[float]:
+        """How long each pull finished since the last call took (the service's histogram)."""
+        out, self.pull_seconds = self.pull_seconds, []
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+    # -- serving peers ------------------------------------------------------------------------------
+
+    def block_source(self) -> BlockSource:
+        return BlockSource(self)
+
+    def _open_lease(self, hashes: list[bytes]) -> Lease:
+        """Engine thread: pin the leading run of hashes this executor holds, in the pool or a tier."""
+        entries = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is not None:
+                self._pin([block])
+                entries.append((None, block))
+                continue
+            found = next(((t, s) for t in self.tiers if (s := t.index.lookup(block_hash)) is not None), None)
+            if found is None:
+                break
+            found[0].index.share([found[1]])
+            entries.append(found)
+        return Lease(self, hashes[: len(entries)], entries)
+
+    def _close_lease(self, entries: list) -> None:
+        for tier, block in entries:
+            if tier is None:
+                self._unpin_blocks([block])
+            else:
+                tier.index.free([block])
+
+    def _read(self, tier, block: Block, block_hash: bytes) -> torch.Tensor:
+        if tier is None:
+            view = self.kv_cache[:, :, block.block_id]
+            payload = torch.empty(view.shape, dtype=view.dtype)
+            with self._on_stream():
+                payload.copy_(view)
+                self._sync()
+            return payload
+        payload = tier.read(block.block_id) if tier is self.host else tier.read(block.block_id, block_hash)
+        if payload is None:
+            raise LookupError(f"block {block_hash.hex()} failed its checks on disk")
+        return payload
+
+    # -- CUDA ---------------------------------------------------------------------------------------
+
+    def _on_stream(self):
+        """Copies on a stream of their own on CUDA, so they overlap the steps' kernels."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class Lease:
+    """Blocks pinned for a peer's pull (peer_transfer.BlockLease): read from the transfer thread, closed once."""
+
+    def __init__(self, tiers: KVTiers, hashes: list[bytes], entries: list) -> None:
+        self.tiers, self.hashes, self._entries = tiers, hashes, entries
+        self._closed = False
+
+    def read(self, i: int) -> torch.Tensor:
+        tier, block = self._entries[i]
+        return self.tiers._read(tier, block, self.hashes[i])
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            entries = self._entries
+            self.tiers._tasks.put(lambda: self.tiers._close_lease(entries))
+
+
+class BlockSource:
+    """What the transfer server reads (peer_transfer.BlockSource): each open is one pin request the engine
+    thread serves at its next poll."""
+
+    def __init__(self, tiers: KVTiers) -> None:
+        self.tiers = tiers
+
+    def open(self, hashes: list[bytes], timeout_s: float) -> Lease | None:
+        future: Future = Future()
+
+        def pin() -> None:
+            if future.set_running_or_notify_cancel():  # False: the transfer gave up waiting
+                future.set_result(self.tiers._open_lease(hashes))
+
+        self.tiers._tasks.put(pin)
+        try:
+            return future.result(timeout_s)
+        except FutureTimeout:
+            if future.cancel():
+                return None
+            return future.result()  # pinned just now: the caller reads it (and closes it)
