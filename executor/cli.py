@@ -150,8 +150,29 @@ def add_executor_args(executor: argparse.ArgumentParser) -> None:
         help="log lines as JSON objects or plain text (default: KVSERVE_LOG_FORMAT, else auto: text on a terminal)",
     )
     add_curve_keys_arg(executor, EXECUTOR)
+    add_kv_transfer_args(executor)
     add_engine_args(executor)
     executor.set_defaults(handler=serve)
+
+
+def add_kv_transfer_args(executor: argparse.ArgumentParser) -> None:
+    executor.add_argument(
+        "--kv-transfer-port",
+        type=_port_number,
+        default=0,
+        metavar="PORT",
+        help="serve this executor's cached KV blocks (pool and tiers) to other executors on PORT, so a request "
+        "routed here can pull its prefix from them rather than compute it; needs a KV tier (--kv-offload-memory "
+        "or --kv-offload-dir); with --curve-keys only holders of the executor key pull (default: 0, off)",
+    )
+    executor.add_argument(
+        "--kv-transfer-host",
+        default=None,
+        metavar="HOST",
+        help="interface for --kv-transfer-port (default: the host of --bind, so blocks are as reachable as "
+        "requests; 127.0.0.1 when --bind is not tcp://); published to other executors as the host of "
+        "--advertise-address (else --bind), or as HOST itself when it names one interface",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -211,6 +232,14 @@ def serve(args: argparse.Namespace) -> int:
             "the gateway's API keys, limits and cache salts; see `kvserve curve-keys`",
             args.bind,
         )
+    try:
+        transfers, transfer_info = _start_kv_transfers(args, engine, curve)
+    except ValueError as error:
+        if auth is not None:
+            auth.stop()
+        context.destroy(linger=0)
+        engine.close()
+        return fail(str(error), 1)
     index = IndexWriter(client, executor_id, cached_hashes=engine.cached_block_hashes)
     service = ExecutorService(engine, socket, index, args.shutdown_grace_period, args.zmq_sndhwm)
     signal.signal(signal.SIGTERM, service.drain)
@@ -224,6 +253,7 @@ def serve(args: argparse.Namespace) -> int:
             "max_model_len": engine.max_model_len,
             "max_waiting_seqs": engine.config.max_waiting_seqs,
             "waiting_tenants_share": engine.waiting_tenants_share,
+            **transfer_info,
         }
     )
     index.start_heartbeat()
@@ -242,6 +272,8 @@ def serve(args: argparse.Namespace) -> int:
             index.deregister()
         except redis.RedisError as error:
             log.warning("deregistering from Redis failed (its keys expire with the heartbeat): %s", error)
+        if transfers is not None:
+            transfers.close()
         if auth is not None:
             auth.stop()
         socket.close(linger=1000)  # let the last StepBatch messages leave
@@ -250,6 +282,49 @@ def serve(args: argparse.Namespace) -> int:
         engine.close()  # the grammar compile process with it
     log.info("executor %s stopped", executor_id)
     return 0
+
+
+def _port_number(text: str) -> int:
+    """An argparse type: a TCP port, or 0 for off."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 (off) to 65535, got {text!r}")
+    return int(text)
+
+
+def _start_kv_transfers(args: argparse.Namespace, engine, curve) -> tuple[object | None, dict[str, str]]:
+    """The KV transfer server (--kv-transfer-port) and what the registration gains; a ValueError says why not."""
+    if not args.kv_transfer_port:
+        return None, {}
+    import zmq
+
+    from executor.kv.tiers.peer_transfer_server import start_executor_transfers, transfer_hosts
+
+    if engine.kv_tiers is None:
+        raise ValueError(
+            "--kv-transfer-port: no KV tier to serve from: give --kv-offload-memory or --kv-offload-dir"
+        )
+    bind_host, publish_host = transfer_hosts(args.bind, args.advertise_address, args.kv_transfer_host)
+    tiers = engine.kv_tiers
+    try:
+        server, info = start_executor_transfers(
+            tiers.block_source(),
+            tiers.fingerprint.digest(),
+            bind_host,
+            publish_host,
+            args.kv_transfer_port,
+            curve,
+        )
+    except zmq.ZMQError as error:
+        raise ValueError(
+            f"--kv-transfer-port: cannot listen on {bind_host}:{args.kv_transfer_port}: {error}"
+        ) from None
+    if curve is None and not is_loopback(bind_host):
+        log.warning(
+            "serving KV blocks on %s without --curve-keys: anyone who reaches this port can read cached prompts' KV",
+            server.address,
+        )
+    log.info("serving KV blocks to peers on %s, published as %s", server.address, info["kv_transfer_address"])
+    return server, info
 
 
 def _binds_loopback(address: str) -> bool:

@@ -49,6 +49,8 @@ ENGINE_SURFACE = {
     "block_size",
     "max_model_len",
     "waiting_tenants_share",
+    # the KV tiers, which `--kv-transfer-port` serves to peers (their block source and fingerprint); None when off
+    "kv_tiers",
 }
 
 
