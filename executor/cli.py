@@ -240,7 +240,9 @@ def serve(args: argparse.Namespace) -> int:
         context.destroy(linger=0)
         engine.close()
         return fail(str(error), 1)
-    index = IndexWriter(client, executor_id, cached_hashes=engine.cached_block_hashes)
+    index = IndexWriter(
+        client, executor_id, cached_hashes=engine.cached_block_hashes, tier_hashes=engine.tier_hashes
+    )
     service = ExecutorService(engine, socket, index, args.shutdown_grace_period, args.zmq_sndhwm)
     signal.signal(signal.SIGTERM, service.drain)
     signal.signal(signal.SIGINT, service.drain)

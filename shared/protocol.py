@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from shared.redis_keys import check_executor_id
 from shared.tenant import ANONYMOUS_TENANT, MAX_TENANT_WEIGHT, Tenant
 
 PROTOCOL_VERSION = 2  # 2: RequestUpdate.seq, which the gateway needs to see a lost update
@@ -34,6 +35,7 @@ PROTOCOL_VERSION = 2  # 2: RequestUpdate.seq, which the gateway needs to see a l
 #   ~44 MiB. The executor splits a step's batch that would be larger, and fails a request whose one update is.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_PRIORITY = 2**31  # a request's priority is within +- this
+MAX_PEER_ADDRESS = 256  # a KV peer's endpoint is at most this many characters (a host name is at most 253)
 
 # logprobs of one generated token: [token_id, logprob, rank, [[token_id, logprob], ...]] (top entries, best first)
 TokenLogprobsWire = list
@@ -45,6 +47,17 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, request_id: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+
+@dataclass(frozen=True, slots=True)
+class KVPeer:
+    """Another executor that holds the prompt's first num_blocks blocks (in its pool or a KV tier) and serves them
+    on its KV transfer server at address: the executor pulls those past its own cached run instead of computing
+    them (the gateway's router chose it, gateway/routing/router.py)."""
+
+    executor_id: str
+    address: str  # tcp://host:port, the peer's kv_transfer_address in Redis
+    num_blocks: int
 
 
 @dataclass(slots=True)
@@ -63,6 +76,9 @@ class GenerateRequest:
     traceparent: str | None = None  # W3C trace context, so one trace spans both processes
     # the request's own, not its tenant's: within its tenant, lower first (vLLM's `priority`)
     priority: int = 0
+    # where to pull the prompt's KV blocks from that this executor lacks; on the wire a map of the three fields,
+    # absent when None (an older executor ignores it and computes them)
+    kv_peer: KVPeer | None = None
 
 
 @dataclass(slots=True)
@@ -185,6 +201,9 @@ def _generate_fields(request: GenerateRequest) -> dict[str, Any]:
     tenant = fields.pop("tenant")
     name = None if tenant == ANONYMOUS_TENANT else tenant.name  # nil, as the wire has always named it
     fields.update(tenant=name, cache_salt=tenant.cache_salt, tenant_weight=tenant.weight)
+    peer = fields.pop("kv_peer")
+    if peer is not None:
+        fields["kv_peer"] = _fields(peer)
     return fields
 
 
@@ -254,21 +273,55 @@ def _logprobs_list(value: object, entry_may_be_nil: bool = True) -> bool:
 
 
 def _read_generate(f: _Fields) -> GenerateRequest:
+    block_hashes = f.get(
+        "block_hashes",
+        lambda v: isinstance(v, list) and all(isinstance(h, bytes) for h in v),
+        "a list of binary strings",
+        [],
+    )
     return GenerateRequest(
         request_id=f.text("request_id"),
         prompt_token_ids=f.get("prompt_token_ids", _int_list, "a list of integers"),
-        block_hashes=f.get(
-            "block_hashes",
-            lambda v: isinstance(v, list) and all(isinstance(h, bytes) for h in v),
-            "a list of binary strings",
-            [],
-        ),
+        block_hashes=block_hashes,
         sampling=f.get("sampling", lambda v: isinstance(v, dict), "a map of sampling parameters", {}),
         tenant=_read_tenant(f),
         priority=f.get(
             "priority", lambda v: _is_int(v) and abs(v) <= MAX_PRIORITY, "an integer in +-2**31", 0
         ),
         traceparent=f.optional_text("traceparent"),
+        kv_peer=_read_kv_peer(f, len(block_hashes)),
+    )
+
+
+def _is_executor_id(value: object) -> bool:
+    try:
+        return isinstance(value, str) and bool(check_executor_id(value))
+    except ValueError:
+        return False
+
+
+def is_peer_address(value: object) -> bool:
+    """What an executor accepts as a KV peer's address (the gateway sends no other)."""
+    return isinstance(value, str) and value.startswith("tcp://") and len(value) <= MAX_PEER_ADDRESS
+
+
+def _read_kv_peer(f: _Fields, num_hashes: int) -> KVPeer | None:
+    """Checked before the executor connects anywhere: a tcp:// endpoint of bounded length, and a run of blocks
+    the request's own hash chain names (the pull asks the peer for those hashes)."""
+    peer = f.get("kv_peer", lambda v: v is None or isinstance(v, dict), "nil or a map", None)
+    if peer is None:
+        return None
+    p = _Fields(peer, f"{f.kind} kv_peer", f.request_id)
+    return KVPeer(
+        executor_id=p.get("executor_id", _is_executor_id, "1-128 of A-Z a-z 0-9 _ . -"),
+        address=p.get(
+            "address", is_peer_address, f"a tcp:// endpoint of at most {MAX_PEER_ADDRESS} characters"
+        ),
+        num_blocks=p.get(
+            "num_blocks",
+            lambda v: _is_int(v) and 0 < v <= num_hashes,
+            f"an integer in [1, {num_hashes}] (the request's block hashes)",
+        ),
     )
 
 

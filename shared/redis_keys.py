@@ -7,12 +7,20 @@ Layout (`<id>` is an executor id):
 - `kvserve:executor:<id>`             hash, the registration: address, model, block_size, kv_blocks_total,
                                       max_model_len, max_waiting_seqs (one tenant's queue bound),
                                       waiting_tenants_share (all tenants' bound is that many times it; 1: one bound
-                                      for all, fair share off), started_at. Its TTL is the heartbeat: refreshed every
+                                      for all, fair share off), started_at; and, optional (absent: no KV pulls to
+                                      or from it), kv_transfer_address (the tcp:// endpoint its KV transfer server
+                                      answers pulls on) and kv_fingerprint (hex digest of what makes its KV blocks
+                                      interchangeable: model, dtype, block shape, quantization; executors pull only
+                                      from one with the same). Its TTL is the heartbeat: refreshed every
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
-- `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached,
-                                      and BLOCKS_MARKER (not hex: never a hash). A set without the marker was
-                                      lost (Redis restarted, failed over, evicted it): the executor's next
-                                      heartbeat notices and it writes the whole set again.
+- `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached in
+                                      its KV pool, and BLOCKS_MARKER (not hex: never a hash). A set without the
+                                      marker was lost (Redis restarted, failed over, evicted it): the executor's
+                                      next heartbeat notices and it writes the whole set again.
+- `kvserve:executor:<id>:host`        the same for the blocks its host-memory tier holds, and
+- `kvserve:executor:<id>:disk`        its disk tier (TIERS): same marker, same republishing, whether or not the
+                                      tier is on (off: the marker alone). A block may be in several; routing
+                                      counts the best (pool, then host, then disk).
 - `kvserve:executor:<id>:load`        hash: running, waiting, compiling, prefill_tokens, kv_usage, queue_full,
                                       waiting_max_tenant (executor.step_result.EngineStats.load), updated_at.
 - `kvserve:executor:<id>:inflight`    counter the gateways keep: prompt tokens to prefill of requests routed there
@@ -69,6 +77,16 @@ def blocks_key(executor_id: str) -> str:
     return f"kvserve:executor:{executor_id}:blocks"
 
 
+# the executor's KV tiers below its pool, each with a set of the hashes it holds (executor/kv/tiers/)
+TIERS = ("host", "disk")
+
+
+def tier_key(executor_id: str, tier: str) -> str:
+    if tier not in TIERS:
+        raise ValueError(f"tier: {tier!r} is not one of {', '.join(TIERS)}")
+    return f"kvserve:executor:{executor_id}:{tier}"
+
+
 def load_key(executor_id: str) -> str:
     return f"kvserve:executor:{executor_id}:load"
 
@@ -83,7 +101,13 @@ def stats_key(executor_id: str) -> str:
 
 def executor_keys(executor_id: str) -> list[str]:
     """Every key one executor owns."""
-    return [executor_key(executor_id), blocks_key(executor_id), load_key(executor_id), stats_key(executor_id)]
+    return [
+        executor_key(executor_id),
+        blocks_key(executor_id),
+        *(tier_key(executor_id, tier) for tier in TIERS),
+        load_key(executor_id),
+        stats_key(executor_id),
+    ]
 
 
 API_KEYS = "kvserve:apikeys"

@@ -1,10 +1,10 @@
 """The writing half of the executor index in Redis (gateway/routing/index_reader.py reads it): the executor's published
-copy of itself: registration, heartbeat, cached block hashes, load, stats.
+copy of itself: registration, heartbeat, cached block hashes (the pool's and each KV tier's), load, stats.
 
-Key names live in shared.redis_keys, which the gateway reads too. The block pool stays the truth; Redis is a
-copy, so a write that fails is kept and retried with the next one rather than lost, and a copy Redis lost (a
-restart, a failover, an eviction) is written again whole: the blocks set carries a marker member, and a
-heartbeat that finds it missing has the next publish replace the set with the pool's cached hashes.
+Key names live in shared.redis_keys, which the gateway reads too. The block pool and the tiers' indexes stay the
+truth; Redis is a copy, so a write that fails is kept and retried with the next one rather than lost, and a copy
+Redis lost (a restart, a failover, an eviction) is written again whole: each blocks set carries a marker member,
+and a heartbeat that finds it missing has the next publish replace the set with what the pool (or tier) holds.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from executor.service.block_sets import POOL, block_sets
 from shared import redis_keys as keys
 from shared.executor_stats import ExecutorStats
 
@@ -56,8 +57,10 @@ _LOAD_SUFFIX = keys.load_key("").removeprefix(_PREFIX)
 
 
 class IndexWriter:
-    """cached_hashes gives the block pool's cached hashes; publish() calls it, from the engine loop's thread,
-    the only one that changes the pool, so the copy it writes matches the changes drained before it."""
+    """cached_hashes gives the block pool's cached hashes, tier_hashes every hash each KV tier holds by tier name
+    (shared.redis_keys.TIERS; a tier that is off may be absent); publish() calls them, from the engine loop's
+    thread, the only one that changes the pool and the tiers' indexes, so the copy it writes matches the changes
+    drained before it."""
 
     def __init__(
         self,
@@ -65,20 +68,20 @@ class IndexWriter:
         executor_id: str,
         ttl_s: int = keys.HEARTBEAT_TTL_S,
         cached_hashes: Callable[[], Iterable[bytes]] = tuple,
+        tier_hashes: Callable[[], Mapping[str, Iterable[bytes]]] = dict,
     ) -> None:
         self.client = client
         self.executor_id = keys.check_executor_id(executor_id)
         self.ttl_s = ttl_s
         self.keys = keys.executor_keys(executor_id)
-        self._pending_added: set[str] = set()
-        self._pending_removed: set[str] = set()
+        self.sets = block_sets(executor_id)
         self._pending_stats: dict[str, float] | None = None
         self._last_stats: dict[str, float] | None = None  # what a republish writes again
         # the load as Redis holds it: a step that changes nothing a reader sees (most decode steps at one stream)
         # costs no round trip, whose client and server time would stall the engine's threads
         self._published_load: dict[str, float] | None = None
         self._cached_hashes = cached_hashes
-        self._lost = threading.Event()  # Redis lost the blocks set: the next publish writes it whole
+        self._tier_hashes = tier_hashes
         # whether another live executor could start a request at once, as of the last heartbeat: only then is
         # a request that waits here too long handed back (alone, it would only lose its place in the queue)
         self.peer_has_room = False
@@ -98,22 +101,28 @@ class IndexWriter:
         pipe.hset(keys.stats_key(self.executor_id), mapping=self._last_stats)
         pipe.expire(keys.stats_key(self.executor_id), self.ttl_s)
         pipe.execute()
+        # a tier may hold blocks from the start (a disk tier finds its files there): the first publish writes each
+        # tier's set whole
+        for tier in keys.TIERS:
+            self.sets[tier].lost.set()
 
-    def _announce(self, pipe) -> int:
+    def _announce(self, pipe) -> dict[str, int]:
         """Queue the registration, rewritten on every heartbeat so one that expired (a stall, a Redis restart)
-        comes back, and the blocks set's marker; returns the index of the marker's reply (1: it was missing)."""
+        comes back, and each blocks set's marker; returns the index of each marker's reply, by set name."""
         pipe.hset(keys.executor_key(self.executor_id), mapping=self._info)
         pipe.expire(keys.executor_key(self.executor_id), self.ttl_s)
         pipe.sadd(keys.EXECUTORS, self.executor_id)
-        pipe.sadd(keys.blocks_key(self.executor_id), keys.BLOCKS_MARKER)
-        return len(pipe) - 1
+        return {name: block_set.queue_marker(pipe) for name, block_set in self.sets.items()}
 
-    def _check_marker(self, replies: list, marker_reply: int | None) -> None:
-        if marker_reply is not None and replies[marker_reply] and not self._lost.is_set():
-            log.warning(
-                "Redis lost this executor's cached blocks (restart, failover or eviction): republishing"
-            )
-            self._lost.set()
+    def _check_markers(self, replies: list, marker_replies: dict[str, int]) -> None:
+        for name, reply in marker_replies.items():
+            lost = self.sets[name].lost
+            if replies[reply] and not lost.is_set():
+                log.warning(
+                    "Redis lost this executor's %s blocks set (restart, failover or eviction): republishing",
+                    name,
+                )
+                lost.set()
 
     def _refresh_ttls(self, pipe) -> None:
         """Every key of this executor lives exactly as long as its heartbeat."""
@@ -127,45 +136,40 @@ class IndexWriter:
         load: dict[str, float],
         heartbeat: bool = False,
         stats: dict[str, float] | None = None,
+        tiers: Mapping[str, tuple[list[bytes], list[bytes]]] | None = None,
     ) -> None:
-        """One round trip: block hashes cached and evicted since the last call, the load, the stats when given
-        (ExecutorStats.to_hash()), fresh TTLs, and on a heartbeat the registration again; none at all when nothing
-        is new (no blocks, no stats, no heartbeat, the load as last written). While Redis is failing, changes
-        wait for the next heartbeat."""
-        for h in added:
-            self._pending_removed.discard(h.hex())
-            self._pending_added.add(h.hex())
-        for h in removed:
-            self._pending_added.discard(h.hex())
-            self._pending_removed.add(h.hex())
+        """One round trip: block hashes the pool cached and evicted since the last call, and each tier's (tiers:
+        tier name -> (added, removed)), the load, the stats when given (ExecutorStats.to_hash()), fresh TTLs, and
+        on a heartbeat the registration again; none at all when nothing is new (no blocks, no stats, no
+        heartbeat, the load as last written). While Redis is failing, changes wait for the next heartbeat."""
+        self.sets[POOL].note(added, removed)
+        for tier, (tier_added, tier_removed) in (tiers or {}).items():
+            self.sets[tier].note(tier_added, tier_removed)
         if stats is not None:
             self._pending_stats = self._last_stats = stats  # cumulative: the newest replaces one not gone out
         if self._failing and not heartbeat:
             return
-        blocks = keys.blocks_key(self.executor_id)
-        republish = self._lost.is_set()
-        unchanged = not (self._pending_added or self._pending_removed or self._pending_stats is not None)
-        if unchanged and not (heartbeat or republish) and load == self._published_load:
+        lost = [name for name, block_set in self.sets.items() if block_set.lost.is_set()]
+        pending = any(block_set.pending for block_set in self.sets.values())
+        unchanged = not (pending or self._pending_stats is not None)
+        if unchanged and not (heartbeat or lost) and load == self._published_load:
             return
         # a republish replaces the set in one transaction: no reader, and no heartbeat checking the marker,
         # sees it half written
-        pipe = self.client.pipeline(transaction=republish)
-        if republish:
-            self._lost.clear()  # set again by a heartbeat that finds the marker gone after this
-            self._pending_added = {h.hex() for h in self._cached_hashes()}
-            self._pending_removed.clear()
-            if self._pending_stats is None:
-                self._pending_stats = self._last_stats
-            pipe.delete(blocks)
-            pipe.sadd(blocks, keys.BLOCKS_MARKER, *self._pending_added)
-        elif self._pending_added:
-            pipe.sadd(blocks, *self._pending_added)
-        if self._pending_removed:
-            pipe.srem(blocks, *self._pending_removed)
+        pipe = self.client.pipeline(transaction=bool(lost))
+        held_by_tier = self._tier_hashes() if any(name != POOL for name in lost) else {}
+        for name, block_set in self.sets.items():
+            if name in lost:
+                block_set.lost.clear()  # set again by a heartbeat that finds the marker gone after this
+                block_set.queue(pipe, self._cached_hashes() if name == POOL else held_by_tier.get(name, ()))
+            else:
+                block_set.queue(pipe)
+        if lost and self._pending_stats is None:
+            self._pending_stats = self._last_stats
         pipe.hset(keys.load_key(self.executor_id), mapping={**load, "updated_at": time.time()})
         if self._pending_stats is not None:
             pipe.hset(keys.stats_key(self.executor_id), mapping=self._pending_stats)
-        marker_reply = self._announce(pipe) if heartbeat else None
+        marker_replies = self._announce(pipe) if heartbeat else {}
         self._refresh_ttls(pipe)
         try:
             replies = pipe.execute()
@@ -173,18 +177,20 @@ class IndexWriter:
             if not self._failing:  # one line per outage, not one per step
                 log.warning("publishing to Redis failed, will retry: %s", error)
             self._failing = True
-            if republish:
-                self._lost.set()
+            for name in lost:
+                self.sets[name].lost.set()
             return
         if self._failing:
             log.info("publishing to Redis works again")
-        if republish:
-            log.info("republished %d cached blocks to Redis", len(self._pending_added))
+        for name in lost:  # the warning that it was lost went out when a heartbeat found it so
+            log.debug(
+                "wrote this executor's %s blocks set whole: %d blocks", name, len(self.sets[name].added)
+            )
         self._failing = False
         self._published_load = dict(load)
-        self._check_marker(replies, marker_reply)
-        self._pending_added.clear()
-        self._pending_removed.clear()
+        self._check_markers(replies, marker_replies)
+        for block_set in self.sets.values():
+            block_set.sent()
         self._pending_stats = None
 
     def start_heartbeat(self) -> None:
@@ -198,10 +204,10 @@ class IndexWriter:
         failing = False
         while not self._stop_beating.wait(keys.HEARTBEAT_INTERVAL_S):
             pipe = self.client.pipeline(transaction=False)
-            marker_reply = self._announce(pipe)
+            marker_replies = self._announce(pipe)
             self._refresh_ttls(pipe)
             try:
-                self._check_marker(pipe.execute(), marker_reply)
+                self._check_markers(pipe.execute(), marker_replies)
                 self.check_peers()
             except redis.RedisError as error:
                 self.peer_has_room = False

@@ -178,6 +178,7 @@ class ExecutorService:
                 msg.tenant,
                 msg.block_hashes,
                 priority=msg.priority,
+                kv_peer=msg.kv_peer,
             )
         except ValueError as error:
             self._send_error(identity, msg.request_id, str(error), 400, trace_id)
@@ -333,11 +334,13 @@ class ExecutorService:
         self.wire.send(identity, protocol.RequestError(request_id, message, code))
 
     def _publish(self, heartbeat: bool, changed: bool, step: StepResult | None = None) -> None:
-        """The step's cache changes, and the engine's numbers as they are now (aborts since the step count)."""
+        """The step's cache changes (the pool's and the KV tiers'), and the engine's numbers as they are now
+        (aborts since the step count)."""
         stats = self.engine.stats()
         self.stats_pending |= changed
         cached, evicted = (step.cached, step.evicted) if step is not None else ([], [])
-        self.index.publish(cached, evicted, stats.load(), heartbeat, self._due_stats(stats))
+        tiers = step.tier_events if step is not None else None
+        self.index.publish(cached, evicted, stats.load(), heartbeat, self._due_stats(stats), tiers)
 
     def _due_stats(self, stats: EngineStats) -> dict[str, float] | None:
         """The stats hash at most every STATS_INTERVAL_S while busy, and at once when the engine goes idle, so a

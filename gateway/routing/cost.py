@@ -1,9 +1,10 @@
 """Which executor serves a request: the one with the least work ahead of it.
 
-Cost (route_cost), in prefill-equivalent tokens of work ahead of the request's first token: its own prompt
-tokens past the executor's cached prefix, the prompt tokens queued there (published, plus those on their way),
-the running requests' decodes, and a penalty as the KV pool fills (a full pool means preemptions). Equal costs
-are broken at random, so a burst of cold requests spreads instead of all taking the first executor.
+Cost (route_cost), in prefill-equivalent tokens of work ahead of the request's first token: its own prompt tokens
+the executor would compute, plus those whose KV it would load from a tier of its own or pull from a peer, each at
+a fraction of a computed token; the prompt tokens queued there (published, plus those on their way), the running
+requests' decodes, and a penalty as the KV pool fills (a full pool means preemptions). Equal costs are broken at
+random, so a burst of cold requests spreads instead of all taking the first executor.
 """
 
 from __future__ import annotations
@@ -22,12 +23,25 @@ TOKENS_PER_RUNNING_REQUEST = 64
 # at a full KV pool, an executor looks this many tokens more expensive
 TOKENS_AT_FULL_KV = 2048
 
+# where an executor holds a block, best first: the codes of the routing view (gateway/routing/index_reader.py)
+POOL, HOST, DISK = 1, 2, 3
+# What one token's KV costs brought in rather than computed, as a share of computing it. From host memory it is a
+# memcpy (over PCIe into a GPU's pool), ~1-2% of the token's forward pass; from disk a file read and its checksum
+# besides, ~5-10%; from a peer its read there and the network between, ~10-20%. Each is the top of its range: a
+# load that saves little keeps the simpler path, and one that fails (a file gone, a peer busy) is computed after
+# all. The order is what matters most: pool < host < disk < peer < computing.
+HOST_LOAD_COST = 0.02
+DISK_LOAD_COST = 0.1
+PEER_PULL_COST = 0.2
+_LOAD_COST = {POOL: 0.0, HOST: HOST_LOAD_COST, DISK: DISK_LOAD_COST}
+
 
 @dataclass(slots=True)
 class Candidate:
     executor_id: str
     address: str
-    cached_blocks: int  # leading run of the prompt's block hashes this executor holds
+    # the best place (POOL, HOST, DISK) it holds each of the prompt's leading blocks, up to the first held nowhere
+    held: tuple[int, ...] = ()
     running: int = 0
     waiting: int = 0
     compiling: int = 0  # of waiting, those waiting for their grammar: they hold no place in its queue
@@ -35,28 +49,63 @@ class Candidate:
     prefill_tokens: int = 0  # prompt tokens queued there, still to prefill
     inflight_tokens: int = 0  # prompt tokens to prefill of requests routed there, not yet in its load
     queue_full: bool = False  # its waiting queue is at its bound: it refuses new requests as busy
+    # leading blocks another executor holds and would send it (the router's best peer for it; 0: none holds more)
+    peer_blocks: int = 0
+
+    @property
+    def cached_blocks(self) -> int:
+        """The leading run it holds anywhere: all of it counts as cached once loaded."""
+        return len(self.held)
 
 
-def leading_run(held: Sequence[bool]) -> int:
-    """How many of the prompt's blocks, from the first, an executor holds: a prefix hit stops at a gap."""
-    for i, present in enumerate(held):
-        if not present:
-            return i
-    return len(held)
+@dataclass(frozen=True, slots=True)
+class TokenSources:
+    """Where a prompt's tokens would come from on one executor: computed, or their KV found in its pool, loaded
+    from its host or disk tier, or pulled from a peer."""
+
+    compute: int = 0
+    pool: int = 0
+    host: int = 0
+    disk: int = 0
+    peer: int = 0
+
+    def by_source(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def work(self) -> float:
+        """In computed-token equivalents."""
+        return (
+            self.compute
+            + self.host * HOST_LOAD_COST
+            + self.disk * DISK_LOAD_COST
+            + self.peer * PEER_PULL_COST
+        )
+
+
+def token_sources(candidate: Candidate, prompt_tokens: int, block_size: int) -> TokenSources:
+    """Where the executor would find each prompt token, by the engine's rule that no cached prefix (wherever its KV
+    comes from) covers the last prompt token: its logits are needed."""
+    usable = max_cached_blocks(prompt_tokens, block_size)
+    own = candidate.held[:usable]
+    pulled = max(0, min(candidate.peer_blocks, usable) - len(own))
+    return TokenSources(
+        compute=prompt_tokens - (len(own) + pulled) * block_size,
+        pool=own.count(POOL) * block_size,
+        host=own.count(HOST) * block_size,
+        disk=own.count(DISK) * block_size,
+        peer=pulled * block_size,
+    )
 
 
 def prefill_tokens(candidate: Candidate, prompt_tokens: int, block_size: int) -> int:
-    """The prompt tokens this executor would compute: what its cached leading blocks leave, by the engine's rule."""
-    return (
-        prompt_tokens
-        - min(candidate.cached_blocks, max_cached_blocks(prompt_tokens, block_size)) * block_size
-    )
+    """The prompt tokens this executor would compute: what its cached leading blocks (and a peer's) leave."""
+    return token_sources(candidate, prompt_tokens, block_size).compute
 
 
 def route_cost(candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
     queued = candidate.prefill_tokens + candidate.inflight_tokens
     decodes = TOKENS_PER_RUNNING_REQUEST * candidate.running
-    own = prefill_tokens(candidate, prompt_tokens, block_size)
+    own = token_sources(candidate, prompt_tokens, block_size).work()
     return own + queued + decodes + TOKENS_AT_FULL_KV * candidate.kv_usage**2
 
 

@@ -87,7 +87,11 @@ class Dispatch:
             "kvserve.route.cached_blocks": choice.cached_blocks,
             "kvserve.route.cost": choice.cost,
             "kvserve.route.held_s": choice.held_s,
+            # where the prompt's tokens come from there: computed, or their KV in its pool, tiers or a peer
+            **{f"kvserve.route.tokens.{source}": n for source, n in choice.sources.by_source().items()},
         }
+        if choice.kv_peer is not None:
+            attributes["kvserve.route.kv_peer"] = choice.kv_peer.executor_id
         span.child("route", started, attributes)
         return choice
 
@@ -203,6 +207,8 @@ class Dispatch:
             placement.busy_refusals,
         )
         placement.executor, placement.prefill_estimate = choice.executor, choice.prefill_estimate
+        # the peer for the new executor's run: the old one's may be the new executor itself, or hold too little
+        flight.request.kv_peer = choice.kv_peer
         placement.held_s += choice.held_s
         await self.submit(flight)
 

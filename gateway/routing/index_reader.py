@@ -2,7 +2,8 @@
 knows of the executors, read fresh for each request (the gateway keeps none).
 
 One Lua script reads everything a routing decision needs in a single round trip: which registered executors
-are still alive, their registration, which of the prompt's block hashes each holds, and each one's load.
+are still alive, their registration, where each holds the prompt's leading blocks (its KV pool, its host tier, its
+disk tier), and each one's load.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from gateway.routing.cost import Candidate, leading_run
+from gateway.routing.cost import Candidate
 from shared import redis_keys
 from shared.executor_stats import ExecutorStats
 
@@ -69,16 +70,22 @@ class ExecutorInfo:
     # waiting_tenants_share times as many wait in all (1: one bound for all tenants, an older or unfair executor)
     max_waiting_seqs: int = 0
     waiting_tenants_share: int = 1
+    # where its KV transfer server answers pulls, and the hex digest of what makes its KV blocks interchangeable
+    # with another's (model, dtype, block shape, quantization): "" when it publishes none (no pulls to or from it)
+    kv_transfer_address: str = ""
+    kv_fingerprint: str = ""
 
 
-# KEYS[1]: the set of executor ids. ARGV: key prefix, blocks, load and inflight suffixes, then the prompt's
-# hex hashes. Returns, per live executor: {id, registration (flat HGETALL), held flags (SMISMEMBER),
-# load (flat HGETALL), in-flight count (or nil)}.
+# KEYS[1]: the set of executor ids. ARGV: key prefix; blocks (pool), host, disk, load and inflight suffixes; then
+# the prompt's hex hashes. Returns, per live executor: {id, registration (flat HGETALL), the best tier code of each
+# leading block (1 pool, 2 host, 3 disk; cost.POOL, HOST, DISK) up to the first held nowhere, load (flat
+# HGETALL), in-flight count (or nil)}.
 _ROUTING_VIEW = """
-local prefix, blocks, load, inflight = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local prefix, load, inflight = ARGV[1], ARGV[5], ARGV[6]
+local sets = {ARGV[2], ARGV[3], ARGV[4]}  -- best first: a tier's code is its place here
 local RUN = 4096
 local hashes = {}
-for i = 5, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+for i = 7, #ARGV do hashes[#hashes + 1] = ARGV[i] end
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local key = prefix .. id
@@ -87,11 +94,24 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     -- in runs: Lua's unpack takes ~8,000 values at most; only the leading run counts, so stop at a miss
     local held = {}
     for first = 1, #hashes, RUN do
-      local part = redis.call('SMISMEMBER', key .. blocks, unpack(hashes, first, math.min(first + RUN - 1, #hashes)))
+      local last = math.min(first + RUN - 1, #hashes)
+      local best = {}
+      local missing = last - first + 1
+      -- the next tier is asked only while some block of the run is in none of the better ones
+      for code, suffix in ipairs(sets) do
+        if missing == 0 then break end
+        local flags = redis.call('SMISMEMBER', key .. suffix, unpack(hashes, first, last))
+        for i, flag in ipairs(flags) do
+          if flag == 1 and not best[i] then
+            best[i] = code
+            missing = missing - 1
+          end
+        end
+      end
       local missed = false
-      for _, flag in ipairs(part) do
-        held[#held + 1] = flag
-        missed = missed or flag == 0
+      for i = 1, last - first + 1 do
+        if not best[i] then missed = true break end
+        held[#held + 1] = best[i]
       end
       if missed then break end
     end
@@ -122,6 +142,8 @@ return out
 """
 _PREFIX = redis_keys.executor_key("")
 _BLOCKS_SUFFIX = redis_keys.blocks_key("").removeprefix(_PREFIX)
+# in the order of their codes, after the pool's: cost.HOST, cost.DISK
+_TIER_SUFFIXES = [redis_keys.tier_key("", tier).removeprefix(_PREFIX) for tier in ("host", "disk")]
 _LOAD_SUFFIX = redis_keys.load_key("").removeprefix(_PREFIX)
 _INFLIGHT_SUFFIX = redis_keys.inflight_key("").removeprefix(_PREFIX)
 _STATS_SUFFIX = redis_keys.stats_key("").removeprefix(_PREFIX)
@@ -142,9 +164,10 @@ class IndexReader:
         await self.redis.aclose()
 
     async def routing_view(self, block_hashes: Sequence[bytes] = ()) -> list[tuple[ExecutorInfo, Candidate]]:
-        """Live executors (registered, heartbeat not expired), sorted by id, each with its cached leading run
-        of block_hashes and its load, in one round trip."""
-        args = [_PREFIX, _BLOCKS_SUFFIX, _LOAD_SUFFIX, _INFLIGHT_SUFFIX, *(h.hex() for h in block_hashes)]
+        """Live executors (registered, heartbeat not expired), sorted by id, each with where it holds the leading
+        run of block_hashes and its load, in one round trip."""
+        suffixes = [_BLOCKS_SUFFIX, *_TIER_SUFFIXES, _LOAD_SUFFIX, _INFLIGHT_SUFFIX]
+        args = [_PREFIX, *suffixes, *(h.hex() for h in block_hashes)]
         rows = await self._routing_view(keys=[redis_keys.EXECUTORS], args=args)
         view = []
         for raw_id, raw_info, held, raw_load, inflight in rows:
@@ -159,11 +182,13 @@ class IndexReader:
                         int(info["max_model_len"]),
                         int(info.get("max_waiting_seqs", 0)),
                         int(info.get("waiting_tenants_share", 1)),
+                        info.get("kv_transfer_address", ""),
+                        info.get("kv_fingerprint", ""),
                     ),
                     Candidate(
                         executor_id,
                         info["address"],
-                        cached_blocks=leading_run([bool(x) for x in held]),
+                        held=tuple(held),
                         running=int(load.get("running", 0)),
                         waiting=int(load.get("waiting", 0)),
                         compiling=int(load.get("compiling", 0)),

@@ -1,7 +1,8 @@
 """The routing decision for one prompt: read the live executors from Redis, apply the policy, say why.
 
-gateway.routing.cost holds the cost model as pure functions; this module feeds it what Redis says and reports the
-choice with what the trace and the metrics want to know (cached blocks, cost, reason).
+gateway.routing.cost holds the cost model as pure functions; this module feeds it what Redis says, finds each
+executor the peer it would pull the prompt's KV from, and reports the choice with what the trace and the metrics
+want to know (cached blocks, where the prompt's tokens come from, cost, reason).
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.api_error import APIError
-from gateway.routing.cost import ROUTING_POLICIES, Candidate, prefill_tokens, route_cost, route_request
+from gateway.routing.cost import (
+    ROUTING_POLICIES,
+    Candidate,
+    TokenSources,
+    route_cost,
+    route_request,
+    token_sources,
+)
 from gateway.routing.index_reader import ExecutorInfo, IndexReader
-from shared.block_hash import hash_blocks
+from shared.block_hash import hash_blocks, max_cached_blocks
 from shared.defaults import DEFAULT_BLOCK_SIZE
+from shared.protocol import KVPeer, is_peer_address
 from shared.tenant import Tenant
 
 log = logging.getLogger("kvserve.gateway.router")
@@ -33,6 +42,8 @@ class Choice:
     held_s: float = (
         0.0  # how long the request waited at the gateway (gateway.routing.backlog) for this choice
     )
+    kv_peer: KVPeer | None = None  # the executor to pull the prompt's blocks from that this one lacks
+    sources: TokenSources = TokenSources()  # where the prompt's tokens come from there, for the trace
 
 
 class Saturated(Exception):
@@ -98,9 +109,16 @@ class Router:
             view = await self._view(hashes, exclude)
         view = [(info, load) for info, load in view if info.block_size == block_size]
         self.places_per_tenant = any(info.waiting_tenants_share > 1 for info, _ in view)
+        # any live executor may send blocks, a busy one too: that is the point of a pull
+        holders = view
         view = [(info, load) for info, load in view if self._has_room(info, load, avoid, tenant)]
         if not view:
             raise Saturated
+        usable = max_cached_blocks(len(ids), block_size)
+        peers = {info.executor_id: best_peer(info, load, holders, usable) for info, load in view}
+        for info, load in view:  # the cost counts what each would pull
+            peer = peers[info.executor_id]
+            load.peer_blocks = peer.num_blocks if peer is not None else 0
         if self.policy == "round_robin":
             info, load = view[await self.index.next_round_robin() % len(view)]
         elif self.policy == "random":
@@ -113,14 +131,20 @@ class Router:
         elif self.policy != "cache_aware":
             reason = self.policy
         else:
-            reason = "prefix_hit" if load.cached_blocks else "least_loaded"
+            reason = "prefix_hit" if load.cached_blocks or load.peer_blocks else "least_loaded"
+        sources = token_sources(load, len(ids), block_size)
+        kv_peer = peers[info.executor_id]
+        if kv_peer is not None:
+            log.debug("routed to %s, pulling from %s: %s", info.executor_id, kv_peer.executor_id, sources)
         return Choice(
             info,
             hashes,
-            prefill_tokens(load, len(ids), block_size),
+            sources.compute,
             load.cached_blocks,
             route_cost(load, len(ids), block_size),
             reason,
+            kv_peer=kv_peer,
+            sources=sources,
         )
 
     def _has_room(self, info: ExecutorInfo, load: Candidate, avoid: set[str], tenant: Tenant) -> bool:
@@ -151,3 +175,23 @@ class Router:
         if not reachable:
             raise APIError(503, NO_EXECUTOR_MESSAGE, "server_error")
         return reachable
+
+
+def best_peer(
+    info: ExecutorInfo, load: Candidate, view: Sequence[tuple[ExecutorInfo, Candidate]], usable: int
+) -> KVPeer | None:
+    """The other live executor this one would pull the prompt's blocks from, with the leading blocks it holds (at
+    most usable: the engine's cached prefix never covers the last token): the one holding the longest run past this
+    one's own, among those that serve pulls (a kv_transfer_address) of interchangeable blocks (the same
+    kv_fingerprint); the first by id of equals. None when none holds more. A peer publishing an address the
+    executor would refuse is passed over: the request would be refused with it."""
+    if not info.kv_fingerprint:  # an executor that publishes none cannot check what it would be sent
+        return None
+    best, best_run = None, min(load.cached_blocks, usable)
+    for peer, peer_load in view:
+        if peer.executor_id == info.executor_id or not is_peer_address(peer.kv_transfer_address):
+            continue
+        run = min(peer_load.cached_blocks, usable)
+        if peer.kv_fingerprint == info.kv_fingerprint and run > best_run:
+            best, best_run = peer, run
+    return KVPeer(best.executor_id, best.kv_transfer_address, best_run) if best is not None else None

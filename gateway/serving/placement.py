@@ -41,6 +41,7 @@ async def place(
         tenant=caller.tenant,
         traceparent=span.traceparent(),
         priority=parsed.priority,
+        kv_peer=choice.kv_peer,
     )
 
     def restart() -> list[Generation]:

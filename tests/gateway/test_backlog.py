@@ -143,7 +143,7 @@ def _router(load: Candidate, share: int, sent: dict) -> Router:
 
 def test_an_executors_places_are_counted_per_tenant_and_for_all():
     def room(waiting: int, share: int, sent: dict, tenant: str) -> bool:
-        load = Candidate("e1", "tcp://127.0.0.1:1", 0, waiting=waiting)
+        load = Candidate("e1", "tcp://127.0.0.1:1", waiting=waiting)
         try:
             asyncio.run(_router(load, share, sent).choose([1, 2, 3], Tenant(tenant)))
         except Saturated:

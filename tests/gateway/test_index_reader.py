@@ -8,6 +8,7 @@ import uuid
 
 import redis
 
+from gateway.routing.cost import DISK, HOST, POOL
 from gateway.routing.index_reader import IndexReader
 from shared import redis_keys
 from tests.gateway.lost_reply import LosesAReply, losing_replies
@@ -62,3 +63,44 @@ def test_an_in_flight_change_retried_after_its_reply_was_lost_applies_once(redis
         assert int(redis.Redis.from_url(redis_url).get(key)) == 100
     finally:
         redis.Redis.from_url(redis_url).delete(key)
+
+
+def test_the_view_gives_each_leading_block_the_best_tier_holding_it(redis_url):
+    """Pool before host before disk, up to the first block held nowhere, across the runs the script asks in
+    (the first 5,000 blocks span two); and the registration's KV transfer fields."""
+    executor_id = f"tiers-{uuid.uuid4().hex[:8]}"
+    hashes = [hashlib.sha256(f"tier {i}".encode()).digest() for i in range(5_010)]
+    hexes = [h.hex() for h in hashes]
+    client = redis.Redis.from_url(redis_url)
+    info = {
+        "address": "tcp://127.0.0.1:1",
+        "model": "m",
+        "block_size": 16,
+        "max_model_len": 2048,
+        "kv_transfer_address": "tcp://127.0.0.1:2",
+        "kv_fingerprint": "ab" * 16,
+    }
+    client.hset(redis_keys.executor_key(executor_id), mapping=info)
+    client.sadd(
+        redis_keys.blocks_key(executor_id), redis_keys.BLOCKS_MARKER, hexes[0], hexes[2], hexes[5_001]
+    )
+    client.sadd(redis_keys.tier_key(executor_id, "host"), *hexes[:3], *hexes[3:5_000:2], hexes[5_002])
+    client.sadd(redis_keys.tier_key(executor_id, "disk"), *hexes[1:5_002], hexes[5_003], *hexes[5_005:])
+    client.sadd(redis_keys.EXECUTORS, executor_id)
+
+    async def view():
+        reader = IndexReader(redis_url)
+        try:
+            return await reader.routing_view(hashes)
+        finally:
+            await reader.close()
+
+    try:
+        ((found_info, found),) = [pair for pair in asyncio.run(view()) if pair[0].executor_id == executor_id]
+        expected = [POOL, HOST, POOL] + [HOST if i % 2 else DISK for i in range(3, 5_000)]
+        expected += [DISK, POOL, HOST, DISK]  # 5,004 is held nowhere: the run stops there
+        assert found.held == tuple(expected) and found.cached_blocks == 5_004
+        assert (found_info.kv_transfer_address, found_info.kv_fingerprint) == ("tcp://127.0.0.1:2", "ab" * 16)
+    finally:
+        client.srem(redis_keys.EXECUTORS, executor_id)
+        client.delete(*redis_keys.executor_keys(executor_id))

@@ -6,6 +6,7 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
     GenerateRequest,
+    KVPeer,
     ProtocolError,
     RequestError,
     RequestUpdate,
@@ -32,6 +33,12 @@ MESSAGES = [
         priority=-3,
     ),
     GenerateRequest("req-2", [7]),
+    GenerateRequest(
+        "req-4",
+        list(range(40)),
+        block_hashes=[b"\x01" * 16, b"\x02" * 16],
+        kv_peer=KVPeer("executor-2", "tcp://10.0.0.2:5601", 2),
+    ),
     AbortRequest("req-1"),
     AbortRequest("req-1", index=3),
     StepBatch(
@@ -250,3 +257,61 @@ def test_the_message_bound_holds_the_largest_legitimate_messages():
     )
     sizes = {"generate": len(encode(request)), "prompt logprobs": len(encode(StepBatch([update])))}
     assert max(sizes.values()) < protocol.MAX_MESSAGE_BYTES, sizes
+
+
+def _with_peer(peer, num_hashes: int = 2) -> bytes:
+    hashes = [bytes([i]) * 16 for i in range(num_hashes)]
+    return _raw(
+        v=PROTOCOL_VERSION,
+        type="generate",
+        request_id="r",
+        prompt_token_ids=[1] * 40,
+        block_hashes=hashes,
+        kv_peer=peer,
+    )
+
+
+def test_a_kv_peer_rides_as_a_small_map_absent_when_there_is_none():
+    peer = KVPeer("executor-2", "tcp://10.0.0.2:5601", 1)
+    body = msgpack.unpackb(encode(GenerateRequest("r", [1] * 40, [b"\x00" * 16], kv_peer=peer)))
+    assert body["kv_peer"] == {"executor_id": "executor-2", "address": "tcp://10.0.0.2:5601", "num_blocks": 1}
+    assert "kv_peer" not in msgpack.unpackb(
+        encode(GenerateRequest("r", [1]))
+    )  # older executors see nothing new
+    assert decode(_with_peer(None)).kv_peer is None
+
+
+GOOD_PEER = {"executor_id": "executor-2", "address": "tcp://10.0.0.2:5601", "num_blocks": 2}
+
+
+@pytest.mark.parametrize(
+    "peer, message",
+    [
+        ("tcp://10.0.0.2:5601", "field 'kv_peer' must be nil or a map"),
+        (
+            {**GOOD_PEER, "address": "ipc:///tmp/kv"},
+            "kv_peer message: field 'address' must be a tcp:// endpoint",
+        ),
+        (
+            {**GOOD_PEER, "address": "tcp://" + "h" * 251},
+            "kv_peer message: field 'address' must be a tcp:// endpoint",
+        ),
+        ({**GOOD_PEER, "executor_id": "a:blocks"}, "kv_peer message: field 'executor_id' must be 1-128 of"),
+        ({**GOOD_PEER, "executor_id": 7}, "kv_peer message: field 'executor_id' must be 1-128 of"),
+        (
+            {**GOOD_PEER, "num_blocks": 0},
+            r"kv_peer message: field 'num_blocks' must be an integer in \[1, 2\]",
+        ),
+        (
+            {**GOOD_PEER, "num_blocks": 3},
+            r"kv_peer message: field 'num_blocks' must be an integer in \[1, 2\]",
+        ),
+        ({**GOOD_PEER, "num_blocks": True}, "kv_peer message: field 'num_blocks' must be an integer"),
+        ({"executor_id": "executor-2", "num_blocks": 1}, "kv_peer message: missing field 'address'"),
+    ],
+)
+def test_a_bad_kv_peer_is_refused_naming_its_field(peer, message):
+    with pytest.raises(ProtocolError, match=message) as refused:
+        decode(_with_peer(peer))
+    assert refused.value.request_id == "r"  # answered as a 400, not dropped
+    assert decode(_with_peer({**GOOD_PEER, "address": "tcp://" + "h" * 250})).kv_peer.num_blocks == 2

@@ -12,9 +12,10 @@ from tests.processes import eventually
 LOAD = {"running": 1, "waiting": 0, "kv_usage": 0.5}
 
 
-def held(client: redis.Redis, executor_id: str) -> set[str]:
-    """The hashes the executor's blocks set holds, which it marks as complete."""
-    members = client.smembers(keys.blocks_key(executor_id))
+def held(client: redis.Redis, executor_id: str, tier: str | None = None) -> set[str]:
+    """The hashes the executor's blocks set (its pool's, or the tier's) holds, which it marks as complete."""
+    key = keys.blocks_key(executor_id) if tier is None else keys.tier_key(executor_id, tier)
+    members = client.smembers(key)
     assert keys.BLOCKS_MARKER in members
     return members - {keys.BLOCKS_MARKER}
 
@@ -162,7 +163,7 @@ def test_the_heartbeat_thread_notices_a_lost_set_for_the_engine_loop(redis_url):
         client.flushdb()
         registration = keys.executor_key(index.executor_id)
         assert eventually(lambda: client.exists(registration), timeout=3 * keys.HEARTBEAT_INTERVAL_S)
-        assert eventually(lambda: index._lost.is_set(), timeout=1)
+        assert eventually(lambda: index.sets["pool"].lost.is_set(), timeout=1)
         index.publish(*pool.drain_events(), LOAD)  # the engine loop's next step
         assert held(client, index.executor_id) == {"0a", "0b"}
     finally:
@@ -205,3 +206,73 @@ def test_a_peer_has_room_only_when_another_live_executor_could_start_a_request_n
     finally:
         client.close()
         server.stop()
+
+
+class Tiers:
+    """Two KV tiers' indexes as the engine would hand them over: each step's events, and all they hold."""
+
+    def __init__(self) -> None:
+        self.pools = {"host": BlockPool(4, record_events=True), "disk": BlockPool(8, record_events=True)}
+
+    def events(self) -> dict[str, tuple[list[bytes], list[bytes]]]:
+        return {name: pool.drain_events() for name, pool in self.pools.items()}
+
+    def hashes(self) -> dict[str, list[bytes]]:
+        return {name: list(pool.cached_hashes()) for name, pool in self.pools.items()}
+
+
+def test_tier_sets_are_published_beside_the_pools_and_expire_with_it(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    tiers = Tiers()
+    _cache(tiers.pools["disk"], [b"\xd0"])  # found on disk at start-up, before registering
+    tiers.pools["disk"].drain_events()
+    index = IndexWriter(client, "reg-tiers", tier_hashes=tiers.hashes)
+    index.register({"address": "tcp://127.0.0.1:7", "kv_transfer_address": "tcp://127.0.0.1:8"})
+    index.publish([b"\x01"], [], LOAD, tiers=tiers.events())  # the first publish writes the tiers whole
+    assert held(client, "reg-tiers") == {"01"}
+    assert held(client, "reg-tiers", "host") == set() and held(client, "reg-tiers", "disk") == {"d0"}
+
+    host = _cache(tiers.pools["host"], [b"\x01", b"\x02"])
+    _cache(tiers.pools["disk"], [b"\x01"])
+    index.publish([], [b"\x01"], LOAD, tiers=tiers.events())  # the pool evicted what the tiers kept
+    assert held(client, "reg-tiers") == set()
+    assert held(client, "reg-tiers", "host") == {"01", "02"}
+    assert held(client, "reg-tiers", "disk") == {"d0", "01"}
+    tiers.pools["host"].free(host)
+    _cache(tiers.pools["host"], [b"\x03", b"\x04", b"\x05"])  # evicts one of the freed on its way
+    index.publish([], [], LOAD, tiers=tiers.events())
+    assert held(client, "reg-tiers", "host") == {h.hex() for h in tiers.pools["host"].cached_hashes()}
+    assert len(held(client, "reg-tiers", "host")) == 4
+    assert all(0 < client.ttl(k) <= keys.HEARTBEAT_TTL_S for k in keys.executor_keys("reg-tiers"))
+    assert {keys.tier_key("reg-tiers", t) for t in keys.TIERS} <= set(keys.executor_keys("reg-tiers"))
+
+    index.deregister()
+    assert not any(client.exists(keys.tier_key("reg-tiers", t)) for t in keys.TIERS)
+
+
+@pytest.mark.parametrize("loss", ["restart", "eviction"])
+def test_tier_sets_redis_lost_are_republished_whole_from_the_tiers(redis_url, loss):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    tiers = Tiers()
+    executor_id = f"reg-tier-lost-{loss}"
+    index = IndexWriter(client, executor_id, tier_hashes=tiers.hashes)
+    index.register({"address": "tcp://127.0.0.1:9"})
+    _cache(tiers.pools["host"], [b"\x0a", b"\x0b"])
+    _cache(tiers.pools["disk"], [b"\x0a", b"\x0b", b"\x0c"])
+    index.publish([b"\x0a"], [], LOAD, tiers=tiers.events())
+
+    if loss == "restart":
+        client.flushdb()
+    else:  # only the disk set evicted: the others stay as they are
+        client.delete(keys.tier_key(executor_id, "disk"))
+    _cache(tiers.pools["disk"], [b"\x0d"])
+    index.publish([], [], LOAD, tiers=tiers.events())  # only the changes: the rest stays lost
+    assert client.smembers(keys.tier_key(executor_id, "disk")) == {"0d"}
+    index.publish([], [], LOAD, heartbeat=True, tiers=tiers.events())  # notices the markers are gone
+    lost = {name for name, block_set in index.sets.items() if block_set.lost.is_set()}
+    assert lost == ({"pool", "host", "disk"} if loss == "restart" else {"disk"})
+    index.publish([], [], LOAD, tiers=tiers.events())
+    assert held(client, executor_id, "disk") == {"0a", "0b", "0c", "0d"}
+    assert held(client, executor_id, "host") == {"0a", "0b"}
+    assert all(0 < client.ttl(k) <= keys.HEARTBEAT_TTL_S for k in keys.executor_keys(executor_id))
+    index.deregister()
