@@ -162,8 +162,8 @@ def add_kv_transfer_args(executor: argparse.ArgumentParser) -> None:
         default=0,
         metavar="PORT",
         help="serve this executor's cached KV blocks (pool and tiers) to other executors on PORT, so a request "
-        "routed here can pull its prefix from them rather than compute it; needs a KV tier (--kv-offload-memory "
-        "or --kv-offload-dir); with --curve-keys only holders of the executor key pull (default: 0, off)",
+        "routed to one of them pulls its prefix from here rather than compute it; with --curve-keys only holders "
+        "of the executor key pull (default: 0, off; pulling from peers needs no port)",
     )
     executor.add_argument(
         "--kv-transfer-host",
@@ -294,19 +294,25 @@ def _port_number(text: str) -> int:
 
 
 def _start_kv_transfers(args: argparse.Namespace, engine, curve) -> tuple[object | None, dict[str, str]]:
-    """The KV transfer server (--kv-transfer-port) and what the registration gains; a ValueError says why not."""
-    if not args.kv_transfer_port:
+    """Peer pulls: with a prefix cache this executor pulls what the gateway says a peer holds (with the stack's
+    CURVE keys), and publishes its KV fingerprint so the gateway pairs it only with peers of the same KV; with
+    --kv-transfer-port it also serves its blocks. The server (or None) and what the registration gains; a
+    ValueError says why not."""
+    tiers = engine.kv_tiers
+    if tiers is None:
+        if args.kv_transfer_port:
+            raise ValueError("--kv-transfer-port: no prefix cache to serve from (--no-enable-prefix-caching)")
         return None, {}
+    from executor.kv.tiers.peer_puller import KVPuller
+
+    tiers.puller = KVPuller(tiers.fingerprint.block_shape, tiers.dtype, curve)
+    if not args.kv_transfer_port:
+        return None, {"kv_fingerprint": tiers.fingerprint.digest().hex()}
     import zmq
 
     from executor.kv.tiers.peer_transfer_server import start_executor_transfers, transfer_hosts
 
-    if engine.kv_tiers is None:
-        raise ValueError(
-            "--kv-transfer-port: no KV tier to serve from: give --kv-offload-memory or --kv-offload-dir"
-        )
     bind_host, publish_host = transfer_hosts(args.bind, args.advertise_address, args.kv_transfer_host)
-    tiers = engine.kv_tiers
     try:
         server, info = start_executor_transfers(
             tiers.block_source(),

@@ -238,7 +238,8 @@ class Engine:
         result.cached, result.evicted = self.kv.pool.drain_events()
         if self.kv_tiers is not None:
             self.kv_tiers.offload(result.cached)
-            result.tier_events = self.kv_tiers.drain_events()
+            result.tier_events = self.drain_tier_events()
+            result.pull_times = self.kv_tiers.counters.take_pull_seconds()
         if self.cpu_threads is not None and sched.scheduled:
             self.cpu_threads.after_step(time.perf_counter() - started)
         return result
@@ -339,6 +340,10 @@ class Engine:
     def tier_hashes(self) -> dict[str, list[bytes]]:
         """Every block hash each tier below the pool holds now, by tier name (the republish's, too)."""
         return {} if self.kv_tiers is None else self.kv_tiers.tier_hashes()
+
+    def drain_tier_events(self) -> dict[str, tuple[list[bytes], list[bytes]]]:
+        """Each tier's hashes added and removed since the last drain (a step's, or the idle service's)."""
+        return {} if self.kv_tiers is None else self.kv_tiers.drain_events()
 
     def _loading(self) -> list[Request]:
         return [] if self.kv_tiers is None else self.kv_tiers.held_requests()

@@ -112,3 +112,4 @@ class StepResult:
     evicted: list[bytes] = field(default_factory=list)  # and those no longer in it
     # the same for each KV tier below the pool: tier name (shared.redis_keys.TIERS) -> (added, removed), netted
     tier_events: dict[str, tuple[list[bytes], list[bytes]]] = field(default_factory=dict)
+    pull_times: list[float] = field(default_factory=list)  # seconds each pull from a peer settled since took

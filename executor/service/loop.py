@@ -204,6 +204,7 @@ class ExecutorService:
     def _step(self) -> StepResult | None:
         """One engine step, its outputs queued for their gateways; None when there was nothing to do."""
         if not self.engine.has_unfinished():
+            self.engine.poll_tiers()  # copies settled, peers' pulls pinned: the tiers work between requests too
             return None
         try:
             step = self.engine.step()
@@ -213,6 +214,8 @@ class ExecutorService:
             return StepResult()
         for seconds in step.queue_times:
             self.stats.observe_queue_time(seconds)
+        for seconds in step.pull_times:
+            self.stats.histograms["kv_pull_seconds"].observe(seconds)
         for out in step.outputs:
             self._queue(out)
         if self.index.peer_has_room:  # alone, a request handed back would only lose its place here
@@ -339,7 +342,7 @@ class ExecutorService:
         stats = self.engine.stats()
         self.stats_pending |= changed
         cached, evicted = (step.cached, step.evicted) if step is not None else ([], [])
-        tiers = step.tier_events if step is not None else None
+        tiers = step.tier_events if step is not None else self.engine.drain_tier_events()
         self.index.publish(cached, evicted, stats.load(), heartbeat, self._due_stats(stats), tiers)
 
     def _due_stats(self, stats: EngineStats) -> dict[str, float] | None:

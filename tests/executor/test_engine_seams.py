@@ -42,6 +42,9 @@ ENGINE_SURFACE = {
     # what it publishes
     "stats",
     "cached_block_hashes",
+    "tier_hashes",
+    "drain_tier_events",
+    "poll_tiers",
     # the model and settings it serves with
     "config",
     "tokenizer",
@@ -49,7 +52,8 @@ ENGINE_SURFACE = {
     "block_size",
     "max_model_len",
     "waiting_tenants_share",
-    # the KV tiers, which `--kv-transfer-port` serves to peers (their block source and fingerprint); None when off
+    # the KV tiers: the block source and fingerprint `--kv-transfer-port` serves, the puller built with the stack's
+    # keys; None without a prefix cache
     "kv_tiers",
 }
 

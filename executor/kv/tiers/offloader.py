@@ -27,20 +27,21 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
 
 from executor.kv.block_pool import Block
 from executor.kv.cache_manager import KVCacheManager
+from executor.kv.tiers.block_copies import BlockCopies
 from executor.kv.tiers.fingerprint import KVFingerprint, tier_owner
 from executor.kv.tiers.host_tier import HostTier
+from executor.kv.tiers.peer_source import BlockSource
+from executor.kv.tiers.tier_counters import TierCounters
 from executor.request import Request, RequestStatus
 
 log = logging.getLogger("kvserve.engine.tiers")
 
-TIER_NAMES = ("host", "disk")
 # blocks pinned for loads (in flight, or waiting for their request to start) are at most this share of the pool:
 # the rest stays for running requests, which must never starve for blocks behind a waiting one
 MAX_PINNED_SHARE = 0.5
@@ -78,17 +79,18 @@ class KVTiers:
         fingerprint: KVFingerprint,
         host: HostTier | None = None,
         disk=None,  # executor.kv.tiers.disk_tier.DiskTier
-        puller=None,  # executor.kv.tiers.peer_transfer.KVPuller
+        puller=None,  # executor.kv.tiers.peer_puller.KVPuller
         pull_timeout: float = 5.0,
     ) -> None:
-        self.kv, self.pool, self.kv_cache = kv, kv.pool, kv_cache
+        self.kv, self.pool = kv, kv.pool
+        self.copies = BlockCopies(kv_cache)
+        self.dtype = kv_cache.dtype
         self.block_size = kv.block_size
         self.fingerprint = fingerprint
         self.tiers = [t for t in (host, disk) if t is not None]
         self.host, self.disk, self.puller = host, disk, puller
         self.pull_timeout = pull_timeout
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvserve-kv-tiers")
-        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self._offloads: list[_Offload] = []
         self._loads: dict[str, _Load] = {}  # by request id: in flight
         self._pinned: dict[str, _Load] = {}  # by request id: loaded, held until their request starts
@@ -98,12 +100,8 @@ class KVTiers:
         self._pins: dict[Block, int] = {}
         kv.held_by_pins = self._held_by_pins
         self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # for the engine thread
-        self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
-        self.cached_tokens = dict.fromkeys(("host", "disk", "peer"), 0)  # of requests that started
-        self.offloaded_bytes = dict.fromkeys(TIER_NAMES, 0)
-        self.loaded_bytes = dict.fromkeys(TIER_NAMES, 0)
-        self.pulled_bytes = self.pulls = self.pulls_failed = 0
-        self.pull_seconds: list[float] = []  # since the service last took them
+        self.block_bytes = self.copies.block_bytes
+        self.counters = TierCounters()
 
     # -- down -------------------------------------------------------------------------------------
 
@@ -132,16 +130,13 @@ class KVTiers:
                 job.targets.append(targets)
         if not job.blocks:
             return
-        self._pin(job.blocks)
+        self.pin(job.blocks)
         job.future = self._pool.submit(self._write_down, job)
         self._offloads.append(job)
 
     def _write_down(self, job: _Offload) -> None:
         """Worker: gather the blocks' bytes out of the pool, then write each into its tier slots."""
-        with self._on_stream():
-            ids = torch.tensor([b.block_id for b in job.blocks], device=self.kv_cache.device)
-            payloads = self.kv_cache.movedim(2, 0)[ids].to("cpu")
-            self._sync()
+        payloads = self.copies.gather([b.block_id for b in job.blocks])
         job.gathered = True
         for payload, block_hash, owner, targets in zip(
             payloads, job.hashes, job.owners, job.targets, strict=True
@@ -156,7 +151,7 @@ class KVTiers:
         still = []
         for job in self._offloads:
             if job.gathered and job.blocks:
-                self._unpin_blocks(job.blocks)
+                self.unpin(job.blocks)
                 job.blocks = []
             if not job.future.done():
                 still.append(job)
@@ -165,12 +160,12 @@ class KVTiers:
             if error is not None:
                 log.error("copying KV blocks down to the tiers failed: %r", error)
             if job.blocks:  # failed before gathering
-                self._unpin_blocks(job.blocks)
+                self.unpin(job.blocks)
             for block_hash, targets in zip(job.hashes, job.targets, strict=True):
                 for tier, slot in targets:
                     if error is None:
                         tier.index.cache(slot, block_hash)
-                        self.offloaded_bytes[tier.name] += self.block_bytes
+                        self.counters.offloaded_bytes[tier.name] += self.block_bytes
                     tier.index.free([slot])
         self._offloads = still
 
@@ -190,7 +185,7 @@ class KVTiers:
             prefix.append(block)
         sources = []
         for block_hash in hashes[len(prefix) :]:
-            found = next(((t, s) for t in self.tiers if (s := t.index.lookup(block_hash)) is not None), None)
+            found = self.find(block_hash)
             if found is None:
                 break
             sources.append(found)
@@ -210,7 +205,7 @@ class KVTiers:
         if len(sources) == num:
             peer = None
         evict_others = self.kv.may_evict_others(request)
-        self._pin(prefix)
+        self.pin(prefix)
         blocks = self.pool.allocate(num, request.tenant, evict_others)
         for block in blocks:
             self._pins[block] = 1
@@ -224,30 +219,25 @@ class KVTiers:
 
     def _load_up(self, load: _Load) -> int:
         """Worker: fill the load's pool blocks in chain order; how many were filled before the first failure."""
-        with self._on_stream():
-            done = 0
-            for (tier, slot), block, block_hash in zip(load.sources, load.blocks, load.hashes, strict=False):
-                payload = tier.read(slot.block_id) if tier is self.host else tier.read(slot.block_id, block_hash)
-                if payload is None:  # a disk file that failed its checks: never served
-                    self._sync()
-                    return done
-                self._copy_into(block, payload)
-                done += 1
-            if load.peer is not None and done == len(load.sources) and not load.cancelled:
-                deadline = time.monotonic() + self.pull_timeout
-                blocks = load.blocks[done:]
-                done += self.puller.pull(
-                    load.peer.address,
-                    load.hashes[done:],
-                    self.fingerprint.digest(),
-                    deadline,
-                    lambda i, payload: self._copy_into(blocks[i], payload),
-                )
-            self._sync()
+        done = 0
+        for (tier, slot), block, block_hash in zip(load.sources, load.blocks, load.hashes, strict=False):
+            payload = self.read_slot(tier, slot, block_hash)
+            if payload is None:  # a disk file that failed its checks: never served
+                break
+            self.copies.write(block.block_id, payload)
+            done += 1
+        if load.peer is not None and done == len(load.sources) and not load.cancelled:
+            deadline = time.monotonic() + self.pull_timeout
+            blocks = load.blocks[done:]
+            done += self.puller.pull(
+                load.peer.address,
+                load.hashes[done:],
+                self.fingerprint.digest(),
+                deadline,
+                lambda i, payload: self.copies.write(blocks[i].block_id, payload),
+            )
+        self.copies.done()
         return done
-
-    def _copy_into(self, block: Block, payload: torch.Tensor) -> None:
-        self.kv_cache[:, :, block.block_id].copy_(payload, non_blocking=self._stream is not None)
 
     def _settle_loads(self) -> list[Request]:
         """Loads that finished: their filled blocks join the prefix cache (pinned); the requests, to schedule."""
@@ -266,19 +256,21 @@ class KVTiers:
                 tier.index.free([slot])
             num_local = min(done, len(load.sources))
             for tier, _ in load.sources[:num_local]:
-                load.request.cached_from[tier.name] = load.request.cached_from.get(tier.name, 0) + self.block_size
-                self.loaded_bytes[tier.name] += self.block_bytes
+                load.request.cached_from[tier.name] = (
+                    load.request.cached_from.get(tier.name, 0) + self.block_size
+                )
+                self.counters.loaded_bytes[tier.name] += self.block_bytes
             if load.peer is not None:
-                self.pulls += 1
-                pulled = done - num_local
-                self.pulled_bytes += pulled * self.block_bytes
-                self.pulls_failed += pulled < len(load.blocks) - len(load.sources)
-                self.pull_seconds.append(time.monotonic() - load.started)
+                counters, pulled = self.counters, done - num_local
+                counters.pulls += 1
+                counters.pulled_bytes += pulled * self.block_bytes
+                counters.pulls_failed += pulled < len(load.blocks) - len(load.sources)
+                counters.pull_seconds.append(time.monotonic() - load.started)
                 if pulled:
                     load.request.cached_from["peer"] = pulled * self.block_size
             for block, block_hash in zip(load.blocks[:done], load.hashes[:done], strict=True):
                 self.pool.cache(block, block_hash)  # a duplicate cached meanwhile keeps this one private
-            self._unpin_blocks(load.blocks[done:])
+            self.unpin(load.blocks[done:])
             self._num_pinned -= len(load.blocks) - done
             load.blocks = load.blocks[:done]
             if load.cancelled:
@@ -296,7 +288,7 @@ class KVTiers:
             del self._pinned[request_id]
             if load.request.status is RequestStatus.RUNNING:
                 for source, tokens in load.request.cached_from.items():
-                    self.cached_tokens[source] += tokens
+                    self.counters.cached_tokens[source] += tokens
             self._unpin(load)
 
     def release_all(self) -> bool:
@@ -308,15 +300,16 @@ class KVTiers:
         return bool(pinned)
 
     def _unpin(self, load: _Load) -> None:
-        self._unpin_blocks(load.blocks + load.prefix)
+        self.unpin(load.blocks + load.prefix)
         self._num_pinned -= len(load.blocks) + len(load.prefix)
 
-    def _pin(self, blocks: list[Block]) -> None:
+    def pin(self, blocks: list[Block]) -> None:
+        """A reference on each pool block, counted as a pin."""
         self.pool.share(blocks)
         for block in blocks:
             self._pins[block] = self._pins.get(block, 0) + 1
 
-    def _unpin_blocks(self, blocks: list[Block]) -> None:
+    def unpin(self, blocks: list[Block]) -> None:
         for block in blocks:
             if self._pins[block] == 1:
                 del self._pins[block]
@@ -374,121 +367,30 @@ class KVTiers:
 
     def stats(self) -> dict[str, int]:
         """EngineStats' tier fields, by name."""
-        out = {f"kv_cached_tokens_{source}": n for source, n in self.cached_tokens.items()}
-        for name in TIER_NAMES:
-            out[f"kv_offloaded_bytes_{name}"] = self.offloaded_bytes[name]
-            out[f"kv_loaded_bytes_{name}"] = self.loaded_bytes[name]
-        for tier in self.tiers:
-            out[f"kv_{tier.name}_blocks_used"] = tier.index.num_cached_blocks
-            out[f"kv_{tier.name}_blocks_total"] = tier.index.num_blocks
-        out["kv_disk_files_rejected"] = self.disk.rejected if self.disk is not None else 0
-        out.update(kv_pulled_bytes=self.pulled_bytes, kv_pulls=self.pulls, kv_pulls_failed=self.pulls_failed)
-        return out
-
-    def take_pull_seconds(self) -> list[float]:
-        """How long each pull finished since the last call took (the service's histogram)."""
-        out, self.pull_seconds = self.pull_seconds, []
-        return out
+        return self.counters.snapshot(self.tiers, self.disk.rejected if self.disk is not None else 0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        if self.puller is not None:
+            self.puller.close()
 
     # -- serving peers ------------------------------------------------------------------------------
 
     def block_source(self) -> BlockSource:
         return BlockSource(self)
 
-    def _open_lease(self, hashes: list[bytes]) -> Lease:
-        """Engine thread: pin the leading run of hashes this executor holds, in the pool or a tier."""
-        entries = []
-        for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
-            if block is not None:
-                self._pin([block])
-                entries.append((None, block))
-                continue
-            found = next(((t, s) for t in self.tiers if (s := t.index.lookup(block_hash)) is not None), None)
-            if found is None:
-                break
-            found[0].index.share([found[1]])
-            entries.append(found)
-        return Lease(self, hashes[: len(entries)], entries)
+    def run_on_engine_thread(self, task: Callable[[], None]) -> None:
+        """Run task at the engine thread's next poll (a peer's pins: only that thread touches the indexes)."""
+        self._tasks.put(task)
 
-    def _close_lease(self, entries: list) -> None:
-        for tier, block in entries:
-            if tier is None:
-                self._unpin_blocks([block])
-            else:
-                tier.index.free([block])
-
-    def _read(self, tier, block: Block, block_hash: bytes) -> torch.Tensor:
-        if tier is None:
-            view = self.kv_cache[:, :, block.block_id]
-            payload = torch.empty(view.shape, dtype=view.dtype)
-            with self._on_stream():
-                payload.copy_(view)
-                self._sync()
-            return payload
-        payload = tier.read(block.block_id) if tier is self.host else tier.read(block.block_id, block_hash)
-        if payload is None:
-            raise LookupError(f"block {block_hash.hex()} failed its checks on disk")
-        return payload
-
-    # -- CUDA ---------------------------------------------------------------------------------------
-
-    def _on_stream(self):
-        """Copies on a stream of their own on CUDA, so they overlap the steps' kernels."""
-        return torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
-
-    def _sync(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
-
-
-class _NoStream:
-    def __enter__(self) -> None:
+    def find(self, block_hash: bytes) -> tuple[object, Block] | None:
+        """The nearest tier holding the block, and its slot."""
+        for tier in self.tiers:
+            slot = tier.index.lookup(block_hash)
+            if slot is not None:
+                return tier, slot
         return None
 
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-class Lease:
-    """Blocks pinned for a peer's pull (peer_transfer.BlockLease): read from the transfer thread, closed once."""
-
-    def __init__(self, tiers: KVTiers, hashes: list[bytes], entries: list) -> None:
-        self.tiers, self.hashes, self._entries = tiers, hashes, entries
-        self._closed = False
-
-    def read(self, i: int) -> torch.Tensor:
-        tier, block = self._entries[i]
-        return self.tiers._read(tier, block, self.hashes[i])
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            entries = self._entries
-            self.tiers._tasks.put(lambda: self.tiers._close_lease(entries))
-
-
-class BlockSource:
-    """What the transfer server reads (peer_transfer.BlockSource): each open is one pin request the engine
-    thread serves at its next poll."""
-
-    def __init__(self, tiers: KVTiers) -> None:
-        self.tiers = tiers
-
-    def open(self, hashes: list[bytes], timeout_s: float) -> Lease | None:
-        future: Future = Future()
-
-        def pin() -> None:
-            if future.set_running_or_notify_cancel():  # False: the transfer gave up waiting
-                future.set_result(self.tiers._open_lease(hashes))
-
-        self.tiers._tasks.put(pin)
-        try:
-            return future.result(timeout_s)
-        except FutureTimeout:
-            if future.cancel():
-                return None
-            return future.result()  # pinned just now: the caller reads it (and closes it)
+    def read_slot(self, tier, slot: Block, block_hash: bytes) -> torch.Tensor | None:
+        """A pinned slot's payload; None for a disk file that failed its checks (and is gone)."""
+        return tier.read(slot.block_id) if tier is self.host else tier.read(slot.block_id, block_hash)
