@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 from executor.cpu_threads import cpu_threads_for
 from executor.engine_config import EngineConfig
 from executor.engine_setup import (
+    build_kv_tiers,
     build_proposers,
     build_runner,
-    build_kv_tiers,
     build_scheduler,
     load_models,
     log_kv_capacity,

@@ -191,7 +191,9 @@ class EngineConfig:
         tiers = self.kv_offload_dir or self.kv_offload_memory
         if tiers and self.speculative_model not in (None, "ngram"):
             # a draft model's KV mirrors the target's block for block; the tiers keep the target's alone
-            raise ValueError("kv_offload_memory / kv_offload_dir cannot be combined with a draft speculative_model")
+            raise ValueError(
+                "kv_offload_memory / kv_offload_dir cannot be combined with a draft speculative_model"
+            )
 
     def offload_bytes(self, device_type: str) -> int:
         """The host tier's size: as given, else the device's default (off on the CPU, whose pool is host memory)."""

@@ -70,7 +70,9 @@ class FailingSource:
 def pair(tiny_models):
     holder = LLM(tiny_models["llama"], kv_cache_memory="1MiB", max_model_len=512)
     puller = LLM(tiny_models["llama"], kv_cache_memory="1MiB", max_model_len=512, kv_pull_timeout=1.0)
-    reference = LLM(tiny_models["llama"], kv_cache_memory="1MiB", max_model_len=512, enable_prefix_caching=False)
+    reference = LLM(
+        tiny_models["llama"], kv_cache_memory="1MiB", max_model_len=512, enable_prefix_caching=False
+    )
     tiers = puller.engine.kv_tiers
     tiers.puller = KVPuller(tiers.copies.kv_cache[:, :, 0].shape, tiers.copies.kv_cache.dtype, None)
     yield holder, puller, reference
@@ -89,7 +91,9 @@ def run(llm: LLM, request_id: str, prompt: list[int], peer: KVPeer | None) -> tu
 
 def serve(holder: LLM, source=None) -> KVTransferServer:
     tiers = holder.engine.kv_tiers
-    server = KVTransferServer("tcp://127.0.0.1:0", tiers.fingerprint.digest(), source or tiers.block_source(), None)
+    server = KVTransferServer(
+        "tcp://127.0.0.1:0", tiers.fingerprint.digest(), source or tiers.block_source(), None
+    )
     server.start()
     return server
 
@@ -120,7 +124,9 @@ def test_a_pull_that_fails_leaves_the_request_computed_and_correct(pair, how):
     prompt = prompts(1, seed=12 + len(how))[0]
     holder.generate([prompt], GREEDY)
     source = holder.engine.kv_tiers.block_source()
-    server = serve(holder, FailingSource(source, fail_at=0 if how == "stalls" else 2, stall_s=3.0 * (how == "stalls")))
+    server = serve(
+        holder, FailingSource(source, fail_at=0 if how == "stalls" else 2, stall_s=3.0 * (how == "stalls"))
+    )
     address = server.address
     if how == "dead":
         server.close()
