@@ -56,6 +56,12 @@ class ExecutorPlan:
     flags: list[str]  # for every `kvserve executor`, after its id, address and Redis URL
     device: str
     niceness: int  # CPU executors run this much below the gateway
+    # the disk tier's directory: each executor gets a folder of its own there, by its id, so a restarted one
+    # finds its blocks again (None: no disk tier)
+    kv_offload_dir: str | None = None
+    # each executor serves its KV blocks to the others on a port of its own (with several: a request routed
+    # away from the executor holding its prefix pulls it rather than computes it)
+    kv_transfer: bool = False
 
 
 class LocalStack:
@@ -66,6 +72,7 @@ class LocalStack:
         self.claim: Claim | None = None
         self.embedded: EmbeddedRedis | None = None
         self.addresses: dict[str, str] = {}  # executor id -> ZeroMQ address, kept across restarts
+        self.transfer_ports: dict[str, int] = {}  # executor id -> its KV transfer port, likewise
         self.supervisor = Supervisor(on_death=self._forget_executor)
         self._client: redis.Redis | None = None
 
@@ -123,6 +130,13 @@ class LocalStack:
             address = self.addresses[executor_id] = moved
         argv = [sys.executable, "-m", "kvserve.cli", "executor", "--executor-id", executor_id]
         argv += ["--bind", address, *self.plan.flags]
+        if self.plan.kv_offload_dir is not None:
+            argv += ["--kv-offload-dir", os.path.join(self.plan.kv_offload_dir, executor_id)]
+        if self.plan.kv_transfer:
+            port = self.transfer_ports.get(executor_id)
+            if port is None or not _can_bind(f"tcp://{HOST}:{port}"):
+                port = self.transfer_ports[executor_id] = free_port(HOST)
+            argv += ["--kv-transfer-port", str(port)]
         return start_executor(argv, self.redis_url, self.plan.count, self.plan.device, self.plan.niceness)
 
     def _forget_executor(self, name: str) -> None:

@@ -113,7 +113,18 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     flags = ["--log-format", args.log_format, "--shutdown-grace-period", str(args.shutdown_grace_period)]
     flags += ["--curve-keys", args.curve_keys, "--zmq-sndhwm", str(args.zmq_sndhwm)]
-    plan = ExecutorPlan(args.executors, [*flags, *engine_argv(config)], config.device, args.executor_niceness)
+    kv_offload_dir, config.kv_offload_dir = (
+        config.kv_offload_dir,
+        None,
+    )  # a folder per executor (ExecutorPlan)
+    plan = ExecutorPlan(
+        args.executors,
+        [*flags, *engine_argv(config)],
+        config.device,
+        args.executor_niceness,
+        kv_offload_dir,
+        kv_transfer=args.executors > 1,
+    )
     stack = LocalStack(plan, args.redis_url, data)
 
     def supervise(server) -> None:
