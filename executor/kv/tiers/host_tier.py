@@ -33,7 +33,8 @@ class HostTier:
                 f"kv_offload_memory: {capacity_bytes} bytes hold no KV block (one takes {block_bytes} bytes)"
             )
         self.block_bytes = block_bytes
-        # untouched pages of a large host allocation cost nothing until a block lands there
+        # on the CPU, pages of a large allocation cost nothing until a block lands there; pinned memory (CUDA) is
+        # committed at once, which is why the CUDA default is a fixed size and not a share of the machine
         self.slots = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin)
         self.index = BlockPool(num_slots, shares=shares, record_events=True)
 
