@@ -264,6 +264,7 @@ class Engine:
             prompt_logprobs=prompt_logprobs,
             index=request.index,
             group_finished=group_finished,
+            cached_from=request.cached_from,
         )
 
     def _propose(self, sampled: list[Request]) -> None:

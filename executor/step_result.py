@@ -29,6 +29,8 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # the choice (parallel sampling, n > 1); request_id is the whole group's
     group_finished: bool = True  # no choice of the group runs any more: its last output
+    # of num_cached_tokens, those a KV tier loaded or a peer's pull brought, by source (Request.cached_from)
+    cached_from: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,10 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from shared.cache_sources import LOADED_SOURCES, is_loaded_tokens
 from shared.redis_keys import check_executor_id
 from shared.tenant import ANONYMOUS_TENANT, MAX_TENANT_WEIGHT, Tenant
+from shared.wire_fields import Fields, ProtocolError
 
 PROTOCOL_VERSION = 2  # 2: RequestUpdate.seq, which the gateway needs to see a lost update
 # The largest message either side sends or accepts (ZMQ_MAXMSGSIZE on every socket). The largest legitimate ones:
@@ -39,14 +41,6 @@ MAX_PEER_ADDRESS = 256  # a KV peer's endpoint is at most this many characters (
 
 # logprobs of one generated token: [token_id, logprob, rank, [[token_id, logprob], ...]] (top entries, best first)
 TokenLogprobsWire = list
-
-
-class ProtocolError(ValueError):
-    """A message this side cannot accept; request_id is set when the message named one, so it can be answered."""
-
-    def __init__(self, message: str, request_id: str | None = None) -> None:
-        super().__init__(message)
-        self.request_id = request_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +113,9 @@ class RequestUpdate:
     # update (the first of them when an abort ends several choices at once), None on the others and from older
     # peers. A block holds --block-size tokens' KV, so x block size is token-seconds.
     kv_block_seconds: float | None = None
+    # of num_cached_tokens, those loaded from a tier below the pool or pulled from a peer, by source (shared.
+    # cache_sources): on every update, like num_cached_tokens, when there are any; None otherwise and from older peers
+    cached_from: dict[str, int] | None = None
     # the request's updates numbered from 0 in the order its executor sent them, all choices together: a gap
     # means updates were lost on the way, and the stream cannot be completed as it was generated
     seq: int = 0
@@ -189,7 +186,7 @@ def decode(data: bytes) -> Message:
     read = _READERS.get(kind) if isinstance(kind, str) else None
     if read is None:
         raise ProtocolError(f"unknown message type {kind!r} (known: {', '.join(_READERS)})", request_id)
-    return read(_Fields(body, kind, request_id))
+    return read(Fields(body, kind, request_id))
 
 
 def _fields(msg) -> dict[str, Any]:
@@ -209,8 +206,9 @@ def _generate_fields(request: GenerateRequest) -> dict[str, Any]:
 
 def _update_fields(update: RequestUpdate) -> dict[str, Any]:
     fields = _fields(update)
-    if update.kv_block_seconds is None:  # every update but a request's last: the key stays off the wire
-        del fields["kv_block_seconds"]
+    for name in ("kv_block_seconds", "cached_from"):  # unset (kv_block_seconds on all but a request's last)
+        if fields[name] is None:
+            del fields[name]  # off the wire
     return fields
 
 
@@ -223,29 +221,6 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # not NaN
-
-
-class _Fields:
-    def __init__(self, body: dict, kind: str, request_id: str | None) -> None:
-        self.body, self.kind, self.request_id = body, kind, request_id
-
-    def get(self, name: str, check: Callable[[object], bool], expected: str, default: object = ...) -> Any:
-        if name not in self.body:
-            if default is ...:
-                raise ProtocolError(f"{self.kind} message: missing field {name!r}", self.request_id)
-            return default
-        value = self.body[name]
-        if not check(value):
-            raise ProtocolError(
-                f"{self.kind} message: field {name!r} must be {expected}, got {value!r:.80}", self.request_id
-            )
-        return value
-
-    def text(self, name: str) -> str:
-        return self.get(name, lambda v: isinstance(v, str), "a string")
-
-    def optional_text(self, name: str) -> str | None:
-        return self.get(name, lambda v: v is None or isinstance(v, str), "a string or nil", None)
 
 
 def _int_list(value: object) -> bool:
@@ -272,7 +247,7 @@ def _logprobs_list(value: object, entry_may_be_nil: bool = True) -> bool:
     )
 
 
-def _read_generate(f: _Fields) -> GenerateRequest:
+def _read_generate(f: Fields) -> GenerateRequest:
     block_hashes = f.get(
         "block_hashes",
         lambda v: isinstance(v, list) and all(isinstance(h, bytes) for h in v),
@@ -305,13 +280,13 @@ def is_peer_address(value: object) -> bool:
     return isinstance(value, str) and value.startswith("tcp://") and len(value) <= MAX_PEER_ADDRESS
 
 
-def _read_kv_peer(f: _Fields, num_hashes: int) -> KVPeer | None:
+def _read_kv_peer(f: Fields, num_hashes: int) -> KVPeer | None:
     """Checked before the executor connects anywhere: a tcp:// endpoint of bounded length, and a run of blocks
     the request's own hash chain names (the pull asks the peer for those hashes)."""
     peer = f.get("kv_peer", lambda v: v is None or isinstance(v, dict), "nil or a map", None)
     if peer is None:
         return None
-    p = _Fields(peer, f"{f.kind} kv_peer", f.request_id)
+    p = Fields(peer, f"{f.kind} kv_peer", f.request_id)
     return KVPeer(
         executor_id=p.get("executor_id", _is_executor_id, "1-128 of A-Z a-z 0-9 _ . -"),
         address=p.get(
@@ -325,7 +300,7 @@ def _read_kv_peer(f: _Fields, num_hashes: int) -> KVPeer | None:
     )
 
 
-def _read_tenant(f: _Fields) -> Tenant:
+def _read_tenant(f: Fields) -> Tenant:
     """From its three keys; no name (nil) is the anonymous tenant."""
     name = f.optional_text("tenant")
     weight = f.get(
@@ -337,18 +312,19 @@ def _read_tenant(f: _Fields) -> Tenant:
     return Tenant(ANONYMOUS_TENANT.name if name is None else name, f.optional_text("cache_salt"), weight)
 
 
-def _read_abort(f: _Fields) -> AbortRequest:
+def _read_abort(f: Fields) -> AbortRequest:
     index = f.get("index", lambda v: v is None or (_is_int(v) and v >= 0), "nil or an integer >= 0", None)
     return AbortRequest(request_id=f.text("request_id"), index=index)
 
 
-def _read_step(f: _Fields) -> StepBatch:
+def _read_step(f: Fields) -> StepBatch:
     outputs = f.get("outputs", lambda v: isinstance(v, list), "a list")
     updates = []
     for i, item in enumerate(outputs):
         if not isinstance(item, dict):
             raise ProtocolError(f"step message: outputs[{i}] must be a map, got {item!r:.80}")
-        u = _Fields(item, f"step message outputs[{i}]", None)
+        u = Fields(item, f"step message outputs[{i}]", None)
+        num_cached_tokens = u.get("num_cached_tokens", _is_int, "an integer")
         updates.append(
             RequestUpdate(
                 request_id=u.text("request_id"),
@@ -359,7 +335,7 @@ def _read_step(f: _Fields) -> StepBatch:
                     "nil or a list of [token_id, logprob, rank, top] entries",
                 ),
                 finish_reason=u.optional_text("finish_reason"),
-                num_cached_tokens=u.get("num_cached_tokens", _is_int, "an integer"),
+                num_cached_tokens=num_cached_tokens,
                 prompt_logprobs=u.get(
                     "prompt_logprobs",
                     functools.partial(_logprobs_list, entry_may_be_nil=False),
@@ -373,13 +349,19 @@ def _read_step(f: _Fields) -> StepBatch:
                     "nil or a finite number >= 0",
                     None,
                 ),
+                cached_from=u.get(
+                    "cached_from",
+                    functools.partial(is_loaded_tokens, num_cached_tokens=num_cached_tokens),
+                    f"nil or a map of {'/'.join(LOADED_SOURCES)} to integers >= 0 summing to <= num_cached_tokens",
+                    None,
+                ),
                 seq=u.get("seq", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
             )
         )
     return StepBatch(outputs=updates)
 
 
-def _read_error(f: _Fields) -> RequestError:
+def _read_error(f: Fields) -> RequestError:
     return RequestError(
         request_id=f.text("request_id"),
         message=f.text("message"),
@@ -387,7 +369,7 @@ def _read_error(f: _Fields) -> RequestError:
     )
 
 
-_READERS: dict[str, Callable[[_Fields], Message]] = {
+_READERS: dict[str, Callable[[Fields], Message]] = {
     GenerateRequest.TYPE: _read_generate,
     AbortRequest.TYPE: _read_abort,
     GatewayHeartbeat.TYPE: lambda _f: GatewayHeartbeat(),

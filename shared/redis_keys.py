@@ -39,7 +39,8 @@ Tenancy (`<key_id>` is an API key's public id, `<tenant>` a tenant name):
                                       gateways (gateway.tenants.tenancy); deleting it by hand is how an operator reopens.
 - `kvserve:apikey:<key_id>`           hash: the key's record (gateway.tenants.api_keys); the secret only as a hash.
 - `kvserve:tenant:<tenant>`           hash: cache_salt, the tenant's secret that salts its block hashes.
-- `kvserve:tenant:<tenant>:usage`     hash of counters: requests, prompt_tokens, cached_tokens,
+- `kvserve:tenant:<tenant>:usage`     hash of counters: requests, prompt_tokens, cached_tokens (and split by
+                                      where their KV came from: cached_tokens_pool, _host, _disk, _peer),
                                       computed_prompt_tokens, completion_tokens, kv_block_seconds (a float),
                                       rejected (docs/tenancy.md, "Usage and billing")
 - `kvserve:limit:<key_id>:*`          the key's rate-limit state (gateway.tenants.rate_limits).

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from executor.service.phase_spans import record_request_spans
 from shared import protocol
+from shared.cache_sources import by_source, loaded_tokens
 from shared.executor_stats import ExecutorStats
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class OwnedRequests:
                 prompt_logprobs=prompt_logprobs,
                 index=out.index,
                 kv_block_seconds=kv_block_seconds(owned) if out.group_finished else None,
+                cached_from=loaded_tokens(out.num_cached_tokens, out.cached_from) or None,
             ),
         )
 
@@ -111,12 +113,12 @@ class OwnedRequests:
             end = max(c.finished_ns for c in owned.choices) or time.time_ns()
             self.stats.histograms["e2e_request_latency"].observe(max(0, end - r.arrival_ns) / 1e9)
         log.info(
-            "request %s ended (%s): %d prompt tokens (%d cached), %d choices, %d output tokens, %d preemptions, "
+            "request %s ended (%s): %d prompt tokens (%s), %d choices, %d output tokens, %d preemptions, "
             "%.3f KV block-seconds",
             request_id,
             reason,
             r.num_prompt_tokens,
-            max(0, r.num_cached_tokens),
+            cached_text(r),
             len(owned.choices),
             sum(c.num_output_tokens for c in owned.choices),
             sum(c.num_preemptions for c in owned.choices),
@@ -149,6 +151,14 @@ class OwnedRequests:
 def log_ids(request_id: str | None, trace_id: str | None) -> dict[str, str | None]:
     """`extra` for a log line about one request (shared.logs puts the ids in their own fields)."""
     return {"request_id": request_id, "trace_id": trace_id}
+
+
+def cached_text(r: Request) -> str:
+    """Its cached prompt tokens and, when there are any, where they came from: "96 cached: 64 pool, 32 disk"."""
+    if r.num_cached_tokens <= 0:
+        return "0 cached"
+    split = by_source(r.num_cached_tokens, r.cached_from)
+    return f"{r.num_cached_tokens} cached: " + ", ".join(f"{n} {source}" for source, n in split.items() if n)
 
 
 def kv_block_seconds(owned: Owned) -> float:

@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from shared import tracing
+from shared.cache_sources import by_source
 from shared.tenant import ANONYMOUS_TENANT
 
 if TYPE_CHECKING:
@@ -25,6 +26,11 @@ def record_request_spans(r: Request, parent: Context, executor_id: str, reason: 
     inputs = {
         "gen_ai.usage.input_tokens": r.num_prompt_tokens,
         "kvserve.cached_tokens": max(0, r.num_cached_tokens),
+        # where they came from: the pool, a KV tier below it, a peer (all four, summing to the above)
+        **{
+            f"kvserve.cached_tokens.{source}": tokens
+            for source, tokens in by_source(r.num_cached_tokens, r.cached_from).items()
+        },
     }
     outputs = {
         "gen_ai.usage.output_tokens": r.num_output_tokens,

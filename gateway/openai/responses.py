@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.api_error import APIError
@@ -52,6 +52,9 @@ class Generation:
     prompt_logprobs_top: int | None = None
     scored_prompt: list[TokenLogprob] | None = field(default=None, init=False)  # the first token's is empty
     cached_tokens: int = field(default=0, init=False)
+    # of those, the ones loaded from a KV tier below the executor's pool or pulled from a peer, by source
+    # (shared.cache_sources): the tenant's usage splits cached_tokens by them
+    cached_from: Mapping[str, int] = field(default_factory=dict, init=False)
     finish_reason: str | None = field(default=None, init=False)
     logprobs: list[TokenLogprob] = field(default_factory=list, init=False)  # of the output's tokens so far
     _pending: list[TokenLogprob] = field(default_factory=list, init=False, repr=False)  # held back with text
@@ -119,11 +122,12 @@ class Generation:
         finish_reason: str | None,
         cached_tokens: int,
         prompt_logprobs: Sequence[object] | None = None,  # the prompt's, but its first token's (comes once)
+        cached_from: Mapping[str, int] | None = None,
     ) -> Delta:
         """Apply one executor update; after the output has ended, updates change nothing."""
         if self.finished:
             return Delta("", [], self.output.num_chars, None)
-        self.cached_tokens = cached_tokens
+        self.cached_tokens, self.cached_from = cached_tokens, cached_from or {}
         if prompt_logprobs is not None:
             first = TokenLogprob(self.prompt_token_ids[0], None, None)
             self.scored_prompt = [first, *map(token_logprob, prompt_logprobs)]
@@ -278,6 +282,7 @@ class EventStream:
         cached_tokens: int,
         index: int = 0,
         prompt_logprobs: Sequence[object] | None = None,
+        cached_from: Mapping[str, int] | None = None,
     ) -> str:
         """The events one executor update of choice index produces (possibly none); once every choice has
         ended, the usage chunk (if asked for) and [DONE]."""
@@ -285,7 +290,9 @@ class EventStream:
         if generation.finished:
             return ""
         events = []
-        delta = generation.feed(token_ids, logprobs, finish_reason, cached_tokens, prompt_logprobs)
+        delta = generation.feed(
+            token_ids, logprobs, finish_reason, cached_tokens, prompt_logprobs, cached_from
+        )
         if index not in self._started and generation.endpoint == "chat":
             role = {"role": "assistant", "content": ""}
             choice = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gateway.api_error import APIError
 from gateway.openai.responses import Delta, Generation
@@ -148,6 +148,7 @@ class ResponseEvents:
         cached_tokens: int,
         index: int = 0,
         prompt_logprobs: Sequence[object] | None = None,
+        cached_from: Mapping[str, int] | None = None,
     ) -> str:
         if self.finished:
             return ""
@@ -156,7 +157,9 @@ class ResponseEvents:
             self._started = True
             events.append(self._event("response.created", response=self._snapshot("in_progress")))
             events.append(self._event("response.in_progress", response=self._snapshot("in_progress")))
-        delta = self.generation.feed(token_ids, logprobs, finish_reason, cached_tokens, prompt_logprobs)
+        delta = self.generation.feed(
+            token_ids, logprobs, finish_reason, cached_tokens, prompt_logprobs, cached_from
+        )
         events += self._deltas(delta)
         if delta.finish_reason is not None:
             status = _status(delta.finish_reason)

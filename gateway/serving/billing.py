@@ -45,6 +45,7 @@ class Billing:
                 flight.reserved_tokens,
                 *usage,
                 kv_block_seconds=flight.delivered.kv_block_seconds,
+                cached_from=flight.delivered.generations[0].cached_from,  # as usage_of's cached tokens
             )
         except Exception as error:  # the slot's lease and the bucket's refill heal what this misses
             log.error("settling tenant %s's limits failed: %s", tenant, error)

@@ -118,6 +118,7 @@ class Streaming:
                     update.num_cached_tokens,
                     update.index,
                     update.prompt_logprobs,
+                    update.cached_from,
                 )
                 if stream.finished:  # stored (a Response) before the client hears it is complete
                     await reply.streamed(stream)
@@ -143,6 +144,7 @@ class Streaming:
                     update.finish_reason,
                     update.num_cached_tokens,
                     update.prompt_logprobs,
+                    update.cached_from,
                 )
                 if all(g.finished for g in generations):
                     return

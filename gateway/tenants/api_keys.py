@@ -34,6 +34,10 @@ USAGE_COUNTERS = (
     "prompt_tokens",
     "completion_tokens",
     "cached_tokens",
+    "cached_tokens_pool",  # cached_tokens by where their KV came from (shared.cache_sources); they sum to it
+    "cached_tokens_host",
+    "cached_tokens_disk",
+    "cached_tokens_peer",
     "computed_prompt_tokens",
     "kv_block_seconds",
     "rejected",

@@ -13,6 +13,7 @@ takes a budget twice nor counts usage twice.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -21,6 +22,7 @@ from gateway.redis_clock import REDIS_NOW
 from gateway.routing.index_reader import APPLY_ONCE
 from gateway.tenants.api_keys import KeyRecord
 from shared import redis_keys
+from shared.cache_sources import by_source
 
 # A bucket is a hash {level, at}: its level at server time `at`. It refills at capacity per minute up to
 # capacity; a missing bucket is full. Levels may go below zero (a tpm debt).
@@ -183,14 +185,17 @@ class Limiter:
         completion_tokens: int = 0,
         cached_tokens: int = 0,
         kv_block_seconds: float = 0.0,
+        cached_from: Mapping[str, int] | None = None,
     ) -> None:
         """Free the request's slot, refund the tokens it reserved but did not use (or charge the excess) and
         count it in its tenant's usage: one script, one round trip (a script in a pipeline would cost redis-py
-        a SCRIPT EXISTS round trip more)."""
+        a SCRIPT EXISTS round trip more). cached_from: of cached_tokens, those a KV tier loaded or a peer's
+        pull brought (shared.cache_sources), which split them by source; the pool held the rest."""
         usage = {
             "requests": 1,
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
+            **{f"cached_tokens_{s}": n for s, n in by_source(cached_tokens, cached_from or {}).items()},
             "computed_prompt_tokens": max(0, prompt_tokens - cached_tokens),
             "completion_tokens": completion_tokens,
         }

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import redis
@@ -198,6 +198,7 @@ class Tenancy:
         completion_tokens: int,
         cached_tokens: int,
         kv_block_seconds: float = 0.0,
+        cached_from: Mapping[str, int] | None = None,
     ) -> None:
         """Give back the slot and the unused reservation, and count the tenant's usage."""
         if caller.record is None:
@@ -212,6 +213,7 @@ class Tenancy:
             completion_tokens=completion_tokens,
             cached_tokens=cached_tokens,
             kv_block_seconds=kv_block_seconds,
+            cached_from=cached_from,
         )
 
     async def withdraw(self, caller: Caller, request_id: str, reserved_tokens: int) -> None:

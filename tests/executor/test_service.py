@@ -354,6 +354,7 @@ def test_traced_requests_leave_spans_in_the_gateways_trace(tiny_models, redis_ur
         stats.counters["spec_accepted_tokens"] / stats.counters["spec_draft_tokens"]
     )
     inputs = {"gen_ai.usage.input_tokens": len(PROMPT_A), "kvserve.cached_tokens": 0}
+    inputs |= {f"kvserve.cached_tokens.{source}": 0 for source in ("pool", "host", "disk", "peer")}
     outputs = {"gen_ai.usage.output_tokens": 16, "kvserve.preemptions": 0}
     t1 = by_trace["t1"]
     assert t1["executor.request"]["attributes"] == {

@@ -110,6 +110,8 @@ def test_usage(db_url, capsys):
         "prompt_tokens": 40,
         "completion_tokens": 12,
         "cached_tokens": 16,
+        "cached_tokens_pool": 4,
+        "cached_tokens_disk": 12,
         "computed_prompt_tokens": 24,
         "kv_block_seconds": "12.3456",
     }
@@ -117,11 +119,14 @@ def test_usage(db_url, capsys):
     client.hset(redis_keys.tenant_usage_key("globex"), mapping={"requests": 1, "rejected": 2})
     status, out, _ = _kvserve(capsys, "keys", "usage", "--redis-url", db_url)
     assert status == 0
-    header = "REQUESTS PROMPT_TOKENS COMPLETION_TOKENS CACHED_TOKENS COMPUTED_PROMPT_TOKENS KV_BLOCK_SECONDS REJECTED"
+    header = (
+        "REQUESTS PROMPT_TOKENS COMPLETION_TOKENS CACHED_TOKENS CACHED_TOKENS_POOL CACHED_TOKENS_HOST "
+        "CACHED_TOKENS_DISK CACHED_TOKENS_PEER COMPUTED_PROMPT_TOKENS KV_BLOCK_SECONDS REJECTED"
+    )
     assert [line.split() for line in out] == [
         ["TENANT", *header.split()],
-        ["acme", "3", "40", "12", "16", "24", "12.346", "0"],
-        ["globex", "1", "0", "0", "0", "0", "0.000", "2"],
+        ["acme", "3", "40", "12", "16", "4", "0", "12", "0", "24", "12.346", "0"],
+        ["globex", "1", "0", "0", "0", "0", "0", "0", "0", "0", "0.000", "2"],
     ]
     status, out, _ = _kvserve(capsys, "keys", "usage", "--tenant", "globex", "--redis-url", db_url)
     assert [line.split()[0] for line in out] == ["TENANT", "globex"]

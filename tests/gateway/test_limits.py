@@ -168,8 +168,18 @@ def test_usage_is_counted_per_tenant(redis_url):
             completion_tokens=10,
             cached_tokens=16,
             kv_block_seconds=0.25,
+            cached_from={"host": 8},  # of the 16: the pool held the other 8
         )
-        await limiter.release(unlimited, "b", 0, 0, prompt_tokens=5, completion_tokens=1)
+        await limiter.release(
+            unlimited,
+            "b",
+            0,
+            0,
+            prompt_tokens=5,
+            completion_tokens=1,
+            cached_tokens=4,
+            cached_from={"peer": 4},
+        )
         await limiter.count_kv_block_seconds(unlimited, "b", 1.5)  # an aborted request's, told after its end
         await limiter.count_rejected(limited, "refused")
         assert (await limiter.admit(unlimited, "c", 10**9)).admitted  # no limits: nothing to check
@@ -180,8 +190,13 @@ def test_usage_is_counted_per_tenant(redis_url):
         "requests": 2,
         "prompt_tokens": 25,
         "completion_tokens": 11,
-        "cached_tokens": 16,
-        "computed_prompt_tokens": 4 + 5,
+        "cached_tokens": 16 + 4,
+        # by where their KV came from, summing to cached_tokens
+        "cached_tokens_pool": 8,
+        "cached_tokens_host": 8,
+        "cached_tokens_disk": 0,
+        "cached_tokens_peer": 4,
+        "computed_prompt_tokens": 4 + 1,
         "kv_block_seconds": 1.75,
         "rejected": 1,
     }

@@ -67,6 +67,19 @@ def test_chat_stream_with_usage(tokenizer):
     assert payloads[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_cached_tokens_keep_their_split_by_source_which_usage_does_not_show(tokenizer):
+    gen = generation(tokenizer, prompt_ids=range(80), stream=True, stream_options={"include_usage": True})
+    stream = EventStream(gen, include_usage=True)
+    text = stream.update([HELLO], None, None, 64, cached_from={"disk": 48})
+    text += stream.update([THERE], None, "length", 64, cached_from={"disk": 48})
+    payloads = [json.loads(e[len("data: ") :]) for e in events(text)[:-1]]
+    # OpenAI's usage object as ever: cached_tokens counts every source, and nothing non-standard is added
+    assert payloads[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}
+    assert (gen.cached_tokens, gen.cached_from) == (64, {"disk": 48})  # what the tenant's usage splits
+    gen.feed([BANG], None, "stop", 16)  # after its end an update changes nothing
+    assert (gen.cached_tokens, gen.cached_from) == (64, {"disk": 48})
+
+
 def test_completion_stream_is_byte_exact(tokenizer):
     stream = EventStream(generation(tokenizer, "completion", stream=True), include_usage=False)
     out = stream.update([HELLO], None, None, 0) + stream.update([BANG], None, "length", 0)

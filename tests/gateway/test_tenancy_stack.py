@@ -173,6 +173,8 @@ def test_usage_bills_cached_and_computed_prompt_tokens_and_kv_block_seconds(tena
     usage = store.usage("billed")["billed"]
     assert usage["requests"] == 2 and usage["cached_tokens"] >= 48
     assert usage["computed_prompt_tokens"] == usage["prompt_tokens"] - usage["cached_tokens"]
+    by_source = {s: usage[f"cached_tokens_{s}"] for s in ("pool", "host", "disk", "peer")}
+    assert by_source == {"pool": usage["cached_tokens"], "host": 0, "disk": 0, "peer": 0}  # no KV tiers here
     assert usage["kv_block_seconds"] > 0
     series = _tenant_series(metrics_url, "billed")
     assert series["kvserve_prompt_tokens_cached_total"] == usage["cached_tokens"]

@@ -50,6 +50,7 @@ MESSAGES = [
             RequestUpdate("d", [8], None, "stop", 0, index=7),
             RequestUpdate("e", [9], None, "stop", 32, kv_block_seconds=0.75),
             RequestUpdate("f", [], None, "abort", 0, kv_block_seconds=0.0),
+            RequestUpdate("g", [3], None, None, 96, cached_from={"host": 16, "disk": 32, "peer": 48}),
         ]
     ),
     StepBatch([]),
@@ -210,6 +211,49 @@ def test_kv_block_seconds_rides_only_on_a_requests_last_update_and_older_peers_s
     }
     step = decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[update]))
     assert step.outputs[0].kv_block_seconds is None  # an older executor: nothing to bill for its KV
+
+
+def test_cached_tokens_by_source_ride_only_where_a_tier_or_peer_supplied_some_and_older_peers_send_none():
+    from_pool = RequestUpdate("a", [1], None, None, 64)
+    loaded = RequestUpdate("b", [1], None, None, 64, cached_from={"disk": 48})
+    body = msgpack.unpackb(encode(StepBatch([from_pool, loaded])))
+    assert "cached_from" not in body["outputs"][0] and body["outputs"][1]["cached_from"] == {"disk": 48}
+    older = {
+        "request_id": "a",
+        "token_ids": [1],
+        "logprobs": None,
+        "finish_reason": None,
+        "num_cached_tokens": 64,
+    }
+    step = decode(_raw(v=PROTOCOL_VERSION, type="step", outputs=[older | {"seq": 0}]))
+    assert step.outputs[0].cached_from is None  # all 64 were the pool's
+
+
+@pytest.mark.parametrize(
+    "cached_from",
+    [
+        {"pool": 16},  # never sent: the pool's share is what the others leave
+        {"ram": 16},
+        {"host": -1},
+        {"host": 1.5},
+        {"disk": True},
+        {"host": "16"},
+        {"host": 48, "peer": 32},  # more than the 64 cached
+        [16, 0, 0],
+        "host",
+    ],
+)
+def test_cached_tokens_by_source_are_refused_unless_tier_counts_fit_within_the_cached_tokens(cached_from):
+    with pytest.raises(ProtocolError, match="field 'cached_from' must be nil or a map of host/disk/peer"):
+        decode(
+            _step(
+                token_ids=[1],
+                logprobs=None,
+                finish_reason=None,
+                num_cached_tokens=64,
+                cached_from=cached_from,
+            )
+        )
 
 
 def test_shared_protocol_imports_neither_side():
