@@ -71,18 +71,25 @@ def up_argv(
 
 @contextlib.contextmanager
 def tenant_stack(
-    tenants: Sequence[str], log_path: Path, model: str | None = None, extra_args: Sequence[str] = ()
+    tenants: Sequence[str],
+    log_path: Path,
+    model: str | None = None,
+    extra_args: Sequence[str] = (),
+    redis_url: str | None = None,
 ) -> Iterator[TenantStack]:
-    """The running stack, stopped (with its Redis) however the block ends."""
+    """The running stack, stopped (with its Redis) however the block ends. Given redis_url, it runs on that
+    Redis instead and leaves it running: a stack started again on it finds its tenants' cache salts there."""
     redis_server: EmbeddedRedis | None = None
     up: subprocess.Popen | None = None
     try:
-        redis_server = start_redis_server()
-        keys = {tenant: create_key(redis_server.url, tenant) for tenant in tenants}
+        if redis_url is None:
+            redis_server = start_redis_server()
+            redis_url = redis_server.url
+        keys = {tenant: create_key(redis_url, tenant) for tenant in tenants}
         port, metrics_port = free_port(), free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
-            argv = up_argv(redis_server.url, port, metrics_port, model, extra_args)
+            argv = up_argv(redis_url, port, metrics_port, model, extra_args)
             up = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, up, log_path)
