@@ -39,6 +39,7 @@ from executor.kv.tiers.host_tier import HostTier
 from executor.kv.tiers.peer_source import BlockSource
 from executor.kv.tiers.tier_counters import TierCounters
 from executor.request import Request, RequestStatus
+from shared.cache_sources import loaded_tokens
 
 log = logging.getLogger("kvserve.engine.tiers")
 
@@ -286,8 +287,11 @@ class KVTiers:
             if load.request.status is RequestStatus.WAITING:
                 continue
             del self._pinned[request_id]
-            if load.request.status is RequestStatus.RUNNING:
-                for source, tokens in load.request.cached_from.items():
+            request = load.request
+            if request.status is RequestStatus.RUNNING:
+                # what of its loads the scheduler found (all of it, unless release_all let go of the pins)
+                request.cached_from = loaded_tokens(request.num_cached_tokens, request.cached_from)
+                for source, tokens in request.cached_from.items():
                     self.counters.cached_tokens[source] += tokens
             self._unpin(load)
 
