@@ -36,6 +36,7 @@ MODULES = (
     "bench.gpu.model",
     "bench.gpu.check",
     "bench.gpu.e2e",
+    "bench.gpu.kv_tiers",
     "bench.gpu.report",
     "pytest",
     "pytest_timeout",

@@ -29,7 +29,11 @@ STAGE_FILES = {
     "tests": "tests.xml",
     "e2e": "e2e.json",
     "figures": "figures.json",
+    "kv_tiers": "figures.json",
 }
+# stages whose results are a section of another stage's file: a device call brings back 8 files, and the session
+# leaves 8 (bench/gpu/kv_tiers.py writes its section into figures.json)
+SECTION_STAGES = ("kv_tiers",)
 CHECK_STAGES = ("kernels", "e2e", "figures")  # check.py --section STAGE
 ENGINE_SECTIONS = {"end_to_end": "agreement", "profiling": "profiling", "throughput": "throughput"}
 
@@ -54,6 +58,30 @@ def problems(report: dict) -> list[str]:
                 f"{row['backend']} at {row['concurrency']}: {wide} of {row['concurrency']} sequences parted "
                 f"from the first backend's past a near tie (widest {row['widest_parting_nats']} nats)"
             )
+    return found + kv_tiers_problems(report.get("kv_tiers", {}))
+
+
+def kv_tiers_problems(section: dict) -> list[str]:
+    """A revisit that did not load its whole prefix from the host tier, loaded other bytes than were computed, or
+    parted from the first visit's greedy tokens where that is judged (float32)."""
+    found = []
+    revisit = section.get("revisit", {})
+    for i, trial in enumerate(revisit.get("trials", []), 1):
+        expected = revisit["expected_cached_tokens"]
+        if trial["revisit_cached_tokens_host"] < expected:
+            found.append(
+                f"kv_tiers trial {i}: the revisit loaded {trial['revisit_cached_tokens_host']} of {expected} "
+                f"prefix tokens from the host tier ({trial['revisit_cached_tokens']} cached in all)"
+            )
+        if trial["blocks_compared"] == 0 or trial["blocks_identical"] < trial["blocks_compared"]:
+            found.append(
+                f"kv_tiers trial {i}: {trial['blocks_identical']} of {trial['blocks_compared']} loaded blocks "
+                "hold the bytes first computed"
+            )
+        if not trial["tokens_ok"]:
+            found.append(
+                f"kv_tiers trial {i}: the revisit's greedy tokens {trial['tokens']} from the first's"
+            )
     return found
 
 
@@ -68,7 +96,9 @@ def notes(report: dict) -> list[str]:
         for row in report.get("profiling", [])
         if "kv_blocks" in row
     ]
-    return found
+    section = report.get("kv_tiers", {})
+    skips = (section.get("skipped"), section.get("revisit", {}).get("skipped_trials"))
+    return found + [f"kv_tiers: {skip}" for skip in skips if skip]
 
 
 def _quantized(row: dict) -> str:
@@ -116,6 +146,11 @@ def stage_note(stage: str, out_dir: Path) -> str:
         report = json.loads(path.read_text())
     except (OSError, ValueError, ET.ParseError) as error:
         return f"{path.name} unreadable: {error}"
+    if stage in SECTION_STAGES:
+        errors = {key: value for key, value in report.get("errors", {}).items() if key == stage}
+        if stage not in report and not errors:
+            return f"no {stage} in {path.name}"
+        report = {stage: report.get(stage, {}), "errors": errors}
     if stage == "env":
         failures = report.get("import_failures", {})
         return f"{len(failures)} imports failed: {', '.join(failures)}" if failures else ""
@@ -241,12 +276,39 @@ def throughput_lines(report: dict) -> list[str]:
     return _engine_lines(report, "throughput", header, cells)
 
 
+def kv_tiers_lines(report: dict) -> list[str]:
+    section, lines = report.get("kv_tiers", {}), []
+    if "skipped" in section:
+        lines.append(f"KV host tier: skipped ({section['skipped']}).")
+    if bandwidth := section.get("bandwidth"):
+        lines.append(
+            f"KV host tier copies of {bandwidth['blocks']} blocks of {section['block_bytes'] / 2**10:.0f} KiB "
+            f"({section['dtype']}, {section['device']}), the median of each:"
+        )
+        rows = [[r["direction"], r["path"], r["gbps"], r["ms"]] for r in bandwidth["rows"]]
+        lines += _table(["direction", "path", "GB/s", "ms"], rows)
+    revisit = section.get("revisit", {})
+    if trials := revisit.get("trials"):
+        judged = "judged" if revisit["tokens_judged"] else "judged in float32 alone"
+        lines.append(
+            f"A revisited {revisit['prompt_tokens']}-token prompt, its prefix loaded from the host tier: TTFT "
+            f"{revisit['revisit_ttft_ms']} ms against {revisit['recompute_ttft_ms']} ms recomputed "
+            f"({revisit['revisit_over_recompute']}x), the median of {len(trials)} trials; prefix tokens from the "
+            f"host tier: {', '.join(str(t['revisit_cached_tokens_host']) for t in trials)} of "
+            f"{revisit['expected_cached_tokens']}; loaded blocks as first computed: "
+            f"{sum(t['blocks_identical'] for t in trials)} of {sum(t['blocks_compared'] for t in trials)}; greedy "
+            f"tokens as the first visit's: {', '.join(t['tokens'] for t in trials)} ({judged})."
+        )
+    return lines + _section_error(report, "kv_tiers")
+
+
 SECTION_LINES = {
     "correctness": correctness_lines,
     "end_to_end": agreement_lines,
     "profiling": profiling_lines,
     "decode_attention": decode_lines,
     "throughput": throughput_lines,
+    "kv_tiers": kv_tiers_lines,
 }
 
 
@@ -271,6 +333,8 @@ def render_session(out_dir: Path) -> str:
     found: dict[str, dict] = {}
     missing = []
     for stage, name in STAGE_FILES.items():
+        if stage in SECTION_STAGES:  # read with its file's own stage
+            continue
         try:
             found[stage] = (
                 test_counts(out_dir / name) if stage == "tests" else json.loads((out_dir / name).read_text())

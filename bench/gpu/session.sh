@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, as one device call of about 5 minutes (the first H200 sessions ran 260-267 s
-# and took ~30 s to start; a second call still fits the 15 minutes a task is lent). Six stages, each its own
-# process under its own timeout, each leaving its result in $OUT as it ends, so a stage that fails, hangs or
-# faults the GPU loses nothing before it and stops nothing after it:
+# before the kv_tiers stage, and took ~30 s to start; a second call still fits the 15 minutes a task is lent).
+# Seven stages, each its own process under its own timeout, each leaving its result in $OUT as it ends, so a stage
+# that fails, hangs or faults the GPU loses nothing before it and stops nothing after it:
 #
 #   env      device, versions, and whether every module the later stages import imports   env.json
-#   model    the stand-in model (below); where it fails, e2e is skipped and figures times no engine
+#   model    the stand-in model (below); where it fails, e2e and kv_tiers are skipped and figures times no engine
 #   kernels  each Triton kernel against its torch twin; the fp8 layer (check.py --section kernels)  kernels.json
 #   tests    the test files with CUDA cases, with a per-test timeout                        tests.xml (JUnit)
 #   e2e      greedy tokens of each backend, float32 (judged) and bf16; the engine sized by GPU memory
 #            profiling, with and without fp8                                                e2e.json
 #   figures  decode attention as a share of HBM bandwidth; output tok/s at 1/64/256 requests, graphs on and
 #            off, fp8                                                                       figures.json
+#   kv_tiers the KV host tier's copies each way (GB/s), and TTFT of a revisited 8k-token prompt loaded from it
+#            against recompute (bench/gpu/kv_tiers.py); a section of figures.json, as a call brings back 8 files
 # plus session.log (every stage's output), summary.txt (one line, rewritten as each stage ends) and gpu_report.md
 # (bench/gpu/report.py: the README's markdown). That is 8 files, all a device call brings back.
 #
@@ -27,8 +29,8 @@
 # toy sizes, a 2-layer stand-in packed from the default model, the test files collected but not run (the suite
 # runs them), the profiled engine reported as needing CUDA. tests/bench/gpu/test_session.py runs it.
 #
-# SESSION_BUDGET_S (default 420) bounds the stages together; PYTHON (default python3) runs every Python step. The
-# exit status is 0 when every stage is ok.
+# SESSION_BUDGET_S (default 510: 420 before the kv_tiers stage's 90) bounds the stages together; PYTHON (default
+# python3) runs every Python step. The exit status is 0 when every stage is ok.
 set -u
 cd "$(dirname "$0")/../.." || exit 2 # the repository root: python -m bench.* and the test paths are relative to it
 dry_run=0
@@ -37,7 +39,7 @@ if [[ ${1:-} == --dry-run ]]; then
 fi
 out=${OUT:-/tmp/gpu-session}
 python=${PYTHON:-python3}
-budget_s=${SESSION_BUDGET_S:-420}
+budget_s=${SESSION_BUDGET_S:-510}
 mkdir -p "$out"
 log=$out/session.log
 : >"$log"
@@ -60,6 +62,7 @@ if ((dry_run)); then
     model=$work/model
     layers=(--num-layers 2)
     check=(--device cpu --toy)
+    tiers=(--device cpu --tokens 256 --blocks 16)
     collect=(--collect-only)
 else
     # where the default model is looked for, so the tests that serve it find the stand-in
@@ -68,6 +71,7 @@ else
     model=$KVSERVE_CACHE_DIR/models/SmolLM2-135M-Instruct
     layers=()
     check=()
+    tiers=()
     collect=()
 fi
 
@@ -162,6 +166,15 @@ else
 fi
 stage figures "$limit" "$python" -m bench.gpu.check --section figures "${check[@]}" "${serve[@]}" \
     --budget-s $((limit - 20)) --out "$out/figures.json"
+
+# after figures, whose check.py rewrites figures.json whole; the stage's own clock leaves 15 s to close its engine
+limit=$(allot 90)
+if ((model_ok)); then
+    stage kv_tiers "$limit" "$python" -m bench.gpu.kv_tiers "${tiers[@]}" --model "$model" \
+        --budget-s $((limit - 15)) --out "$out/figures.json"
+else
+    record kv_tiers "skipped (no model)"
+fi
 
 "$python" -m bench.gpu.report "$out" >"$out/gpu_report.md" 2>>"$log" && cat "$out/gpu_report.md"
 echo "session: $((SECONDS - started)) s"

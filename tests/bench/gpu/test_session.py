@@ -49,7 +49,7 @@ def test_dry_run_passes_every_stage_with_only_the_images_packages(default_model,
     summary = (out / "summary.txt").read_text().strip()
     assert summary == (
         "stages: env ok, model ok, kernels ok, tests ok (collected, none run), e2e ok (profiling: needs CUDA), "
-        "figures ok"
+        "figures ok, kv_tiers ok"
     )
     assert done.stdout.rstrip().endswith(summary)
     e2e = json.loads((out / "e2e.json").read_text())
@@ -64,6 +64,8 @@ def test_dry_run_passes_every_stage_with_only_the_images_packages(default_model,
     figures = json.loads((out / "figures.json").read_text())
     assert {row["backend"] for row in figures["throughput"]} == {"triton", "triton-eager", "triton+fp8"}
     assert len(figures["decode_attention"]) == 5
+    revisits = figures["kv_tiers"]["revisit"]["trials"]
+    assert revisits and all(t["revisit_cached_tokens_host"] == 240 for t in revisits)
     markdown = (out / "gpu_report.md").read_text()
     assert "Missing" not in markdown and "Greedy tokens by backend" in markdown
 
@@ -82,7 +84,7 @@ def test_a_failing_stage_stops_none_after_it(tmp_path):
     assert done.returncode == 1
     assert (out / "summary.txt").read_text().strip() == (
         "stages: env FAILED (no env.json), model FAILED, kernels FAILED (no kernels.json), tests FAILED (no "
-        "tests.xml), e2e skipped (no model), figures FAILED (no figures.json)"
+        "tests.xml), e2e skipped (no model), figures FAILED (no figures.json), kv_tiers skipped (no model)"
     )
     markdown = (out / "gpu_report.md").read_text()
     assert "Missing from this session: env (env.json), kernels (kernels.json), tests (tests.xml)" in markdown
