@@ -96,16 +96,12 @@ def median_seconds(fn: Callable[[], object], iters: int, sync: Callable[[], None
     return statistics.median(times)
 
 
-def bandwidth(kv_cache: torch.Tensor, num_blocks: int, iters: int) -> list[dict]:
-    """GB/s each way, through the tiers' own copies and as one contiguous copy; kv_cache's blocks are
-    overwritten (the engine's pool, before it caches anything)."""
-    from executor.kv.tiers.block_copies import BlockCopies
-    from executor.kv.tiers.host_tier import HostTier
-
+def bandwidth(tiers, num_blocks: int, iters: int) -> list[dict]:
+    """GB/s each way, through the engine's own tier copies (tiers: its KVTiers) and as one contiguous copy; the
+    pool's blocks and the host tier's first slots are overwritten (before the engine caches anything)."""
+    copies, host = tiers.copies, tiers.host
+    kv_cache = copies.kv_cache
     pinned = kv_cache.is_cuda
-    copies = BlockCopies(kv_cache)
-    block_shape = tuple(kv_cache[:, :, 0].shape)
-    host = HostTier(num_blocks * copies.block_bytes, block_shape, kv_cache.dtype, pin=pinned, shares=False)
     ids = random.Random(0).sample(range(kv_cache.shape[2]), num_blocks)  # a pool's blocks are scattered
     elements = num_blocks * kv_cache[:, :, 0].numel()
     device_flat = torch.zeros(elements, dtype=kv_cache.dtype, device=kv_cache.device)
@@ -229,15 +225,15 @@ def start_engine(args: argparse.Namespace):
     from transformers import AutoConfig
 
     from executor import LLM
-    from executor.kv.layout import kv_block_bytes
-    from executor.kv.sizing import pick_device_and_dtype
-    from executor.models.loader import decoder_spec
     from shared.defaults import DEFAULT_BLOCK_SIZE
 
-    spec = decoder_spec(AutoConfig.from_pretrained(args.model, local_files_only=True))
-    _, dtype = pick_device_and_dtype(args.device, "auto")
-    block_bytes = kv_block_bytes(spec, DEFAULT_BLOCK_SIZE, dtype)
-    tokens = min(args.tokens, spec.max_position - OUTPUT_TOKENS)
+    config = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    # the engine's dtype rule: bfloat16 on CUDA, float32 elsewhere; a block holds K and V of every layer
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    block_bytes = config.num_hidden_layers * 2 * DEFAULT_BLOCK_SIZE * kv_heads * head_dim * dtype.itemsize
+    tokens = min(args.tokens, config.max_position_embeddings - OUTPUT_TOKENS)
     per_prompt = -(-(tokens + OUTPUT_TOKENS) // DEFAULT_BLOCK_SIZE)
     pool_blocks = max(2 * per_prompt + POOL_MARGIN_BLOCKS, args.blocks)
     host_blocks = (4 * args.trials + 1) * per_prompt + POOL_MARGIN_BLOCKS
@@ -249,6 +245,8 @@ def start_engine(args: argparse.Namespace):
         max_model_len=tokens + OUTPUT_TOKENS,
         max_num_seqs=4,  # requests come one at a time: no graphs captured for larger batches
     )
+    if llm.engine.kv_tiers.block_bytes != block_bytes:  # the sizing above must be the engine's own
+        raise RuntimeError(f"a block is {llm.engine.kv_tiers.block_bytes} bytes, not {block_bytes}")
     sizes = {
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "block_bytes": block_bytes,
@@ -268,7 +266,7 @@ def measure(args: argparse.Namespace, section: SectionFile, deadline: float) -> 
     info = section.section
     info |= sizes
     num_blocks = min(args.blocks, sizes["pool_blocks"])
-    rows = bandwidth(llm.engine.runner.kv_cache, num_blocks, args.iters)
+    rows = bandwidth(llm.engine.kv_tiers, num_blocks, args.iters)
     info["bandwidth"] = {"blocks": num_blocks, "rows": rows}
     section.write()
     judged = sizes["dtype"] == "float32"
