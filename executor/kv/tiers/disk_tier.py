@@ -64,7 +64,10 @@ class DiskTier:
         self.dtype = dtype
         self._digest = fingerprint.digest()
         # KV reveals what was in prompts: only this user reads the files (a directory made looser is tightened)
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # (folders it makes above it too: kvserve up gives each executor one below the folder it was given)
+        for folder in reversed([self.directory, *self.directory.parents]):
+            if not folder.exists():
+                folder.mkdir(mode=0o700, exist_ok=True)
         if stat.S_IMODE(self.directory.stat().st_mode) & 0o077:
             self.directory.chmod(0o700)
         self.index = BlockPool(num_slots, shares=shares, record_events=True)

@@ -205,3 +205,10 @@ def test_a_capacity_below_one_file_is_refused(tmp_path):
         DiskTier(tmp_path, MAX_HEADER_BYTES, fingerprint(), torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         DiskTier(tmp_path, 10**6, fingerprint("bfloat16"), torch.float32)
+
+
+def test_folders_it_makes_above_its_own_are_private_too(tmp_path):
+    fp = KVFingerprint("m", "float32", 16, (2, 2, 16, 2, 16), "auto/int8")
+    DiskTier(tmp_path / "kv" / "executor-0", 10 * 2**20, fp, torch.float32)
+    for folder in (tmp_path / "kv", tmp_path / "kv" / "executor-0"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
