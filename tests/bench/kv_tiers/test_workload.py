@@ -55,19 +55,23 @@ def test_no_two_users_or_turns_share_a_prefix():
     assert len(prompt) == 512 and min(prompt) >= 256 and max(prompt) < 49_152
 
 
-def _run(share, p50_s, p90_s):
-    return {"cached_share": share, "ttft_ms": {"p50": p50_s * 1000, "p90": p90_s * 1000}}
+def _run(share, p50_s, p90_s, revisits=None):
+    ttft = {"p50": p50_s * 1000, "p90": p90_s * 1000}
+    revisit = ttft if revisits is None else {"p50": revisits[0] * 1000, "p90": revisits[1] * 1000}
+    return {"cached_share": share, "ttft_ms": ttft, "revisit_ttft_ms": revisit}
 
 
-def test_conversation_rows_judge_the_share_with_the_tier_and_the_p90_ratio():
-    report = {"runs": {"no tier": _run(0.05, 2.0, 6.0), "host tier": _run(0.85, 0.5, 1.5)}}
-    share, p50, p90 = conversations.rows(report)
+def test_conversation_rows_judge_the_share_with_the_tier_and_the_p90_ratio_of_all_turns_and_revisits():
+    report = {"runs": {"no tier": _run(0.05, 2.0, 6.0), "host tier": _run(0.85, 0.5, 1.5, (0.4, 0.5))}}
+    share, p50, p90, revisit_p50, revisit_p90 = conversations.rows(report)
     assert (share.baseline, share.tiers, share.met) == ("0.050", "0.850", True)
     assert p50.ratio == "4.00x better" and p50.met is None
     assert (p90.baseline, p90.tiers, p90.ratio, p90.met) == ("6,000 ms", "1,500 ms", "4.00x better", True)
+    assert "revisits" in revisit_p90.measure and revisit_p90.ratio == "12.00x better" and revisit_p90.met
+    assert revisit_p50.met is None
     report["runs"]["host tier"] = _run(0.7, 0.5, 2.5)
-    share, _, p90 = conversations.rows(report)
-    assert share.met is False and p90.met is False
+    share, _, p90, _, revisit_p90 = conversations.rows(report)
+    assert share.met is False and p90.met is False and revisit_p90.met is False
 
 
 def test_pull_rows_hold_the_target_at_2k_only_and_say_how_much_was_pulled():
