@@ -163,8 +163,11 @@ class LocalStack:
                     raise StackError(
                         f"{name} exited while the stack started ({how}); its log lines are above"
                     )
-            if all(self._client.exists(redis_keys.executor_key(i)) for i in self.addresses):
-                return
+            try:
+                if all(self._client.exists(redis_keys.executor_key(i)) for i in self.addresses):
+                    return
+            except redis.RedisError as error:  # its Redis restarting under the supervisor: ask again
+                log.debug("waiting for the executors' registrations: %s", error)
             time.sleep(0.2)
         raise StackError(f"executors did not register within {EXECUTOR_START_TIMEOUT_S} s")
 

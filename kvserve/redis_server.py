@@ -51,6 +51,7 @@ class EmbeddedRedis:
     own_process_group: bool = False
     pass_fds: tuple[int, ...] = ()  # descriptors the server inherits (a data directory's lock)
     temporary: tempfile.TemporaryDirectory | None = None  # the data folder stop() removes, if it made one
+    password: str | None = None  # what clients AUTH with: restart() waits for the data to load with it
 
     def restart(self, timeout: float = 10.0) -> subprocess.Popen:
         """Start the server again, after it died, on the same port and data folder, so every URL handed out
@@ -58,7 +59,7 @@ class EmbeddedRedis:
         if self.process.poll() is None:
             raise RedisServerError(f"{self.url}: still running (pid {self.process.pid})")
         self.process = _launch(self.command, self.own_process_group, self.pass_fds)
-        if _wait_for_ping(self.host, self.port, self.process, timeout):
+        if _wait_for_ping(self.host, self.port, self.process, timeout, self.password):
             return self.process
         _kill(self.process)
         where = f"{self.host}:{self.port}"
@@ -127,11 +128,11 @@ def start_redis_server(
         if dies_with_parent:
             command = dying_with_this_process(command)
         process = _launch(command, own_process_group, pass_fds)
-        if _wait_for_ping(host, port, process, timeout):
+        if _wait_for_ping(host, port, process, timeout, password):
             credentials = "" if password is None else f":{quote(password, safe='')}@"
             url = f"redis://{credentials}{host}:{port}/0"
             return EmbeddedRedis(
-                url, process, data_dir, host, port, command, own_process_group, pass_fds, temporary
+                url, process, data_dir, host, port, command, own_process_group, pass_fds, temporary, password
             )
         _kill(process)
     last_error = _log_tail(data_dir)
@@ -172,16 +173,38 @@ def _log_tail(data_dir: Path) -> str:
     return tail or "no log"
 
 
-def _wait_for_ping(host: str, port: int, process: subprocess.Popen, timeout: float) -> bool:
+def _wait_for_ping(
+    host: str, port: int, process: subprocess.Popen, timeout: float, password: str | None = None
+) -> bool:
+    """Whether the server answered PING within timeout. With its password, only once it has loaded its data: a
+    server reading a large append-only file answers -LOADING to everything but AUTH meanwhile, and the first
+    command of whoever was told it is up would fail."""
     deadline = time.monotonic() + timeout
+    command = _resp("PING") if password is None else _resp("AUTH", password) + _resp("PING")
     while time.monotonic() < deadline and process.poll() is None:
         try:
             with socket.create_connection((host, port), timeout=0.5) as conn:
-                conn.sendall(b"PING\r\n")
-                # a server with a password answers an unauthenticated PING with -NOAUTH: it is up all the same
-                if conn.recv(16).startswith((b"+PONG", b"-NOAUTH")):
+                conn.sendall(command)
+                replies = b""
+                while replies.count(b"\r\n") < (1 if password is None else 2):
+                    chunk = conn.recv(256)
+                    if not chunk:
+                        break
+                    replies += chunk
+                last = replies.split(b"\r\n")[-2] if replies.endswith(b"\r\n") else b""
+                # without the password an unauthenticated PING gets -NOAUTH: the server is up all the same
+                if last.startswith(b"+PONG") or (password is None and last.startswith(b"-NOAUTH")):
                     return True
         except OSError:
             pass
         time.sleep(0.02)
     return False
+
+
+def _resp(*parts: str) -> bytes:
+    """One command in RESP, so a password's bytes are never read as a separator."""
+    out = [f"*{len(parts)}\r\n".encode()]
+    for part in parts:
+        data = part.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)

@@ -122,3 +122,21 @@ def test_keys_survive_a_restart_from_the_append_only_file_and_authenticate_at_a_
     finally:
         gateway.stop()
     assert PASSWORD not in gateway.log_path.read_text()
+
+
+def test_a_restarted_server_is_ready_only_once_its_data_has_loaded(server):
+    """A large append-only file takes a while to load, and the server answers -LOADING meanwhile: restart()
+    returns only when an authenticated PING gets PONG, so the first command after it never fails."""
+    client = redis.Redis.from_url(server.url)
+    pipe = client.pipeline(transaction=False)
+    for i in range(300_000):
+        pipe.set(f"load:{i}", "x" * 32)
+    pipe.execute()
+    client.close()
+    server.process.kill()
+    server.process.wait()
+    server.restart()
+    again = redis.Redis.from_url(server.url)
+    assert again.get("load:299999") == b"x" * 32  # no BusyLoadingError
+    again.delete(*[f"load:{i}" for i in range(0, 300_000)])
+    again.close()
