@@ -140,8 +140,8 @@ class Engine:
         return self.grammar_queue.holds(request_id)
 
     def poll_tiers(self) -> None:
-        """What the KV tiers' workers finished, settled (loaded requests join the scheduler), and peers' pins
-        served: each step does it, and the service between steps while idle."""
+        """What the KV tiers' workers finished, settled (loaded requests join the scheduler): each step does it,
+        and the service between steps while idle."""
         if self.kv_tiers is not None:
             for request in self.kv_tiers.poll():
                 self.scheduler.add(request)

@@ -28,6 +28,9 @@ class Block:
     # the tenant whose request last took it from the free blocks, and how often the prefix cache served it since
     owner: Tenant = ANONYMOUS_TENANT
     num_hits: int = 0
+    # how often it was handed out: a reader on another thread (a peer's pull) copies a cached block without a
+    # reference and keeps the copy only if this did not change meanwhile (a block is written only once handed out)
+    generation: int = 0
 
 
 class BlockPool:
@@ -126,6 +129,7 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count, block.owner, block.num_hits = 1, tenant, 0
+            block.generation += 1
             self._add(self._num_held, tenant, 1)
             out.append(block)
         if out:  # after the evictions: taking its own last cached block on the way would forget it

@@ -204,7 +204,7 @@ class ExecutorService:
     def _step(self) -> StepResult | None:
         """One engine step, its outputs queued for their gateways; None when there was nothing to do."""
         if not self.engine.has_unfinished():
-            self.engine.poll_tiers()  # copies settled, peers' pulls pinned: the tiers work between requests too
+            self.engine.poll_tiers()  # the tiers' copies settle between requests too
             return None
         try:
             step = self.engine.step()

@@ -13,8 +13,8 @@ pinned, with the request's leading pool hits, until the request starts: the sche
 counts them as such, and no step waits on a copy. A load that fails part-way keeps what arrived in order; the
 rest is computed. A block that fails its checks is never served.
 
-Peers read this executor's blocks through block_source(): the engine thread pins what a pull asks for, the
-transfer thread reads it, and the pins go when the transfer closes the lease.
+Peers read this executor's blocks through block_source(), on the transfer thread, pinning nothing: each copy is
+checked against the block's generation afterwards (peer_source.py).
 
 Threads: the engine thread alone touches the pool and the tiers' indexes (BlockPools); workers only move bytes
 between slots the engine thread pinned. They report through futures the engine thread polls each step.
@@ -23,9 +23,7 @@ between slots the engine thread pinned. They report through futures the engine t
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -96,11 +94,10 @@ class KVTiers:
         self._loads: dict[str, _Load] = {}  # by request id: in flight
         self._pinned: dict[str, _Load] = {}  # by request id: loaded, held until their request starts
         self._num_pinned = 0  # pool blocks pinned for loads
-        # every pin on a pool block (loads, copies down, peers' leases): a tenant whose blocks are held by pins
+        # every pin on a pool block (loads, copies down): a tenant whose blocks are held by pins
         # alone has nothing running, and may evict as a tenant holding none may (KVCacheManager.may_evict_others)
         self._pins: dict[Block, int] = {}
         kv.held_by_pins = self._held_by_pins
-        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # for the engine thread
         self.block_bytes = self.copies.block_bytes
         self.counters = TierCounters()
 
@@ -338,12 +335,7 @@ class KVTiers:
     # -- the engine's hooks -------------------------------------------------------------------------
 
     def poll(self) -> list[Request]:
-        """Settle what the workers finished and run the peers' pin requests; the requests now loaded."""
-        while True:
-            try:
-                self._tasks.get_nowait()()
-            except queue.Empty:
-                break
+        """Settle what the workers finished; the requests now loaded."""
         self._settle_offloads()
         return self._settle_loads()
 
@@ -382,10 +374,6 @@ class KVTiers:
 
     def block_source(self) -> BlockSource:
         return BlockSource(self)
-
-    def run_on_engine_thread(self, task: Callable[[], None]) -> None:
-        """Run task at the engine thread's next poll (a peer's pins: only that thread touches the indexes)."""
-        self._tasks.put(task)
 
     def find(self, block_hash: bytes) -> tuple[object, Block] | None:
         """The nearest tier holding the block, and its slot."""

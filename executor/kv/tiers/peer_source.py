@@ -1,90 +1,76 @@
 """What another executor's pull reads here (peer_transfer.BlockSource): the leading run of the asked hashes this
-executor holds, in the pool or a tier, pinned by the engine thread for the transfer thread to read.
+executor holds, in the pool or a tier, read on the transfer thread without the engine thread.
 
-Each open is one pin request the engine thread serves at its next poll (KVTiers.poll, also called between steps
-while idle); the lease's close hands the unpinning back the same way.
+The engine thread alone changes the pool and the tiers' indexes, and on a CPU it is busy for a whole step at a
+time (a second or more): a pull that waited for it to pin blocks waited that long, and pinned blocks kept the
+pool from evicting them for the pull's length. So nothing is pinned. A lease notes each block's generation
+(how often it was handed out, executor/kv/block_pool.py) when it finds it; a read copies the block's bytes, then
+checks that the block still holds the same hash at the same generation. A block is written only after it is
+handed out again, which moves its generation first: a copy that passes the check was taken before any write,
+and one that fails ends the run there (the puller computes the rest). Disk files need no check: each names and
+checksums its block, and a file gone is a read that fails.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 import torch
+
+from executor.kv.block_pool import Block
 
 if TYPE_CHECKING:
     from executor.kv.tiers.offloader import KVTiers
 
 
 class Lease:
-    """Blocks pinned for one pull: read from the transfer thread, closed once."""
+    """The blocks one pull may read, as found when it opened."""
 
     def __init__(self, tiers: KVTiers, hashes: list[bytes], entries: list) -> None:
-        self.tiers, self.hashes, self._entries = (
-            tiers,
-            hashes,
-            entries,
-        )  # entries: (tier or None: pool, block)
-        self._closed = False
+        # entries: (tier or None for the pool, the block or slot, its generation when found)
+        self.tiers, self.hashes, self._entries = tiers, hashes, entries
 
     def read(self, i: int) -> torch.Tensor:
-        tier, block = self._entries[i]
+        tier, block, generation = self._entries[i]
+        block_hash = self.hashes[i]
         if tier is None:
-            return self.tiers.copies.read(block.block_id)
-        payload = tier.read_payload(block, self.hashes[i])
-        if payload is None:
-            raise LookupError(f"block {self.hashes[i].hex()} failed its checks on disk")
+            payload = self.tiers.copies.read(block.block_id)
+        elif tier is self.tiers.disk:
+            payload = tier.read(block.block_id, block_hash)
+            if payload is None:
+                raise LookupError(f"block {block_hash.hex()}: its file is gone or failed its checks")
+            return payload
+        else:
+            payload = tier.read(block.block_id).clone()
+        if not _unchanged(block, block_hash, generation):
+            raise LookupError(f"block {block_hash.hex()} was evicted while it was read")
         return payload
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            entries = self._entries
-            self.tiers.run_on_engine_thread(lambda: unpin(self.tiers, entries))
+        """Nothing is pinned: nothing to let go of."""
 
 
-def pin(tiers: KVTiers, hashes: list[bytes]) -> Lease:
-    """Engine thread: pin the leading run of hashes held here, each where it is nearest (pool, host, disk)."""
-    entries = []
-    for block_hash in hashes:
-        block = tiers.pool.lookup(block_hash)
-        if block is not None:
-            tiers.pin([block])
-            entries.append((None, block))
-            continue
-        found = tiers.find(block_hash)
-        if found is None:
-            break
-        found[0].index.share([found[1]])
-        entries.append(found)
-    return Lease(tiers, hashes[: len(entries)], entries)
-
-
-def unpin(tiers: KVTiers, entries: list) -> None:
-    for tier, block in entries:
-        if tier is None:
-            tiers.unpin([block])
-        else:
-            tier.index.free([block])
+def _unchanged(block: Block, block_hash: bytes, generation: int) -> bool:
+    return block.generation == generation and block.block_hash == block_hash
 
 
 class BlockSource:
     def __init__(self, tiers: KVTiers) -> None:
         self.tiers = tiers
 
-    def open(self, hashes: list[bytes], timeout_s: float) -> Lease | None:
-        """A lease on what of hashes is here, None when the engine thread did not get to it in timeout_s."""
-        future: Future = Future()
-
-        def pin_now() -> None:
-            if future.set_running_or_notify_cancel():  # False: the transfer gave up waiting
-                future.set_result(pin(self.tiers, hashes))
-
-        self.tiers.run_on_engine_thread(pin_now)
-        try:
-            return future.result(timeout_s)
-        except FutureTimeout:
-            if future.cancel():
-                return None
-            return future.result()  # pinned just now: the caller reads it (and closes it)
+    def open(self, hashes: list[bytes], timeout_s: float) -> Lease:
+        """A lease on the leading run of hashes held here, each where it is nearest (pool, host, disk)."""
+        tiers, entries = self.tiers, []
+        for block_hash in hashes:
+            block = tiers.pool.lookup(block_hash)
+            tier = None
+            if block is None:
+                found = tiers.find(block_hash)
+                if found is None:
+                    break
+                tier, block = found
+            generation = block.generation
+            if not _unchanged(block, block_hash, generation):  # evicted between the lookup and now
+                break
+            entries.append((tier, block, generation))
+        return Lease(tiers, hashes[: len(entries)], entries)

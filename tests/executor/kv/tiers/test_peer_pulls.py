@@ -8,10 +8,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 from executor import LLM, SamplingParams
 from executor.kv.tiers.peer_puller import KVPuller
 from executor.kv.tiers.peer_transfer_server import KVTransferServer
+from shared.block_hash import hash_blocks
 from shared.protocol import KVPeer
 from tests.executor.kv.tiers.test_offloader import assert_nothing_pinned, prompts
 
@@ -146,3 +148,24 @@ def test_a_pull_that_fails_leaves_the_request_computed_and_correct(pair, how):
     time.sleep(0.1)
     holder.engine.poll_tiers()
     assert_nothing_pinned(holder)
+
+
+def test_a_lease_never_serves_a_block_handed_out_again_after_it_opened(pair):
+    """Leases pin nothing (the engine thread may be in a step): a block evicted and handed out again since the
+    lease found it fails its read, so a pull never gets another prompt's KV under this one's hash."""
+    holder, _, _ = pair
+    prompt = prompts(1, seed=21)[0]
+    holder.generate([prompt], GREEDY)
+    engine = holder.engine
+    hashes = hash_blocks(prompt, engine.block_size)[: (len(prompt) - 1) // engine.block_size]
+    lease = engine.kv_tiers.block_source().open(hashes, 1.0)
+    assert lease.hashes == hashes
+    assert torch.equal(lease.read(0), engine.runner.kv_cache[:, :, engine.kv.pool.lookup(hashes[0]).block_id])
+    pool = engine.kv.pool
+    taken = pool.allocate(pool.num_free_blocks)  # every cached block evicted and handed out
+    try:
+        with pytest.raises(LookupError, match="evicted"):
+            lease.read(0)
+    finally:
+        pool.free(taken)
+    assert engine.kv_tiers.block_source().open(hashes, 1.0).hashes == []
