@@ -319,6 +319,7 @@ class Engine:
             queue_full=scheduler.queue_full,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_total=pool.num_blocks,
+            kv_blocks_filled=pool.num_blocks - pool.num_empty_blocks,
             block_size=self.block_size,
             prefix_cache_queried_tokens=scheduler.prefix_cache_queries,
             prefix_cache_hit_tokens=scheduler.prefix_cache_hits,

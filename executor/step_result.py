@@ -72,6 +72,7 @@ class EngineStats:
     kv_host_blocks_total: int = 0
     kv_disk_blocks_used: int = 0
     kv_disk_blocks_total: int = 0
+    kv_blocks_filled: int = 0  # holding KV, in use or cached: what a new block may evict
 
     @property
     def kv_cached_tokens_pool(self) -> int:
@@ -99,6 +100,7 @@ class EngineStats:
             "waiting_max_tenant": self.waiting_max_tenant,
             "prefill_tokens": self.prefill_tokens,
             "kv_usage": self.kv_usage,
+            "kv_filled": self.kv_blocks_filled / self.kv_blocks_total,
             "queue_full": int(self.queue_full),
         }
 

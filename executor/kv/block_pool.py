@@ -68,6 +68,11 @@ class BlockPool:
         return self.num_blocks - self._num_free
 
     @property
+    def num_empty_blocks(self) -> int:
+        """Free blocks holding nothing cached: what allocations take before they evict."""
+        return self._num_free - sum(self._num_idle.values())
+
+    @property
     def num_cached_blocks(self) -> int:
         """Blocks whose KV the prefix cache holds, referenced or not."""
         return len(self._cached)

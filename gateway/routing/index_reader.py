@@ -193,6 +193,7 @@ class IndexReader:
                         waiting=int(load.get("waiting", 0)),
                         compiling=int(load.get("compiling", 0)),
                         kv_usage=float(load.get("kv_usage", 0.0)),
+                        kv_filled=float(load.get("kv_filled", 0.0)),
                         prefill_tokens=int(load.get("prefill_tokens", 0)),
                         inflight_tokens=max(0, int(inflight or 0)),
                         queue_full=load.get("queue_full") == "1",

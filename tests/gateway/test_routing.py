@@ -102,6 +102,18 @@ def test_a_pull_beats_computing_but_not_a_run_held_there():
     assert prefill_tokens(pulls, 1000, 16) == 1000 - 60 * 16  # what the in-flight count adds there
 
 
+def test_a_pull_into_a_full_pool_loses_to_a_moderately_busier_holder_and_wins_into_an_empty_one():
+    """Pulled KV evicts what a full pool caches: two pools that each pull every hot prefix hold half as many. An
+    executor with an empty pool takes a hot prefix from its busy holder all the same."""
+    holder = Candidate("holder", "tcp://holder", held=pool(62), running=3, kv_usage=0.7, kv_filled=1.0)
+    full = Candidate("full", "tcp://full", peer_blocks=62, running=1, kv_usage=0.25, kv_filled=1.0)
+    empty = Candidate("empty", "tcp://empty", peer_blocks=62, running=1, kv_usage=0.25, kv_filled=0.0)
+    assert route_request([holder, full], 1000, 16) is holder
+    assert route_request([holder, empty], 1000, 16) is empty
+    swamped = Candidate("holder", "tcp://holder", held=pool(62), prefill_tokens=4000, kv_filled=1.0)
+    assert route_request([swamped, full], 1000, 16) is full  # a holder far behind is still left
+
+
 FINGERPRINT = "f0" * 16
 
 
