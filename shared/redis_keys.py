@@ -21,7 +21,7 @@ Layout (`<id>` is an executor id):
 - `kvserve:executor:<id>:disk`        its disk tier (TIERS): same marker, same republishing, whether or not the
                                       tier is on (off: the marker alone). A block may be in several; routing
                                       counts the best (pool, then host, then disk).
-- `kvserve:executor:<id>:load`        hash: running, waiting, compiling, prefill_tokens, kv_usage, queue_full,
+- `kvserve:executor:<id>:load`        hash: running, waiting, compiling, prefill_tokens, kv_usage, kv_filled, queue_full,
                                       waiting_max_tenant (executor.step_result.EngineStats.load), updated_at.
 - `kvserve:executor:<id>:inflight`    counter the gateways keep: prompt tokens to prefill of requests routed there
                                       whose first update has not come back yet, so not in the executor's load (a
