@@ -231,7 +231,7 @@ class Engine:
                 self._propose([new.request for new in news if new.request.finish_reason is None])
         elif len(self.grammar_queue):  # nothing else to do until a grammar is ready: wait for one, briefly
             self.grammar_queue.wait(GRAMMAR_WAIT_S)
-        elif self.kv_tiers is not None and self.kv_tiers.num_loading:  # likewise for blocks being loaded
+        elif self.kv_tiers is not None and self.kv_tiers.in_flight:  # likewise for blocks the tiers copy
             self.kv_tiers.wait(GRAMMAR_WAIT_S)
         elif self.scheduler.num_unfinished:
             raise RuntimeError("scheduler made no progress with requests waiting")  # admission forbids this

@@ -154,10 +154,12 @@ def test_redis_holds_registration_block_hashes_and_load(executor, gateway):
         "compiling": "0",
         "prefill_tokens": "0",
         "kv_usage": "0.0",
+        "kv_filled": load["kv_filled"],  # the cached blocks' share: > 0 after a request
         "queue_full": "0",
         "waiting_max_tenant": "0",
         "updated_at": load["updated_at"],
     }
+    assert 0 < float(load["kv_filled"]) < 1
     for key in keys.executor_keys(executor.id):
         assert 0 < r.ttl(key) <= keys.HEARTBEAT_TTL_S  # a dead executor's entries expire with it
 

@@ -340,8 +340,10 @@ class KVTiers:
         return self._settle_loads()
 
     @property
-    def num_loading(self) -> int:
-        return len(self._loads)
+    def in_flight(self) -> int:
+        """Loads, and copies down whose pool blocks are still pinned: a step that can start nothing may be
+        waiting for either to give blocks back."""
+        return len(self._loads) + sum(1 for job in self._offloads if job.blocks)
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._loads
@@ -350,8 +352,9 @@ class KVTiers:
         return [load.request for load in self._loads.values()]
 
     def wait(self, timeout_s: float) -> None:
-        """Block until a load finishes, or timeout_s (nothing else to do meanwhile)."""
+        """Block until a load or a copy down finishes, or timeout_s (nothing else to do meanwhile)."""
         futures = [load.future for load in self._loads.values()]
+        futures += [job.future for job in self._offloads if job.blocks]
         if futures:
             wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 

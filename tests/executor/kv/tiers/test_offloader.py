@@ -210,3 +210,26 @@ def test_pins_of_loaded_requests_never_keep_the_first_in_line_from_starting(tiny
     assert outputs["large"] == reference.generate([large], GREEDY)[0].outputs[0].token_ids
     assert outputs["revisit"] == reference.generate([revisit], GREEDY)[0].outputs[0].token_ids
     assert_nothing_pinned(llm)
+
+
+def test_a_step_waits_for_copies_down_that_pin_the_blocks_the_next_request_needs(tiny_models, reference):
+    """Copies down pin their pool blocks until gathered: on a busy machine the workers may not have got to them
+    when the next request needs those blocks, and the step waits for them rather than failing."""
+    import threading
+
+    b = tiny_block_bytes(tiny_models)
+    llm = LLM(tiny_models["llama"], kv_cache_memory=12 * b, kv_offload_memory=64 * b, max_model_len=512)
+    tiers = llm.engine.kv_tiers
+    gate = threading.Event()
+    stalls = [tiers._pool.submit(gate.wait, 10) for _ in range(2)]  # both workers busy elsewhere
+    first, second = prompts(2, seed=8)
+    llm.generate([first], GREEDY)  # its six cached blocks stay pinned: no worker has gathered them
+    assert tiers.in_flight
+    threading.Timer(0.3, gate.set).start()
+    out = llm.generate([second], SamplingParams(max_tokens=40, temperature=0))[0]  # 9 blocks: 6 are pinned
+    assert (
+        out.outputs[0].token_ids
+        == reference.generate([second], SamplingParams(max_tokens=40, temperature=0))[0].outputs[0].token_ids
+    )
+    assert all(s.done() for s in stalls)
+    assert_nothing_pinned(llm)
