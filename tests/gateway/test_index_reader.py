@@ -14,6 +14,18 @@ from shared import redis_keys
 from tests.gateway.lost_reply import LosesAReply, losing_replies
 
 
+def routing_view(redis_url: str, hashes: list[bytes]):
+    """One read of the routing view, by a reader of its own."""
+
+    async def view():
+        reader = IndexReader(redis_url)
+        try:
+            return await reader.routing_view(hashes)
+        finally:
+            await reader.close()
+
+    return asyncio.run(view())
+
 def test_a_prompt_of_more_blocks_than_lua_unpacks_at_once(redis_url):
     """12,000 block hashes (Lua's unpack stops near 8,000): the leading run is counted across the runs the
     script asks in, and a prompt no executor could hold is the context check's to refuse, not a 503 here."""
@@ -25,15 +37,8 @@ def test_a_prompt_of_more_blocks_than_lua_unpacks_at_once(redis_url):
     client.sadd(redis_keys.blocks_key(executor_id), *(h.hex() for h in hashes[:9_000]))
     client.sadd(redis_keys.EXECUTORS, executor_id)
 
-    async def view():
-        reader = IndexReader(redis_url)
-        try:
-            return await reader.routing_view(hashes)
-        finally:
-            await reader.close()
-
     try:
-        (found,) = [load for info, load in asyncio.run(view()) if info.executor_id == executor_id]
+        (found,) = [load for info, load in routing_view(redis_url, hashes) if info.executor_id == executor_id]
         assert found.cached_blocks == 9_000
     finally:
         client.srem(redis_keys.EXECUTORS, executor_id)
@@ -88,15 +93,8 @@ def test_the_view_gives_each_leading_block_the_best_tier_holding_it(redis_url):
     client.sadd(redis_keys.tier_key(executor_id, "disk"), *hexes[1:5_002], hexes[5_003], *hexes[5_005:])
     client.sadd(redis_keys.EXECUTORS, executor_id)
 
-    async def view():
-        reader = IndexReader(redis_url)
-        try:
-            return await reader.routing_view(hashes)
-        finally:
-            await reader.close()
-
     try:
-        ((found_info, found),) = [pair for pair in asyncio.run(view()) if pair[0].executor_id == executor_id]
+        ((found_info, found),) = [pair for pair in routing_view(redis_url, hashes) if pair[0].executor_id == executor_id]
         expected = [POOL, HOST, POOL] + [HOST if i % 2 else DISK for i in range(3, 5_000)]
         expected += [DISK, POOL, HOST, DISK]  # 5,004 is held nowhere: the run stops there
         assert found.held == tuple(expected) and found.cached_blocks == 5_004

@@ -128,7 +128,7 @@ class KVTiers:
                 job.targets.append(targets)
         if not job.blocks:
             return
-        self.pin(job.blocks)
+        self._pin_blocks(job.blocks)
         job.future = self._pool.submit(self._write_down, job)
         self._offloads.append(job)
 
@@ -149,7 +149,7 @@ class KVTiers:
         still = []
         for job in self._offloads:
             if job.gathered and job.blocks:
-                self.unpin(job.blocks)
+                self._unpin_blocks(job.blocks)
                 job.blocks = []
             if not job.future.done():
                 still.append(job)
@@ -158,7 +158,7 @@ class KVTiers:
             if error is not None:
                 log.error("copying KV blocks down to the tiers failed: %r", error)
             if job.blocks:  # failed before gathering
-                self.unpin(job.blocks)
+                self._unpin_blocks(job.blocks)
             for block_hash, targets in zip(job.hashes, job.targets, strict=True):
                 for tier, slot in targets:
                     if error is None:
@@ -203,7 +203,7 @@ class KVTiers:
         if len(sources) == num:
             peer = None
         evict_others = self.kv.may_evict_others(request)
-        self.pin(prefix)
+        self._pin_blocks(prefix)
         blocks = self.pool.allocate(num, request.tenant, evict_others)
         for block in blocks:
             self._pins[block] = 1
@@ -268,7 +268,7 @@ class KVTiers:
                     load.request.cached_from["peer"] = pulled * self.block_size
             for block, block_hash in zip(load.blocks[:done], load.hashes[:done], strict=True):
                 self.pool.cache(block, block_hash)  # a duplicate cached meanwhile keeps this one private
-            self.unpin(load.blocks[done:])
+            self._unpin_blocks(load.blocks[done:])
             self._num_pinned -= len(load.blocks) - done
             load.blocks = load.blocks[:done]
             if load.cancelled:
@@ -301,16 +301,16 @@ class KVTiers:
         return bool(pinned)
 
     def _unpin(self, load: _Load) -> None:
-        self.unpin(load.blocks + load.prefix)
+        self._unpin_blocks(load.blocks + load.prefix)
         self._num_pinned -= len(load.blocks) + len(load.prefix)
 
-    def pin(self, blocks: list[Block]) -> None:
+    def _pin_blocks(self, blocks: list[Block]) -> None:
         """A reference on each pool block, counted as a pin."""
         self.pool.share(blocks)
         for block in blocks:
             self._pins[block] = self._pins.get(block, 0) + 1
 
-    def unpin(self, blocks: list[Block]) -> None:
+    def _unpin_blocks(self, blocks: list[Block]) -> None:
         for block in blocks:
             if self._pins[block] == 1:
                 del self._pins[block]

@@ -35,13 +35,13 @@ class Lease:
         block_hash = self.hashes[i]
         if tier is None:
             payload = self.tiers.copies.read(block.block_id)
-        elif tier is self.tiers.disk:
-            payload = tier.read(block.block_id, block_hash)
+        else:
+            payload = self.tiers.read_slot(tier, block, block_hash)
             if payload is None:
                 raise LookupError(f"block {block_hash.hex()}: its file is gone or failed its checks")
-            return payload
-        else:
-            payload = tier.read(block.block_id).clone()
+            if tier is self.tiers.disk:
+                return payload
+            payload = payload.clone()  # the host slot itself, until copied
         if not _unchanged(block, block_hash, generation):
             raise LookupError(f"block {block_hash.hex()} was evicted while it was read")
         return payload

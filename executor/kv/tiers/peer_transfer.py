@@ -106,7 +106,7 @@ class Pull:
     id: bytes
     fingerprint: bytes
     hashes: list[bytes]
-    timeout_s: float  # how long the client still waits: no point in waiting for the engine longer
+    timeout_s: float  # how long the client still waits: no point in a source's waiting longer
 
     def to_wire(self) -> bytes:
         return pack(
