@@ -26,6 +26,7 @@ def routing_view(redis_url: str, hashes: list[bytes]):
 
     return asyncio.run(view())
 
+
 def test_a_prompt_of_more_blocks_than_lua_unpacks_at_once(redis_url):
     """12,000 block hashes (Lua's unpack stops near 8,000): the leading run is counted across the runs the
     script asks in, and a prompt no executor could hold is the context check's to refuse, not a 503 here."""
@@ -94,7 +95,9 @@ def test_the_view_gives_each_leading_block_the_best_tier_holding_it(redis_url):
     client.sadd(redis_keys.EXECUTORS, executor_id)
 
     try:
-        ((found_info, found),) = [pair for pair in routing_view(redis_url, hashes) if pair[0].executor_id == executor_id]
+        ((found_info, found),) = [
+            pair for pair in routing_view(redis_url, hashes) if pair[0].executor_id == executor_id
+        ]
         expected = [POOL, HOST, POOL] + [HOST if i % 2 else DISK for i in range(3, 5_000)]
         expected += [DISK, POOL, HOST, DISK]  # 5,004 is held nowhere: the run stops there
         assert found.held == tuple(expected) and found.cached_blocks == 5_004
