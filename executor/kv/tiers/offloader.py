@@ -174,6 +174,8 @@ class KVTiers:
         is held for that (poll() hands it back), False when there is nothing to load (it goes to the scheduler)."""
         if not self.pool.enable_caching or request.request_id in self._loads:
             return False
+        if not self.tiers and (request.kv_peer is None or self.puller is None):
+            return False  # nothing could load (an executor without tiers): no walk of the chain for it
         hashes = self.kv.cacheable_hashes(request)
         prefix = []
         for block_hash in hashes:
