@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from executor.engine_config import add_engine_args, config_from_args
+from executor.engine_args import add_engine_args, config_from_args
 from executor.service.gateway_outbox import DEFAULT_SNDHWM
 from shared import logs
 from shared.command_line import is_loopback, positive_int

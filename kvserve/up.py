@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from executor.cli import add_zmq_sndhwm_arg
-from executor.engine_config import add_engine_args, config_from_args, engine_argv
+from executor.engine_args import add_engine_args, config_from_args, engine_argv
 from gateway.cli import add_http_args, run_gateway
 from gateway.server.exit_deadline import EXIT_MARGIN_S
 from kvserve.curve_keys_cli import write_keys

@@ -15,7 +15,8 @@ from tests.triton_interpreter import interpret_on_cpu_only_machines
 INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 
 from executor import LLM, SamplingParams  # noqa: E402
-from executor.engine_config import EngineConfig, add_engine_args, config_from_args, engine_argv  # noqa: E402
+from executor.engine_args import add_engine_args, config_from_args, engine_argv  # noqa: E402
+from executor.engine_config import EngineConfig  # noqa: E402
 from kvkernels import backend  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -20,7 +20,7 @@ INTERPRETING = interpret_on_cpu_only_machines(torch.cuda.is_available())
 
 from executor import LLM, SamplingParams  # noqa: E402
 from executor.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
-from executor.engine_config import add_engine_args, config_from_args, engine_argv  # noqa: E402
+from executor.engine_args import add_engine_args, config_from_args, engine_argv  # noqa: E402
 from executor.model_runner import Chunk, ModelRunner  # noqa: E402
 from executor.models.loader import build_model, decoder_spec  # noqa: E402
 from executor.models.model_files import load_weights, read_config  # noqa: E402

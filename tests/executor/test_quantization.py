@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from executor import LLM, SamplingParams
-from executor.engine_config import EngineConfig, add_engine_args, config_from_args
+from executor.engine_args import add_engine_args, config_from_args
+from executor.engine_config import EngineConfig
 from executor.kv.sizing import profile_kv_bytes, weight_bytes
 from kvkernels.cpu_extension import cpu_kernels
 from kvkernels.quantized import ACTIVATION_PLANES, QuantizedLinear
