@@ -54,6 +54,19 @@ def tiny_models(tmp_path_factory, default_model) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def default_shaped_model(tmp_path_factory, default_model) -> str:
+    """The default model's config cut to two layers, random weights, with its tokenizer: its attention (9 heads
+    sharing 3 kv heads of 64) takes the default model's kernel paths, at a fraction of its load and prefill."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(default_model)
+    config.num_hidden_layers = 2
+    return save_tiny_model(
+        tmp_path_factory.mktemp("default-shaped"), config, AutoTokenizer.from_pretrained(default_model)
+    )
+
+
+@pytest.fixture(scope="session")
 def redis_url():
     """A real Redis-protocol server (kvserve.redis_server) for the whole session, stopped by its own PID."""
     from kvserve.redis_server import start_redis_server

@@ -1,7 +1,8 @@
 // Decode attention straight from the paged KV cache on the CPU: one query token per sequence reads its keys
 // and values block by block, where they lie, instead of gathering them into a padded copy first. A work item
 // is a sequence (or, with fewer sequences than threads to share them, one of its kv heads) and handles the
-// query heads that share its kv heads (GQA).
+// query heads that share its kv heads (GQA). A context of more than kPartTokens positions is cut into parts, work
+// items of their own whose softmaxes finish() merges, at places that depend on its length alone (parts_of).
 //
 // The cache is far larger than any CPU cache and each block is read once a step, so the kernel is bound by
 // how fast blocks come from memory. It takes one block at a time, keys and values together, with the softmax
@@ -37,7 +38,6 @@ static_assert(Vec::size() == 8, "the vector path assumes 8-float vectors");
 // one sequence's kv heads [h0, h0 + heads) and the query heads that share them
 struct Item {
   const float* q;          // the first query head, [heads * group, dim]
-  float* o;                // its output, [heads * group, dim]
   const float* k;          // the key cache at the first kv head: position j of block id b at k + (b * B + j) * stride
   const float* v;          // the value cache, likewise
   const int32_t* blocks;   // the sequence's block ids
@@ -89,21 +89,20 @@ inline Vec score8(const float* q, const float* key, int64_t stride) {
 #endif
 }
 
-// stats null: o normalized. Else o is left unnormalized, and each query head's running maximum and sum go to
-// stats[2 r], stats[2 r + 1] for finish (a part of the context: -inf and 0 where it has no positions). The output
-// accumulates in scratch and o is written once, whole, at the end: the decoder stack's team may run an item twice
-// at once (decoder_stack_team.cpp), and each run must then write only the final values.
+// The item's output so far, unnormalized, into the front of scratch ([rows, dim]), then each query head's running
+// maximum and sum ([rows] each): store() turns them into the output or a part's for finish. Nothing else is
+// written, so a thread that runs an item another already ran (decoder_stack_team.cpp) changes nothing shared.
 template <int kVec>
-void attend_vec(const Item& it, std::vector<float>& scratch, float* stats) {
+void attend_vec(const Item& it, std::vector<float>& scratch) {
   constexpr int64_t D = 8 * kVec;
   const int64_t rows = it.heads * it.group, B = it.B, blocks = (it.n + B - 1) / B;
   const int64_t Bp = (B + 7) / 8 * 8;  // a block's scores, padded to whole vectors (-inf past its positions)
   scratch.resize(rows * (Bp + 2 * D + 2));
-  float* scores = scratch.data();  // [rows, Bp]: the block's
-  float* qs = scores + rows * Bp;  // [rows, D]: the queries, scaled
-  float* acc_out = qs + rows * D;  // [rows, D]: the output so far
+  float* acc_out = scratch.data();  // [rows, D]: the output so far
   float* mx = acc_out + rows * D;
   float* sum = mx + rows;
+  float* scores = sum + rows;        // [rows, Bp]: the block's
+  float* qs = scores + rows * Bp;    // [rows, D]: the queries, scaled
   for (int64_t j = 0; j < rows * D; ++j) qs[j] = it.q[j] * it.scale;
   std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
   std::fill(sum, sum + rows, 0.f);
@@ -164,22 +163,14 @@ void attend_vec(const Item& it, std::vector<float>& scratch, float* stats) {
       for (int i = 0; i < kVec; ++i) acc[i].store(orow + 8 * i);
     }
   }
-  if (stats != nullptr) {
-    std::copy(acc_out, acc_out + rows * D, it.o);
-    for (int64_t r = 0; r < rows; ++r) stats[2 * r] = mx[r], stats[2 * r + 1] = sum[r];
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const Vec inv(1.f / sum[r]);
-    for (int i = 0; i < kVec; ++i) (Vec::loadu(acc_out + r * D + 8 * i) * inv).store(it.o + r * D + 8 * i);
-  }
 }
 
-// any head size, one position at a time; o written once a row, whole (as attend_vec)
+// any head size, one position at a time: the output, normalized, into the front of scratch ([rows, dim])
 void attend_any(const Item& it, std::vector<float>& scratch) {
   const int64_t n = it.n, d = it.dim, rows = it.heads * it.group;
-  scratch.resize(n + d);
-  float* p = scratch.data();
+  scratch.resize(rows * d + n + d);
+  float* out = scratch.data();
+  float* p = out + rows * d;
   float* orow = p + n;
   auto row_at = [&](const float* cache, int64_t j) {
     return cache + (static_cast<int64_t>(it.blocks[j / it.B]) * it.B + j % it.B) * it.stride;
@@ -199,7 +190,7 @@ void attend_any(const Item& it, std::vector<float>& scratch) {
       const float* vj = row_at(it.v, j) + offset;
       for (int64_t i = 0; i < d; ++i) orow[i] += p[j] * vj[i];
     }
-    for (int64_t i = 0; i < d; ++i) it.o[r * d + i] = orow[i] * inv;
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] = orow[i] * inv;
   }
 }
 
@@ -208,23 +199,29 @@ void attend_any(const Item& it, std::vector<float>& scratch) {
 DecodeAttention::DecodeAttention(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, const int32_t* table,
                                  int64_t table_stride, const int32_t* lens, double scale, int threads)
     : table_(table), lens_(lens), table_stride_(table_stride), scale_(static_cast<float>(scale)), S_(S), Hq_(Hq),
-      D_(D), B_(B), Hkv_(Hkv), group_(Hq / Hkv) {
+      D_(D), B_(B), Hkv_(Hkv), group_(Hq / Hkv), vectorized_(D == 32 || D == 64 || D == 128) {
   // a sequence's kv heads together where there are sequences enough for every thread; else one a work item
   per_item_ = S_ >= 2 * threads ? Hkv_ : 1;
-  const int64_t base = S_ * (Hkv_ / per_item_);
-  // Fewer items than two a thread leave threads idle or one thread with twice the other's work (one sequence's 3
-  // kv heads on 2 threads), so each is cut into parts of its context, merged at the end: the default model's 30
-  // layers at one stream and about 170 positions, 0.62 ms a token uncut.
-  const bool vectorized = D_ == 32 || D_ == 64 || D_ == 128;
-  if (vectorized && base < 2 * threads) {
-    int64_t most = 0;
-    for (int64_t s = 0; s < S_; ++s) most = std::max<int64_t>(most, (lens_[s] + B_ - 1) / B_);
-    parts_ = std::max<int64_t>(1, std::min<int64_t>((2 * threads + base - 1) / base, most / kMinPartBlocks));
+  const int64_t units = S_ * (Hkv_ / per_item_);
+  for (int64_t s = 0; s < S_; ++s) most_parts_ = std::max(most_parts_, parts_of(s));
+  for (int64_t part = 0; part < most_parts_; ++part)
+    for (int64_t u = 0; u < units; ++u)
+      if (part < parts_of(u / (Hkv_ / per_item_))) items_.push_back({u, part});
+  if (most_parts_ > 1) {
+    partial_out_.resize(units * most_parts_ * rows() * D_);
+    partial_stats_.resize(units * most_parts_ * rows() * 2);
   }
-  if (parts_ > 1) {
-    partial_out_.resize(base * parts_ * per_item_ * group_ * D_);
-    partial_stats_.resize(base * parts_ * per_item_ * group_ * 2);
-  }
+}
+
+// Parts of about kPartTokens positions each, by the context's length alone: never by the thread count, whose
+// change (the CPU thread governor's) would move the cut and so the merge's rounding, nor by the batch beside it.
+// Against a cut into as many parts as threads need: one stream of ~170 positions on two threads cuts in two
+// either way; 16 streams of ~330, three parts merged a head where that cut none. Only the vectorized head sizes
+// keep the running maximum and sum a merge needs.
+int64_t DecodeAttention::parts_of(int64_t s) const {
+  if (!vectorized_) return 1;
+  const int64_t blocks = (lens_[s] + B_ - 1) / B_, part_blocks = std::max<int64_t>(1, kPartTokens / B_);
+  return std::clamp<int64_t>((blocks + part_blocks - 1) / part_blocks, 1, kMaxParts);
 }
 
 void DecodeAttention::set(const float* query, int64_t query_stride, const float* key_cache, const float* value_cache,
@@ -232,55 +229,81 @@ void DecodeAttention::set(const float* query, int64_t query_stride, const float*
   q_ = query, q_stride_ = query_stride, k_ = key_cache, v_ = value_cache, out_ = out;
 }
 
-void DecodeAttention::run(int64_t w, std::vector<float>& scratch) {
-  const int64_t items_per_seq = Hkv_ / per_item_, rows = per_item_ * group_;
-  const int64_t unit = w / parts_, part = w % parts_;
-  const int64_t s = unit / items_per_seq, h = (unit % items_per_seq) * per_item_;
+void DecodeAttention::compute(int64_t w, std::vector<float>& scratch) const {
+  const Work work = items_[w];
+  const int64_t items_per_seq = Hkv_ / per_item_;
+  const int64_t s = work.unit / items_per_seq, h = (work.unit % items_per_seq) * per_item_;
   const int32_t* blocks = table_ + s * table_stride_;
-  const int64_t n = lens_[s];
-  Item item{q_ + s * q_stride_ + h * group_ * D_, out_ + (s * Hq_ + h * group_) * D_, k_ + h * D_, v_ + h * D_,
-            blocks, n, B_, Hkv_ * D_, per_item_, group_, D_, scale_};
-  float* stats = nullptr;
-  if (parts_ > 1) {
-    const int64_t total = (n + B_ - 1) / B_, first = total * part / parts_, last = total * (part + 1) / parts_;
+  const int64_t n = lens_[s], parts = parts_of(s);
+  Item item{q_ + s * q_stride_ + h * group_ * D_, k_ + h * D_, v_ + h * D_, blocks, n, B_, Hkv_ * D_,
+            per_item_, group_, D_, scale_};
+  if (parts > 1) {  // whole blocks [first, last) of the context's
+    const int64_t total = (n + B_ - 1) / B_, first = total * work.part / parts, last = total * (work.part + 1) / parts;
     item.blocks = blocks + first;
-    item.n = std::max<int64_t>(0, std::min(n, last * B_) - first * B_);
-    item.o = partial_out_.data() + w * rows * D_;
-    stats = partial_stats_.data() + w * rows * 2;
+    item.n = std::min(n, last * B_) - first * B_;
   }
   if (D_ == 64)
-    attend_vec<8>(item, scratch, stats);
+    attend_vec<8>(item, scratch);
   else if (D_ == 128)
-    attend_vec<16>(item, scratch, stats);
+    attend_vec<16>(item, scratch);
   else if (D_ == 32)
-    attend_vec<4>(item, scratch, stats);
+    attend_vec<4>(item, scratch);
   else
     attend_any(item, scratch);
 }
 
-void DecodeAttention::finish() {
-  if (parts_ == 1) return;
-  // each query head: its parts' outputs weighed by exp(part max - overall max), over their sums likewise
-  const int64_t rows = per_item_ * group_, units = S_ * (Hkv_ / per_item_);
-  float* o = out_;
-  for (int64_t u = 0; u < units; ++u)
+void DecodeAttention::store(int64_t w, const std::vector<float>& scratch) {
+  const Work work = items_[w];
+  const int64_t rows = this->rows(), s = work.unit / (Hkv_ / per_item_);
+  const float* acc = scratch.data();
+  // units and their rows lie in out's order: [S, Hkv / per_item, rows]
+  float* o = out_ + work.unit * rows * D_;
+  if (!vectorized_) {
+    std::copy(acc, acc + rows * D_, o);
+    return;
+  }
+  const float* mx = acc + rows * D_;
+  const float* sum = mx + rows;
+  if (parts_of(s) == 1) {
     for (int64_t r = 0; r < rows; ++r) {
+      const Vec inv(1.f / sum[r]);
+      for (int64_t i = 0; i < D_; i += 8) (Vec::loadu(acc + r * D_ + i) * inv).store(o + r * D_ + i);
+    }
+    return;
+  }
+  const int64_t slot = work.unit * most_parts_ + work.part;
+  std::copy(acc, acc + rows * D_, partial_out_.data() + slot * rows * D_);
+  float* stats = partial_stats_.data() + slot * rows * 2;
+  for (int64_t r = 0; r < rows; ++r) stats[2 * r] = mx[r], stats[2 * r + 1] = sum[r];
+}
+
+void DecodeAttention::finish() {
+  if (most_parts_ == 1) return;
+  // each query head of a cut context: its parts' outputs weighed by exp(part max - overall max), over their sums
+  // likewise, in the parts' order
+  const int64_t rows = this->rows(), units = S_ * (Hkv_ / per_item_);
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t parts = parts_of(u / (Hkv_ / per_item_));
+    if (parts == 1) continue;  // stored whole
+    for (int64_t r = 0; r < rows; ++r) {
+      auto stats = [&](int64_t p) { return partial_stats_.data() + ((u * most_parts_ + p) * rows + r) * 2; };
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < parts_; ++p) mx = std::max(mx, partial_stats_[((u * parts_ + p) * rows + r) * 2]);
+      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, stats(p)[0]);
       float sum = 0.f;
-      float* orow = o + (u * rows + r) * D_;  // units and their rows lie in out's order: [S, Hkv / per_item, rows]
+      float* orow = out_ + (u * rows + r) * D_;
       std::fill(orow, orow + D_, 0.f);
-      for (int64_t p = 0; p < parts_; ++p) {
-        const float* st = partial_stats_.data() + ((u * parts_ + p) * rows + r) * 2;
-        if (st[1] == 0.f) continue;  // a part without positions
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* st = stats(p);
+        if (st[1] == 0.f) continue;  // a part whose scores were all -inf
         const float weight = std::exp(st[0] - mx);
         sum += st[1] * weight;
-        const float* po = partial_out_.data() + ((u * parts_ + p) * rows + r) * D_;
+        const float* po = partial_out_.data() + ((u * most_parts_ + p) * rows + r) * D_;
         for (int64_t i = 0; i < D_; ++i) orow[i] += weight * po[i];
       }
       const float inv = 1.f / sum;
       for (int64_t i = 0; i < D_; ++i) orow[i] *= inv;
     }
+  }
 }
 
 // query [S, Hq, D]; key_cache, value_cache [N, B, Hkv, D]; block_table [S, M] int32; seq_lens [S] int32.

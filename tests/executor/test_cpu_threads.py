@@ -179,6 +179,34 @@ def test_a_seeded_answer_is_the_same_on_one_thread_as_on_two(tiny_models):
     assert answers[0] == answers[1]
 
 
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels are not built here")
+def test_long_contexts_of_the_default_shapes_answer_alike_on_one_to_four_threads(default_shaped_model):
+    """The default model's heads with contexts of 1-3k positions, which decode attention cuts into parts: greedy
+    and seeded answers, and each token's log-probabilities, the same bits on 1, 2, 3 and 4 threads."""
+    llm = LLM(
+        default_shaped_model,
+        device="cpu",
+        kv_cache_memory="64MiB",
+        max_model_len=2304,
+        enable_prefix_caching=False,
+    )
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (700, 2100)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, logprobs=3)
+    threads = torch.get_num_threads()
+    answers = []
+    try:
+        for n in (1, 2, 3, 4):  # each request alone: one stream is where a cut by threads would fall
+            torch.set_num_threads(n)
+            outputs = [llm.generate([p], sp)[0] for sp in (greedy, seeded) for p in prompts]
+            answers.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(len(tokens) == 8 for tokens, _ in answers[0])
+    assert answers[1:] == answers[:1] * 3
+
+
 @pytest.mark.skipif(not readable() or not hasattr(os, "sched_setaffinity"), reason="Linux scheduler needed")
 def test_two_threads_on_one_core_drop_to_one():
     """In a process pinned to one core, torch's two threads take turns at it: each waits about half the time, and

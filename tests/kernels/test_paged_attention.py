@@ -72,9 +72,9 @@ def test_cpu_decode_kernel_block_by_block(heads, kv_heads, dim, seq_lens, scale,
     ("kv_heads", "seq_lens"), [(3, [333]), (1, [333]), (1, [1, 333]), (1, [40, 17]), (2, [31])]
 )
 def test_cpu_decode_kernel_cuts_a_few_contexts_into_parts(threads, kv_heads, seq_lens):
-    """With fewer (sequence, kv head) items than two a thread, the kernel cuts each context into parts of whole
-    blocks and merges their softmaxes: parts of one block, parts left empty beside a longer sequence (one
-    position), contexts too short to cut, and every thread count up to two parts an item."""
+    """The kernel cuts each context of more than 128 positions into parts of whole blocks and merges their
+    softmaxes: beside a sequence too short to cut (one position, 17, 31), on every thread count, a sequence's kv
+    heads together or apart."""
     if cpu_kernels() is None:
         pytest.skip("the C++ CPU kernels could not be built here")
     args = random_batch([1] * len(seq_lens), seq_lens, heads=3 * kv_heads, kv_heads=kv_heads, dim=64, seed=11)
@@ -86,6 +86,31 @@ def test_cpu_decode_kernel_cuts_a_few_contexts_into_parts(threads, kv_heads, seq
     finally:
         torch.set_num_threads(before)
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "seq_lens",
+    [[2900], [1, 700, 129, 3000], [97 * i + 40 for i in range(16)]],
+    ids=["one", "few", "sixteen"],
+)
+def test_cpu_decode_kernel_gives_the_same_bits_on_any_thread_count(seq_lens):
+    """The default model's heads (9 sharing 3 kv heads of 64): contexts of a few thousand positions, cut into parts
+    and merged, give the same bits on 1 to 4 threads (the CPU thread governor moves between them), one stream,
+    a few, and sixteen (whose kv heads run together)."""
+    if cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    args = random_batch([1] * len(seq_lens), seq_lens, heads=9, kv_heads=3, dim=64, seed=13)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            outs.append(torch_paged.paged_attention(*args, scale=0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(outs[0], torch_twins.paged_attention(*args, scale=0.125), atol=1e-5)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 def test_cpu_decode_kernel_ignores_what_lies_past_the_context():
