@@ -14,7 +14,7 @@ import time
 from executor.engine_args import add_engine_args, config_from_args
 from executor.service.gateway_outbox import DEFAULT_SNDHWM
 from shared import logs
-from shared.command_line import is_loopback, positive_int
+from shared.command_line import is_loopback, open_listener_refusal, positive_int, zmq_host
 from shared.curve_keys import EXECUTOR, CurveKeyError, add_curve_keys_arg, load_executor_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 from shared.model_paths import ModelLoadError
@@ -150,6 +150,13 @@ def add_executor_args(executor: argparse.ArgumentParser) -> None:
         help="log lines as JSON objects or plain text (default: KVSERVE_LOG_FORMAT, else auto: text on a terminal)",
     )
     add_curve_keys_arg(executor, EXECUTOR)
+    executor.add_argument(
+        "--allow-insecure-bind",
+        action="store_true",
+        help="serve without --curve-keys on a --bind (or --kv-transfer-host) other machines can reach: without "
+        "it such an executor refuses to start, since whoever reaches its port runs requests past the gateway's "
+        "API keys, limits and cache salts (loopback and ipc:// need no keys)",
+    )
     add_kv_transfer_args(executor)
     add_engine_args(executor)
     executor.set_defaults(handler=serve)
@@ -199,6 +206,8 @@ def serve(args: argparse.Namespace) -> int:
         executor_id = check_executor_id(args.executor_id)
         config = config_from_args(args)
         curve = load_executor_keys(args.curve_keys) if args.curve_keys else None
+        if curve is None and not args.allow_insecure_bind and (refusal := _open_listener(args)) is not None:
+            return fail(refusal)
         client = connect(args.redis_url)
         client.ping()
     except CurveKeyError as error:
@@ -337,6 +346,35 @@ def _start_kv_transfers(args: argparse.Namespace, engine, curve) -> tuple[object
 
 def _binds_loopback(address: str) -> bool:
     """Whether a ZeroMQ bind address is reachable from this machine only (ipc:// and inproc:// are too)."""
-    if not address.startswith("tcp://"):
-        return True
-    return is_loopback(address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]"))
+    host = zmq_host(address)
+    return host is None or is_loopback(host)
+
+
+def _open_listener(args: argparse.Namespace) -> str | None:
+    """Why this executor, without CURVE keys, may not start: a listener of it that another machine can reach
+    (its --bind, or the KV transfer server's host); None when there is none. The gateway's refusal to run open on
+    a non-loopback --host, said the same way."""
+    listeners = [
+        (
+            f"--bind {args.bind}",
+            zmq_host(args.bind),
+            "can run requests, bypassing the gateway's API keys, limits and cache salts",
+        )
+    ]
+    if args.kv_transfer_port:
+        from executor.kv.tiers.peer_transfer_server import transfer_hosts
+
+        host, _ = transfer_hosts(args.bind, args.advertise_address, args.kv_transfer_host)
+        listeners.append((f"--kv-transfer-host {host}", host, "can read cached prompts' KV"))
+    for where, host, exposed in listeners:
+        refusal = open_listener_refusal(
+            where,
+            host,
+            "no --curve-keys are given",
+            exposed,
+            "Give it the stack's keys (`kvserve curve-keys`; --curve-keys or $KVSERVE_CURVE_KEYS)",
+            "--allow-insecure-bind",
+        )
+        if refusal is not None:
+            return refusal
+    return None

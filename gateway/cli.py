@@ -16,7 +16,7 @@ from gateway.openai.tools import TOOL_CALL_PARSERS
 from gateway.response_store import add_response_store_args, store_limits
 from gateway.routing.cost import ROUTING_POLICIES
 from shared import logs
-from shared.command_line import is_loopback
+from shared.command_line import is_loopback, open_listener_refusal
 from shared.curve_keys import GATEWAY, CurveKeyError, add_curve_keys_arg, load_gateway_keys
 from shared.defaults import DEFAULT_MODEL, SHUTDOWN_GRACE_PERIOD_S
 
@@ -216,9 +216,10 @@ def _check_redis(
     redis_url: str, require_api_key: bool, anonymous_allowed: bool, host: str
 ) -> tuple[str, int] | None:
     """A missing or wrong password stops the start (it will not fix itself); so does a deployment that never
-    had a key, where this gateway may not run open. An unreachable Redis stops it only when --require-api-key
-    needs it to find a key: otherwise the gateway serves 503 (or 401, where it may not run open) and /health says
-    why until it is back. Returns the one-line error and exit code, or None."""
+    had a key, where this gateway may not run open. An unreachable Redis stops it (exit 1) when --require-api-key
+    needs it to find a key, and on a non-loopback --host, which must not start before it knows whether it may
+    serve without one; a loopback gateway serves 503 and /health says why until Redis is back. Returns the
+    one-line error and exit code, or None."""
     import redis
     import redis.asyncio as aioredis
 
@@ -240,6 +241,11 @@ def _check_redis(
     except redis.RedisError as error:
         if require_api_key:
             return f"--redis-url: {describe_error(redis_url, error)}", 1
+        if not is_loopback(host):  # it fails closed: it cannot tell whether it may serve without a key
+            return (
+                f"--redis-url: {describe_error(redis_url, error)}; a gateway on a non-loopback --host ({host}) "
+                "starts only once Redis tells it whether API keys exist"
+            ), 1
         logging.getLogger("kvserve.gateway").error("%s", describe_error(redis_url, error))
         return None
     if has_keys:
@@ -247,10 +253,13 @@ def _check_redis(
     if require_api_key:
         return REQUIRE_API_KEY_REFUSAL, 2
     if not anonymous_allowed:
-        message = (
-            f"--host {host} is not a loopback address and no API key exists in Redis: anyone who can reach "
-            "this gateway would be served without a key or limits. Create a key (`kvserve keys create --tenant "
-            "NAME`), or pass --allow-anonymous to serve it open on purpose"
+        message = open_listener_refusal(
+            f"--host {host}",
+            host,
+            "no API key exists in Redis",
+            "would be served without a key or limits",
+            "Create a key (`kvserve keys create --tenant NAME`)",
+            "--allow-anonymous",
         )
         return message, 2
     if not is_loopback(host):

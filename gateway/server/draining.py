@@ -22,6 +22,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 
 from gateway.api_error import EXECUTOR_HEADER, NO_EXECUTOR, APIError, error_response
+from gateway.server.lingering_close import LingeringHttpToolsProtocol
 
 log = logging.getLogger("kvserve.gateway")
 
@@ -97,6 +98,7 @@ class GatewayServer(uvicorn.Server):
         self._lock = threading.RLock()  # a signal may interrupt its own thread inside
         config = uvicorn.Config(
             refuse_while_draining(app, self.drain),
+            http=LingeringHttpToolsProtocol,  # a refusal's answer is read, not lost to a reset
             host=host,
             port=port,
             access_log=False,

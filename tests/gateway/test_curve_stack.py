@@ -3,6 +3,7 @@ keys and nobody else; a gateway with the wrong keys, or none, never counts it li
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ import zmq
 import zmq.auth
 
 from kvserve.curve_keys_cli import write_keys
-from tests.processes import ExecutorProcess, GatewayProcess, eventually, free_port, raw_generate
+from tests.processes import ExecutorProcess, GatewayProcess, eventually, free_port, raw_generate, run_kvserve
 from tests.stacks import serving_stack
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -129,15 +130,35 @@ def _answers(url: str) -> bool:
         return False
 
 
+def test_an_executor_without_keys_refuses_an_address_other_machines_reach_unless_told(tiny_models, tmp_path):
+    """Fail closed, as a gateway without API keys on a non-loopback --host does: the refusal names the flag."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSERVE_CURVE_KEYS", "KVSERVE_REDIS_URL")}
+    base = ["executor", "--executor-id", "open", "--model", tiny_models["llama"], "--device", "cpu"]
+    base += ["--redis-url", f"redis://127.0.0.1:{free_port()}/0"]  # refused before Redis is asked
+    local = ["--bind", f"tcp://127.0.0.1:{free_port()}"]
+    for flags, listener in (
+        (["--bind", f"tcp://0.0.0.0:{free_port()}"], "--bind tcp://0.0.0.0:"),
+        (
+            [*local, "--kv-transfer-port", str(free_port()), "--kv-transfer-host", "0.0.0.0"],
+            "--kv-transfer-host",
+        ),
+    ):
+        refused = run_kvserve(*base, *flags, env=env)
+        assert refused.returncode == 2, refused.stderr
+        (line,) = refused.stderr.strip().splitlines()
+        assert listener in line and "--curve-keys" in line and "--allow-insecure-bind" in line, line
+
+
 @pytest.mark.slow
-def test_plain_executor_warns_on_an_open_address_and_a_keyed_gateway_says_it_has_no_keys(
+def test_plain_executor_warns_on_an_open_address_it_was_allowed_and_a_keyed_gateway_says_it_has_no_keys(
     tiny_models, tmp_path
 ):
     keys = tmp_path / "keys"
     write_keys(keys)
     port = free_port()
-    # the last --bind wins: every interface, as a container would
+    # the last --bind wins: every interface, as a container would, open on purpose
     everywhere = ("--bind", f"tcp://0.0.0.0:{port}", "--advertise-address", f"tcp://127.0.0.1:{port}")
+    everywhere += ("--allow-insecure-bind",)
     with serving_stack(tiny_models["llama"], tmp_path, executors=[everywhere], gateways=0) as stack:
         gateway = stack.start_gateway("--curve-keys", str(keys))
         log = stack.executor.log_path.read_text()

@@ -22,7 +22,7 @@ from gateway.tenants.api_keys import KeyStore
 from kvserve.cli import build_parser
 from tests.gateway.answers import openai_error
 from tests.gateway.http_wire import pipelined, request
-from tests.processes import GatewayProcess, run_kvserve
+from tests.processes import GatewayProcess, free_port, run_kvserve
 from tests.stacks import serving_stack
 
 BODY_TIMEOUT_S = 2.0
@@ -99,9 +99,7 @@ def test_a_401_keeps_the_connection_for_a_small_body_and_closes_it_for_a_large_o
     )
     assert [status for status, _ in answers] == [401, 200]
     assert [m["id"] for m in json.loads(answers[1][1])["data"]] == ["tiny"]
-    # a large body is not waited for to be thrown away: the 401 comes, and closes the connection, while most of
-    # it is still unsent. (Only a fraction the server reads at once is sent: bytes left unread in its socket when
-    # it closes would turn the close into a reset, which may discard the 401 before this client reads it.)
+    # a large body: the 401 comes, and closes the connection, while most of it is still unsent
     whole = request("POST", "/v1/completions", REFUSED_IF_PARSED)
     head_end = whole.index(b"\r\n\r\n") + 4
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=60) as sock:
@@ -111,6 +109,43 @@ def test_a_401_keeps_the_connection_for_a_small_body_and_closes_it_for_a_large_o
             data += chunk
     head = data.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
     assert head.startswith("http/1.1 401") and "connection: close" in head
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize("size", [MIB, MAX_BODY_BYTES])
+def test_a_keyless_client_that_sends_its_whole_large_body_reads_the_401(keyed, size):
+    """The server half-closes after the 401 and throws away the rest of the body (a lingering close): a close with
+    the body unread would answer the client's next bytes with a reset, which discards the 401 before it is read."""
+    gateway, _, _ = keyed
+    body = json.dumps({"model": "tiny", "prompt": "x" * (size - 40)}).encode()
+    for _ in range(3):  # a reset is a race the client may win now and then: every try must read the 401
+        assert openai_error(_post(gateway.base, body, {}), 401)["code"] == "invalid_api_key"
+    # by hand: the whole body written, then everything the server sent, up to its FIN
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=60) as sock:
+        sock.sendall(request("POST", "/v1/completions", body))
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, answer = data.partition(b"\r\n\r\n")
+    assert head.lower().startswith(b"http/1.1 401") and b"connection: close" in head.lower()
+    assert json.loads(answer)["error"]["code"] == "invalid_api_key"
+
+
+def test_a_keyless_client_that_never_stops_sending_is_cut_off(keyed):
+    """What the server reads after a 401 is bounded: a chunked body without end is read only so far."""
+    gateway, _, _ = keyed
+    head = "POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ntransfer-encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n%s\r\n" % (MIB, b"x" * MIB)
+    sent = 0
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        with pytest.raises(OSError):  # reset, or a broken pipe: the server has stopped reading
+            while sent < 20 * MAX_BODY_BYTES:
+                sock.sendall(chunk)
+                sent += len(chunk)
+    assert sent < 20 * MAX_BODY_BYTES  # the sender's and receiver's socket buffers hold a few MiB at most
 
 
 def test_a_keyless_flood_never_delays_liveness_or_a_keyed_request(keyed):
@@ -222,6 +257,17 @@ def test_an_open_gateway_on_a_non_loopback_address_is_an_explicit_choice(tiny_mo
         own.key_store().create("someone")  # a keyed deployment needs no flag
         keyed = own.add_gateway("--host", "0.0.0.0", name="keyed")
         openai_error(httpx.get(f"{keyed.base}/v1/models"), 401)
+
+
+def test_a_gateway_on_a_non_loopback_address_does_not_start_while_redis_is_unreachable(tmp_path):
+    """It cannot tell whether API keys exist, so it may not serve (open or not) until it can: exit 1, not a start."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVE_REDIS_URL"}
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    for flags in ((), ("--allow-anonymous",)):
+        refused = run_kvserve("gateway", "--host", "0.0.0.0", "--redis-url", unreachable, *flags, env=env)
+        assert refused.returncode == 1, refused.stderr
+        line = refused.stderr.strip().splitlines()[-1]
+        assert "kvserve gateway: error: --redis-url" in line and "non-loopback --host (0.0.0.0)" in line, line
 
 
 def test_the_flags_of_up():

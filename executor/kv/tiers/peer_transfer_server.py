@@ -35,6 +35,7 @@ from executor.kv.tiers.peer_transfer import (
     unpack,
 )
 from executor.service.gateway_auth import RefusalLog
+from shared.command_line import zmq_host
 from shared.curve_keys import CurveKeys, secure_server
 
 log = logging.getLogger("kvserve.executor.kv_transfer")
@@ -256,17 +257,11 @@ def transfer_hosts(bind: str, advertise: str | None, host: str | None) -> tuple[
     """(the host to bind, the host to publish) for `kvserve executor`'s --kv-transfer-host: by default the host
     of --bind, so pulls are as reachable as requests are, published under the host of --advertise-address (else
     --bind); a --kv-transfer-host naming one interface is published as it is."""
-    executor_host = _tcp_host(bind) or "127.0.0.1"
+    executor_host = zmq_host(bind) or "127.0.0.1"
     bind_host = executor_host if host is None else host
     if host is not None and host not in WILDCARD_HOSTS:
         return bind_host, host
-    return bind_host, (_tcp_host(advertise) if advertise else None) or executor_host
-
-
-def _tcp_host(address: str) -> str | None:
-    if not address.startswith("tcp://"):
-        return None  # ipc:// and inproc:// executors have no host to share
-    return address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return bind_host, (zmq_host(advertise) if advertise else None) or executor_host
 
 
 def tcp_endpoint(host: str, port: int) -> str:
