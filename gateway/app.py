@@ -36,6 +36,7 @@ from gateway.server.last_resort import LastResort
 from gateway.serving.pipeline import Pipeline
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.metrics_listener import MetricsListener
+from gateway.telemetry.redis_memory import read_redis_memory
 from gateway.tenants.tenancy import Tenancy
 from shared.curve_keys import CurveKeys
 
@@ -77,9 +78,10 @@ class Gateway:
         self.tenancy = Tenancy(self.index.redis, config.require_api_key, config.anonymous_allowed)
         self.client: ExecutorClient | None = None
         self.metrics = GatewayMetrics(config.model_name)
-        self.store = ResponseStore(self.index.redis, config.response_store)
+        # parse and tokenize large bodies, and decode large stored responses, off the event loop
+        self.prompt_workers = PromptWorkers()
+        self.store = ResponseStore(self.index.redis, config.response_store, self.prompt_workers)
         self.pipeline: Pipeline | None = None
-        self.prompt_workers: PromptWorkers | None = None  # parse and tokenize large bodies off the event loop
         self.chat_completions: CompletionEndpoint | None = None
         self.text_completions: CompletionEndpoint | None = None
         self.responses_endpoint: Responses | None = None
@@ -104,7 +106,7 @@ class Gateway:
             config.body_timeout_s,
             config.limits,
         )
-        self.prompt_workers = workers = PromptWorkers()
+        workers = self.prompt_workers
         model, tokenizer, parser = config.model_name, config.tokenizer, config.tool_call_parser
         self.chat_completions = chat_completions(model, tokenizer, parser, config.limits, workers)
         self.text_completions = text_completions(model, tokenizer, config.limits, workers)
@@ -123,8 +125,7 @@ class Gateway:
         if self.metrics_listener is not None:
             await self.metrics_listener.stop()
         await self.tenancy.shutdown()
-        if self.prompt_workers is not None:
-            self.prompt_workers.close()
+        self.prompt_workers.close()
         if self.client is not None:
             await self.client.close()
         await self.index.close()
@@ -141,22 +142,24 @@ class Gateway:
         return await self.pipeline.serve(request, self.responses_endpoint)
 
     async def stored_response(self, request: Request) -> Response:
-        """GET or DELETE /v1/responses/{id}: the caller's tenant's own only; another's reads as absent."""
+        """GET or DELETE /v1/responses/{id}: the caller's tenant's own only; another's reads as absent. Each is
+        one request of the caller's limits (a 429 past them), as every endpoint that serves a tenant's data."""
         response_id = request.path_params["response_id"]
+        headers = {EXECUTOR_HEADER: NO_EXECUTOR}
         try:
             caller = await self.tenancy.identify(request.headers)
-            if request.method == "DELETE":
-                if not await self.store.delete(caller.tenant.name, response_id):
-                    raise response_not_found(response_id)
-                body = {"id": response_id, "object": "response.deleted", "deleted": True}
-            else:
-                record = await self.store.load(caller.tenant.name, response_id)
-                if record is None:
-                    raise response_not_found(response_id)
-                body = record["response"]
+            async with self.tenancy.admitted(caller):
+                if request.method == "DELETE":
+                    if not await self.store.delete(caller.tenant.name, response_id):
+                        raise response_not_found(response_id)
+                    body = {"id": response_id, "object": "response.deleted", "deleted": True}
+                    return JSONResponse(body, headers=headers)
+                stored = await self.store.load_response(caller.tenant.name, response_id)
         except APIError as error:
             return error_response(error, "")
-        return JSONResponse(body, headers={EXECUTOR_HEADER: NO_EXECUTOR})
+        if stored is None:
+            return error_response(response_not_found(response_id), "")
+        return Response(stored, media_type="application/json", headers=headers)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -222,11 +225,16 @@ class Gateway:
 
     async def _metrics_text(self) -> bytes:
         """The whole stack's series, or while Redis does not answer the gateway's own, saying what is missing."""
+        reads = asyncio.gather(self.index.executor_stats(), read_redis_memory(self.index.redis, self.store))
         try:
-            stats = await asyncio.wait_for(self.index.executor_stats(), METRICS_REDIS_TIMEOUT_S)
+            stats, memory = await asyncio.wait_for(reads, METRICS_REDIS_TIMEOUT_S)
         except Exception as error:
-            log.warning("metrics without the executors' series: Redis did not answer: %r", error)
+            log.warning(
+                "metrics without the executors' series and Redis's memory: Redis did not answer: %r", error
+            )
+            self.metrics.redis_memory.snapshot = None
             return self.metrics.render(None)
+        self.metrics.redis_memory.snapshot = memory
         return self.metrics.render(stats)
 
 

@@ -192,9 +192,10 @@ def start_valkey_as_shipped(args: list[str], data_dir: Path, password: str) -> t
     return process, f"redis://:{password}@127.0.0.1:{port}/0"
 
 
-def keeps_data_across_a_kill(args: list[str], data_dir: Path) -> None:
-    """A key written (and fsync'd: everysec) survives kill -9 and a start from the same arguments; a client
-    without the password gets nothing."""
+def keeps_data_across_a_kill(args: list[str], data_dir: Path) -> int:
+    """A key written (and fsync'd: everysec) survives kill -9 and a start from the same arguments; no key is ever
+    evicted to make room (a bounded memory whose policy is noeviction); a client without the password gets
+    nothing. Returns the maxmemory the server read from args, in bytes."""
     password = uuid.uuid4().hex
     process, url = start_valkey_as_shipped(args, data_dir, password)
     try:
@@ -203,7 +204,10 @@ def keeps_data_across_a_kill(args: list[str], data_dir: Path) -> None:
         process.kill()
         process.wait()
         process, url = start_valkey_as_shipped(args, data_dir, password)
-        assert redis.Redis.from_url(url).get("kvserve:test:durable") == b"yes"
+        client = redis.Redis.from_url(url, decode_responses=True)
+        assert client.get("kvserve:test:durable") == "yes"
+        memory = client.config_get("maxmemory*")
+        assert int(memory["maxmemory"]) > 0 and memory["maxmemory-policy"] == "noeviction", memory
         try:
             redis.Redis.from_url(url.replace(f":{password}@", "")).ping()
             raise AssertionError("a client without the password was served")
@@ -212,6 +216,7 @@ def keeps_data_across_a_kill(args: list[str], data_dir: Path) -> None:
     finally:
         process.kill()
         process.wait()
+    return int(memory["maxmemory"])
 
 
 def raw_generate(

@@ -14,6 +14,7 @@ import yaml
 
 from executor.engine_config import parse_bytes
 from executor.kv.sizing import CPU_DEFAULT_KV_BYTES
+from gateway.response_store import store_limits
 from kvserve.cli import EXECUTOR_EXTRA, build_parser
 from tests.processes import keeps_data_across_a_kill
 
@@ -314,7 +315,10 @@ def test_redis_keeps_its_data_on_a_volume_and_requires_the_password(tmp_path):
     assert volume in compose["volumes"] and mount == command[command.index("--dir") + 1]
     # the health check authenticates (valkey-cli reads REDISCLI_AUTH) and the command, as shipped, persists
     assert redis_service["environment"]["REDISCLI_AUTH"] == command[command.index("--requirepass") + 1]
-    keeps_data_across_a_kill(command, tmp_path)
+    maxmemory = keeps_data_across_a_kill(command, tmp_path)
+    # the stored responses, which tenants grow, are bounded well below it (the rest: keys, indexes, limits)
+    gateway = build_parser("gateway").parse_args(compose["services"]["gateway"]["command"][1:])
+    assert store_limits(gateway).max_total_bytes <= maxmemory // 2
 
 
 def test_every_kvserve_health_check_parses(compose):

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway.response_store import store_limits
 from kvserve.cli import build_parser, main
 from kvserve.redis_server import start_redis_server
 from tests.processes import REPO, GatewayProcess, eventually, free_port, keeps_data_across_a_kill
@@ -220,7 +221,7 @@ def selects(selector: dict, labels: dict) -> bool:
     return True
 
 
-def test_network_policies_let_only_gateways_reach_executors_and_kvserve_reach_redis(overlay):
+def test_network_policies_guard_executors_redis_and_the_gateways_metrics_port(overlay):
     _, docs = overlay
     labels = {
         d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
@@ -230,14 +231,22 @@ def test_network_policies_let_only_gateways_reach_executors_and_kvserve_reach_re
     policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
 
     def admitted(policy: dict, port: int) -> set[str]:
-        """The workloads whose pods this policy lets in on port."""
+        """The workloads whose pods this policy lets in on port (from any namespace: a peer naming one admits
+        none of kvserve's)."""
         return {
             name
             for rule in policy["ingress"]
-            for peer in rule["from"]
+            for peer in rule.get("from", [])
             for name, pod in labels.items()
-            if selects(peer["podSelector"], pod) and port in {p["port"] for p in rule["ports"]}
+            if "namespaceSelector" not in peer
+            and selects(peer["podSelector"], pod)
+            and port in {p["port"] for p in rule["ports"]}
         }
+
+    def open_to_all(policy: dict, port: int) -> bool:
+        return any(
+            "from" not in rule and port in {p["port"] for p in rule["ports"]} for rule in policy["ingress"]
+        )
 
     executor, redis = policies["kvserve-executor"], policies["kvserve-redis"]
     assert selects(executor["podSelector"], labels["kvserve-executor"]) and executor["policyTypes"] == [
@@ -246,11 +255,47 @@ def test_network_policies_let_only_gateways_reach_executors_and_kvserve_reach_re
     assert admitted(executor, 5600) == {"kvserve-gateway"}
     assert selects(redis["podSelector"], labels["kvserve-redis"])
     assert admitted(redis, 6379) == {"kvserve-gateway", "kvserve-executor"}
+    assert not any(
+        open_to_all(policy, port) for policy, port in ((executor, 5600), (executor, 5601), (redis, 6379))
+    )
+    # the gateways' API port is open; their metrics port (it names tenants) admits Prometheus's pods alone
+    gateway = policies["kvserve-gateway"]
+    gateway_args = argv(container(docs, "kvserve-gateway", "gateway"))
+    api_port, metrics_port = (int(flag(gateway_args, name)) for name in ("--port", "--metrics-port"))
+    assert selects(gateway["podSelector"], labels["kvserve-gateway"]) and gateway["policyTypes"] == [
+        "Ingress"
+    ]
+    assert open_to_all(gateway, api_port) and not open_to_all(gateway, metrics_port)
+    assert admitted(gateway, metrics_port) == set()
+    (peer,) = [peer for rule in gateway["ingress"] if "from" in rule for peer in rule["from"]]
+    prometheus = {
+        "app.kubernetes.io/name": "prometheus",
+        "app.kubernetes.io/instance": "kube-prometheus-stack",
+    }
+    assert selects(peer["podSelector"], prometheus) and not selects(
+        peer["podSelector"], labels["kvserve-gateway"]
+    )
+    assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    assert {p["port"] for rule in gateway["ingress"] if "from" in rule for p in rule["ports"]} == {
+        metrics_port
+    }
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity ("1536Mi", "2Gi") in bytes."""
+    number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi)?", quantity).groups()
+    return int(number) * {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}[unit]
 
 
 def test_the_manifests_valkey_keeps_its_data_across_a_kill_and_requires_the_password(tmp_path):
-    valkey = container(render("cpu"), "kvserve-redis", "valkey")
-    keeps_data_across_a_kill([str(word) for word in valkey["args"]], tmp_path)
+    docs = render("cpu")
+    valkey = container(docs, "kvserve-redis", "valkey")
+    maxmemory = keeps_data_across_a_kill([str(word) for word in valkey["args"]], tmp_path)
+    # its container is not killed before Redis refuses writes; the stored responses, which tenants grow, stay well
+    # below it (the rest: keys, indexes, limits)
+    assert maxmemory < quantity_bytes(valkey["resources"]["limits"]["memory"])
+    gateway = parse_kvserve(argv(container(docs, "kvserve-gateway", "gateway")), "gateway")
+    assert store_limits(gateway).max_total_bytes <= maxmemory // 2
 
 
 def test_redis_is_durable_and_password_protected_from_the_secret(overlay):

@@ -5,6 +5,7 @@ against live gateways: tests/gateway/test_dashboard_stack.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -83,10 +84,14 @@ def test_grafana_is_provisioned_with_that_prometheus_and_the_dashboard(compose):
     assert (folder / grafana_dashboard.DASHBOARD.name).samefile(grafana_dashboard.DASHBOARD)
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (mounted[str(Path(home).parent)] / Path(home).name).samefile(grafana_dashboard.DASHBOARD)
-    # viewers need no login; the admin password comes from the environment (a default documented in compose.yaml)
+    # the dashboard names tenants: no anonymous viewer, no sign-up, and compose will not start without a password
     environment = grafana["environment"]
-    assert environment["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
-    assert environment["GF_SECURITY_ADMIN_PASSWORD"].startswith("${KVSERVE_GRAFANA_PASSWORD")
+    assert (
+        environment["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+        and environment["GF_USERS_ALLOW_SIGN_UP"] == "false"
+    )
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in environment
+    assert re.fullmatch(r"\$\{KVSERVE_GRAFANA_PASSWORD:\?[^}]+\}", environment["GF_SECURITY_ADMIN_PASSWORD"])
 
 
 def test_the_dashboard_is_one_grafana_loads_every_query_promql():
@@ -135,6 +140,11 @@ def test_the_dashboard_is_one_grafana_loads_every_query_promql():
         "pull latency": "kvserve_kv_pull_duration_seconds_bucket",
         "pulls": "kvserve_kv_pulls_total",
         "failed pulls": "kvserve_kv_pulls_failed_total",
+        # issue 49: Redis's memory against its maxmemory, and the stored responses' against their bound
+        "Redis memory": "kvserve_redis_memory_used_bytes",
+        "Redis maxmemory": "kvserve_redis_memory_max_bytes",
+        "stored responses": "kvserve_responses_stored_bytes",
+        "stored responses' bound": "kvserve_responses_max_total_bytes",
     }
     for what, series in wanted.items():
         assert series in named, f"the dashboard shows no {what} ({series})"

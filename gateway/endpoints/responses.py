@@ -31,7 +31,7 @@ from gateway.openai.responses_events import (
     usage,
 )
 from gateway.prompt.workers import PromptWorkers
-from gateway.response_store import ResponseStore
+from gateway.response_store import ResponseStore, StoreFull
 from gateway.serving.reading import Reading, tokenized
 from gateway.tenants.tenancy import Caller
 
@@ -63,18 +63,22 @@ class Responses:
         body = await self.workers.run(functools.partial(read_json_body, raw), len(raw))
         items = await history(self.store, caller.tenant.name, body)
         work = functools.partial(self._prompt, body, items)
-        turn, ids, tokenizing_since = await self.workers.run(work, len(raw))
+        turn, stored_size, ids, tokenizing_since = await self.workers.run(work, len(raw))
+        if turn.store:  # a full store is said before the answer is generated, not found out at the next turn
+            await self.store.check_room(caller.tenant.name, stored_size)
         return Reading(turn.chat, ids, tokenizing_since, ResponsesReply(turn, self.store, caller.tenant.name))
 
     def refusal(self, error: APIError) -> APIError:
         """The chat path's checks name chat's fields; the client knows the Responses request's."""
         return as_responses_error(error)
 
-    def _prompt(self, body: dict, items: list[dict]) -> tuple[ResponsesRequest, list[int], int]:
+    def _prompt(self, body: dict, items: list[dict]) -> tuple[ResponsesRequest, int, list[int], int]:
+        """The turn, the bytes its stored record will at least weigh (0: not stored), its prompt's ids and when
+        tokenizing began."""
         turn = parse_responses_body(body, items, [self.model_name], self.tool_call_parser, self.limits)
-        if turn.store:  # a conversation too large to store is refused before it is answered
-            self.store.check_size(turn.items)
-        return turn, *tokenized(turn.chat, self.tokenizer)
+        # a conversation too large to store is refused before it is answered
+        stored_size = self.store.check_size(turn.items) if turn.store else 0
+        return turn, stored_size, *tokenized(turn.chat, self.tokenizer)
 
 
 async def history(store: ResponseStore, tenant: str, body: dict) -> list[dict]:
@@ -119,12 +123,18 @@ class ResponsesReply:
         return events.error(error)
 
     async def _save(self, response: dict) -> None:
-        """A store that fails loses the response for later turns, not this answer: the client still gets it."""
+        """A store that fails, or that other tenants filled while this was generated, loses the response for later
+        turns, not this answer: the client still gets it."""
         if not self.turn.store:
             return
         items = [*self.turn.items, *conversation_items(response["output"])]
         try:
             evicted = await self.store.save(self.tenant, response, items)
+        except StoreFull as full:
+            log.warning(
+                "response %s of tenant %s not stored, the store is full: %s", self.id, self.tenant, full
+            )
+            return
         except redis.RedisError as error:
             log.error("storing response %s of tenant %s failed: %r", self.id, self.tenant, error)
             return

@@ -1,5 +1,6 @@
-"""A few threads that parse, template and tokenize large requests, so the event loop goes on serving
-/health/live and every other stream while a megabyte prompt is worked through.
+"""A few threads that parse, template and tokenize large requests (and decode large stored responses,
+gateway/response_store.py), so the event loop goes on serving /health/live and every other stream while a megabyte
+prompt is worked through.
 
 Only a large body goes there: for a small one the hop to a thread costs more than the work. In a worker, json and
 jinja hold the GIL but hand it over at every switch interval (5 ms), so the loop keeps its turns; the tokenizer

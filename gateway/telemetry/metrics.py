@@ -3,7 +3,8 @@
 The gateway's own series (requests by tenant and status, tokens, latencies as its clients see them, routing
 decisions) live in a registry per Gateway (several apps may share a test process). The executors' series
 (prefix cache, preemptions, speculative decoding, KV blocks and tiers, peer pulls, latencies) are read from the stats each one
-publishes to Redis (shared.executor_stats), fresh at every scrape, labelled by executor.
+publishes to Redis (shared.executor_stats), fresh at every scrape, labelled by executor; Redis's own memory beside them
+(gateway.telemetry.redis_memory).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from gateway.telemetry.redis_memory import RedisMemoryCollector
 from shared.executor_stats import E2E_REQUEST_LATENCY_BUCKETS, ExecutorStats
 
 # seconds; fine at the low end, where the gateway's own overhead and inter-token gaps live
@@ -322,6 +324,8 @@ class GatewayMetrics:
         )
         self.executors = ExecutorStatsCollector(model_name)
         self.registry.register(self.executors)
+        self.redis_memory = RedisMemoryCollector()  # its snapshot set by the gateway before each render
+        self.registry.register(self.redis_memory)
 
     def first_token(self, gateway_ttft_s: float, executor_ttft_s: float | None, held_s: float = 0.0) -> None:
         """held_s: time the request waited at the gateway for an executor with room, a queue rather than the

@@ -13,9 +13,11 @@ nor a Redis that comes back empty (this process remembers, for its life) opens i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import Collection, Mapping
+import uuid
+from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass
 
 import redis
@@ -188,6 +190,21 @@ class Tenancy:
             )
         if caller.record.max_concurrency is not None:
             self.leases[request_id] = caller.record
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, caller: Caller) -> AsyncIterator[None]:
+        """A request that generates nothing (a stored response's read or delete): one request of the caller's
+        limits, no tokens, and a concurrency slot while it runs; a 429 as admit's."""
+        request_id = uuid.uuid4().hex
+        await self.admit(caller, request_id, 0)
+        try:
+            yield
+        finally:
+            if request_id in self.leases:
+                try:
+                    await self.withdraw(caller, request_id, 0)
+                except redis.RedisError as error:  # the slot's lease lapses on its own
+                    log.warning("freeing tenant %s's concurrency slot failed: %s", caller.tenant.name, error)
 
     async def release(
         self,

@@ -111,3 +111,18 @@ def test_vllm_named_series_equal_their_kvserve_twins_per_executor(pages, open_st
     assert {
         dict(labels)["executor"] for name, labels in page if name == "vllm:num_requests_waiting"
     } == executors
+
+
+def test_redis_memory_is_the_stacks_own(pages, open_stack):
+    from gateway.response_store import DEFAULT_STORE_LIMITS, SIZES_KEY
+
+    client = open_stack.redis
+    for page in pages:
+        assert metric_total(page, "kvserve_redis_memory_used_bytes") > 0
+        assert metric_total(page, "kvserve_redis_memory_max_bytes") == int(
+            client.config_get("maxmemory")["maxmemory"]
+        )
+        assert metric_total(page, "kvserve_responses_stored_bytes") == int(
+            client.hget(SIZES_KEY, "total") or 0
+        )
+        assert metric_total(page, "kvserve_responses_max_total_bytes") == DEFAULT_STORE_LIMITS.max_total_bytes

@@ -1,6 +1,6 @@
 """The Responses API through the real stack with the `openai` client: the default model's stack (a gateway with
 --tool-call-parser none and a default one, hermes) for answers a model must make sense of, the keyed stack for
-tenants."""
+tenants, their limits and the bound on all tenants' stored bytes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from gateway.response_store import SIZES_KEY
 from tests.gateway.answers import openai_error
 from tests.gateway.tool_examples import WEATHER
 
@@ -210,3 +211,48 @@ def test_tenants_never_reach_each_other(keyed_stack):
     assert responses(owner, "GET", f"/{response_id}").json()["id"] == response_id  # still there for its owner
     continued = responses(owner, input="Go on.", previous_response_id=response_id, max_output_tokens=4)
     assert continued.status_code == 200, continued.text
+
+
+def _responses(base: str, key: str, method: str = "POST", path: str = "", **body) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"}
+    return httpx.request(method, f"{base}/v1/responses{path}", json=body or None, headers=headers, timeout=60)
+
+
+def test_reads_and_deletes_count_against_the_tenants_limits_on_every_gateway(keyed_stack):
+    key, _ = keyed_stack.key_store().create("responses-rpm", rpm=5)
+    path = "/resp_" + "0" * 32  # none such: each is a 404 while the tenant is within its limits
+    gateways = keyed_stack.gateways
+    answers = [_responses(gateways[i % 2].base, key, ("GET", "DELETE")[i % 2], path) for i in range(13)]
+    assert [a.status_code for a in answers] == [404] * 5 + [429] * 8
+    for refused in answers[5:]:
+        error = openai_error(refused, 429)
+        assert error["type"] == "requests" and error["code"] == "rate_limit_exceeded"
+        assert "requests per minute limit 5" in error["message"]
+        assert int(refused.headers["retry-after"]) >= 1
+    assert keyed_stack.key_store().usage("responses-rpm")["responses-rpm"]["rejected"] == 8
+
+
+def test_all_tenants_stored_bytes_bounded_refused_with_507_freed_by_delete(keyed_stack):
+    """A gateway whose bound is what the stack's Redis holds once one large response is stored: two more stores are
+    refused before they are generated, not-stored requests go on, and deleting that response makes room."""
+    store = keyed_stack.key_store()
+    owner, other = (store.create(tenant)[0] for tenant in ("bound-owner", "bound-other"))
+    large = _responses(keyed_stack.base, owner, input="many words " * 300, max_output_tokens=4)
+    assert large.status_code == 200, large.text
+    held = int(keyed_stack.redis.hget(SIZES_KEY, "total"))
+    bounded = keyed_stack.add_gateway("--require-api-key", "--responses-max-total-bytes", str(held))
+    try:
+        for key in (other, owner):
+            error = openai_error(_responses(bounded.base, key, input="Hi.", max_output_tokens=4), 507)
+            assert error["code"] == "response_store_full" and error["param"] == "store"
+            assert "--responses-max-total-bytes" in error["message"]
+        unstored = _responses(bounded.base, other, input="Hi.", max_output_tokens=4, store=False)
+        assert unstored.status_code == 200, unstored.text
+        deleted = _responses(bounded.base, owner, "DELETE", f"/{large.json()['id']}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"], deleted.text
+        kept = _responses(bounded.base, other, input="Hi.", max_output_tokens=4)
+        assert kept.status_code == 200, kept.text
+        found = _responses(bounded.base, other, "GET", f"/{kept.json()['id']}")
+        assert found.status_code == 200 and found.json()["id"] == kept.json()["id"]
+    finally:
+        keyed_stack.remove(bounded)
