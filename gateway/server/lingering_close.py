@@ -50,7 +50,7 @@ class LingeringHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.lingering = False
         self._message_done = True  # the current request's body has all arrived (none started yet)
-        self._lost = False
+        self._at_once = False  # the connection is gone, or the server stopping: a close is a close
         self._discarded = 0
         self._timers: list[asyncio.TimerHandle] = []
 
@@ -67,13 +67,17 @@ class LingeringHttpToolsProtocol(HttpToolsProtocol):
 
     def body_unread(self) -> bool:
         """Whether the client may still be sending this request's body: closing now would reset the connection."""
-        return not (self._message_done or self.lingering or self._lost)
+        return not (self._message_done or self.lingering or self._at_once)
 
     def linger(self) -> None:
         """Half-close (the response already written goes first, then the FIN) and discard what still arrives."""
+        transport = self._transport()
+        if not transport.can_write_eof():  # TLS cannot half-close
+            transport.close()
+            return
         self.lingering = True
         self.flow.resume_reading()
-        self._transport().write_eof()
+        transport.write_eof()
         self._timers = [
             self.loop.call_later(LINGER_S, self._close),
             self.loop.call_later(LINGER_IDLE_S, self._close),
@@ -91,14 +95,15 @@ class LingeringHttpToolsProtocol(HttpToolsProtocol):
         self._timers[1] = self.loop.call_later(LINGER_IDLE_S, self._close)
 
     def shutdown(self) -> None:
-        """The server is stopping: a lingering connection closes now."""
+        """The server is stopping: a lingering connection closes now, and none starts to linger."""
+        self._at_once = True
         if self.lingering:
             self._close()
         else:
             super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = True
+        self._at_once = True
         for timer in self._timers:
             timer.cancel()
         super().connection_lost(exc)
