@@ -61,6 +61,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="seconds one structured-outputs grammar may take to compile before its request is refused "
         "(default: %(default)s)",
     )
+    g.add_argument(
+        "--grammar-fast-budget",
+        type=float,
+        default=d.grammar_fast_budget,
+        help="seconds every structured-outputs grammar first gets in a compile lane that long compiles never "
+        "occupy; one that takes longer compiles in the slow lane, tenants in turns, up to "
+        "--grammar-compile-timeout (default: %(default)s)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

@@ -72,6 +72,9 @@ class EngineConfig:
     # structured outputs: seconds one grammar may take to compile before its process is killed and its request
     # refused (a regex's compile time grows with the square of its length)
     grammar_compile_timeout: float = 10.0
+    # seconds every grammar first gets in the fast lane, which long compiles never occupy; one that takes longer
+    # compiles in the slow lane (tenants in turns, up to grammar_compile_timeout)
+    grammar_fast_budget: float = 0.3
     # tokens a step computes at most; None: DEFAULT_MAX_NUM_BATCHED_TOKENS for the device (resolved)
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length
@@ -132,6 +135,8 @@ class EngineConfig:
             raise ValueError(
                 f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}"
             )
+        if not self.grammar_fast_budget > 0:
+            raise ValueError(f"grammar_fast_budget must be > 0 seconds, got {self.grammar_fast_budget}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -1,4 +1,4 @@
-"""The hostile requests of issue 27, as bytes: each attack's bodies are built and encoded before it starts, so
+"""The hostile requests of issues 27 and 49, as bytes: each attack's bodies are built and encoded before it starts, so
 what the benchmark measures is the server's cost of them, not this process's JSON encoder (which shares the CPU).
 Random parts come from a seeded generator: the same bodies every run, before and after a fix."""
 
@@ -50,7 +50,12 @@ class Sizes:
         "required", "case 6a: tool_choice (required: the schemas also constrain the output)"
     )
     messages: int = _size(20_000, "case 6b: how many tiny messages")
-    attack_max_tokens: int = _size(64, "cases 1, 2, 3, 6: the attacker's max_tokens")
+    attack_max_tokens: int = _size(64, "cases 1, 2, 3, 6, 7, 8: the attacker's max_tokens")
+    pattern_classes: int = _size(156, "cases 7, 8: [^a]* classes in the schema's string pattern")
+    pattern_requests: int = _size(16, "case 7: concurrent json_schema requests")
+    distinct_patterns: bool = _size(
+        False, "case 7: each request's pattern starts at another letter (no shared compile)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,8 @@ class Attack:
     bodies: list[bytes]  # sent at once, each on a connection of its own
     keyed: bool = True  # False: sent without any API key
     repeat_s: float = 0.0  # > 0: each connection sends its body again until this many seconds have passed
+    sends: int = 1  # each connection sends its body at least this many times, one after the other
+    victim: str = "chat"  # the victim's request measured beside it: "chat" or "json_schema" (victim_body)
 
     @property
     def body_bytes(self) -> int:
@@ -126,17 +133,18 @@ def class_regex(classes: int, first_letter: int = 0) -> str:
     return "".join(f"[^{letters[(first_letter + i) % len(letters)]}]*" for i in range(classes))
 
 
+def constrained_body(sizes: Sizes, model: str, prompt: str, **constraint) -> bytes:
+    """An attacker's chat of --attack-max-tokens with its output constrained (structured_outputs or
+    response_format)."""
+    return _encode(chat_body(model, _user(prompt), max_tokens=sizes.attack_max_tokens, **constraint))
+
+
 def regex(sizes: Sizes, model: str) -> Attack:
-    bodies = []
-    for i in range(sizes.regex_requests):
-        pattern = class_regex(sizes.regex_classes, i if sizes.distinct_regexes else 0)
-        body = chat_body(
-            model,
-            _user("Write anything."),
-            max_tokens=sizes.attack_max_tokens,
-            structured_outputs={"regex": pattern},
-        )
-        bodies.append(_encode(body))
+    letters = range(sizes.regex_requests) if sizes.distinct_regexes else [0] * sizes.regex_requests
+    regexes = [class_regex(sizes.regex_classes, first) for first in letters]
+    bodies = [
+        constrained_body(sizes, model, "Write anything.", structured_outputs={"regex": r}) for r in regexes
+    ]
     size = len(class_regex(sizes.regex_classes))
     same = "distinct" if sizes.distinct_regexes else "one"
     return Attack(
@@ -216,6 +224,43 @@ def many_messages(sizes: Sizes, model: str) -> Attack:
     return Attack("6b", f"messages x {len(messages):,} ({_kb(len(raw))})", [raw])
 
 
+def json_schema_format(schema: dict, name: str = "answer") -> dict:
+    """response_format for a JSON schema, as OpenAI's clients send it."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
+def pattern_schema(classes: int, first_letter: int = 0, title: str | None = None) -> dict:
+    """An object with one string whose pattern is class_regex: a small schema that compiles for minutes."""
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": f"^{class_regex(classes, first_letter)}$"}},
+        "required": ["code"],
+    }
+    return schema if title is None else {"title": title, **schema}
+
+
+def pattern_flood(sizes: Sizes, model: str) -> Attack:
+    letters = range(sizes.pattern_requests) if sizes.distinct_patterns else [0] * sizes.pattern_requests
+    formats = [json_schema_format(pattern_schema(sizes.pattern_classes, first)) for first in letters]
+    bodies = [constrained_body(sizes, model, "Fill in the form.", response_format=f) for f in formats]
+    same = "distinct" if sizes.distinct_patterns else "one"
+    description = (
+        f"{sizes.pattern_requests} x json_schema ({same}, pattern of {sizes.pattern_classes} classes) "
+        'vs a json_schema {"ok": boolean}'
+    )
+    return Attack("7", description, bodies, victim="json_schema")
+
+
+def refused_twice(sizes: Sizes, model: str) -> Attack:
+    """One pathological schema sent, and once refused, sent again: the second answer's time is the case's.
+    Titled apart from case 7's schemas, so that their refusal is not this one's (against a stack that ran this
+    case before, the first answer is at once too)."""
+    schema = pattern_schema(sizes.pattern_classes, title="refused twice")
+    body = constrained_body(sizes, model, "Fill in the form.", response_format=json_schema_format(schema))
+    description = f"json_schema (pattern of {sizes.pattern_classes} classes) refused, then sent again"
+    return Attack("8", description, [body], sends=2)
+
+
 ATTACKS: dict[str, Callable[[Sizes, str], Attack]] = {
     "1": logit_bias,
     "2": stop_strings,
@@ -224,6 +269,8 @@ ATTACKS: dict[str, Callable[[Sizes, str], Attack]] = {
     "5": top_logprobs,
     "6a": tools,
     "6b": many_messages,
+    "7": pattern_flood,
+    "8": refused_twice,
 }
 
 

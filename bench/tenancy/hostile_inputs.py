@@ -1,16 +1,18 @@
-"""Hostile inputs from one tenant against another's latency (issue 27): what the worst tenant does to the others.
+"""Hostile inputs from one tenant against another's latency (issues 27, 49): what the worst tenant does to the others.
 
 Starts a one-executor `kvserve up` (default model, float32, CPU, a Redis of its own) with two API keys, alpha
 the attacker and beta the victim (bench/tenancy/tenant_stack.py), or uses a running stack (--url with both
 keys). The victim's request is a streamed chat of 32 tokens (temperature 0, ignore_eos); its latency alone is
-the median of --reps. Then, per case: the attack starts from alpha in a process of its own
+the median of --reps. Case 7's victim is instead a streamed chat constrained by a json_schema `{"ok": boolean}`,
+titled anew each time so that its grammar compiles each time (a cached one would wait for no compiler), with an
+alone of its own. Then, per case: the attack starts from alpha in a process of its own
 (bench/tenancy/hostile_bodies.py; case 4 sends no key at all), the victim's request follows --delay seconds
 later, and everything is bounded: the victim by --timeout, the attack's requests by --delay + --timeout (then
 their connections are closed). /health/live is polled throughout. Before the next case the stack must be quiet
 again: the executors idle on /metrics and a victim request back near its time alone, within --settle-timeout
 (reported as "quiet again after").
 
-    python -m bench.tenancy.hostile_inputs [--cases 1,2,3,4,5,6] [--timeout 120] [--out FILE.json]
+    python -m bench.tenancy.hostile_inputs [--cases 1,2,3,4,5,6,7,8] [--timeout 120] [--out FILE.json]
     python -m bench.tenancy.hostile_inputs --url http://127.0.0.1:8000 --alpha-key KEY --beta-key KEY [--metrics-url URL]
 
 Prints a markdown table. "> T s": not done within T seconds.
@@ -29,7 +31,6 @@ import signal
 import statistics
 import sys
 import time
-from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,34 +39,16 @@ import httpx
 
 from bench.faults.fuzz import executor_load, idle
 from bench.stream import stream_request
-from bench.tenancy.hostile_bodies import ATTACKS, CHAT, Attack, Sizes, parse_cases
+from bench.tenancy.hostile_attack import attack_in_process
+from bench.tenancy.hostile_bodies import ATTACKS, CHAT, Attack, Sizes, json_schema_format, parse_cases
+from bench.tenancy.hostile_report import Exchange, Victim, markdown_table
 from bench.tenancy.tenant_stack import tenant_stack
 
 VICTIM_PROMPT = "Write a short story about a robot."
-ERROR_EVENT = b'data: {"error"'  # how the gateway reports a refusal after a stream began
 LIVE_POLL_S = 0.25
 # the stack is quiet again when a victim request takes at most this much more than alone: on a shared
 # machine a latency exactly at its median is not to be expected
 QUIET_FACTOR, QUIET_SLACK_S = 1.5, 0.25
-
-
-@dataclass(slots=True)
-class Exchange:
-    """One attacker request as the client saw it."""
-
-    status: int | None = None  # None: no HTTP answer
-    seconds: float = 0.0
-    finished: bool = False  # False: cut at the attack's deadline
-    error_event: bool = False  # a 200 stream that carried an error event
-    bytes_received: int = 0
-    error: str | None = None  # the transport's, when there was no answer
-
-
-@dataclass(slots=True)
-class Victim:
-    latency: float | None  # None: not done within the timeout
-    ttft: float | None = None
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +62,8 @@ class CaseResult:
     quiet_after: (
         float | None
     )  # seconds from the attack's end until the stack was quiet; None: not within bound
+    sends: int = 1  # each connection's requests, one after the other
+    alone_s: float | None = None  # the case's victim alone, where it is not the chat's
 
 
 @dataclass(slots=True)
@@ -94,86 +79,56 @@ class Setup:
     delay: float
     timeout: float
     settle_timeout: float
-    alone: float = 0.0  # the victim's median latency alone
+    alone: float = 0.0  # the chat victim's median latency alone
+    alone_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)  # the other victims'
+    probes: int = 0  # json_schema victims sent so far: each is titled with its number
 
 
-def victim_body(model: str, max_tokens: int) -> dict:
-    return {
+def victim_body(model: str, max_tokens: int, kind: str = "chat", probe: int = 0) -> dict:
+    """The chat victim runs to max_tokens; the json_schema one ends where its grammar does."""
+    body = {
         "model": model,
         "messages": [{"role": "user", "content": VICTIM_PROMPT}],
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": True,
+        "ignore_eos": kind == "chat",
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if kind == "json_schema":
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        body["response_format"] = json_schema_format({"title": f"probe {probe}", **schema})
+    return body
 
 
-async def measure_victim(setup: Setup, timeout: float) -> Victim:
+async def measure_victim(setup: Setup, timeout: float, kind: str = "chat") -> Victim:
     """The victim's streamed request, bounded: past the timeout the stream is closed."""
+    setup.probes += kind == "json_schema"
+    body = victim_body(setup.model, setup.victim_tokens, kind, setup.probes)
     started = time.perf_counter()
-    request = stream_request(setup.victim, CHAT, victim_body(setup.model, setup.victim_tokens), 0, started)
+    request = stream_request(setup.victim, CHAT, body, 0, started)
     try:
         result = await asyncio.wait_for(request, max(timeout, 0.001))
     except TimeoutError:
         return Victim(None, error=f"not done within {timeout:g} s")
     error = result.error
-    if error is None and result.output_tokens != setup.victim_tokens:
+    if error is None and kind == "chat" and result.output_tokens != setup.victim_tokens:
         error = f"{result.output_tokens} output tokens, not {setup.victim_tokens}"
+    if error is None and not result.output_tokens:
+        error = "no output tokens"
     return Victim(result.e2e, result.ttft, error)
 
 
-async def send_body(client: httpx.AsyncClient, raw: bytes, exchange: Exchange) -> None:
-    """POST one attacker body and read the whole answer, noting its status and any error event as it comes."""
-    headers = {"content-type": "application/json"}
-    async with client.stream("POST", CHAT, content=raw, headers=headers) as response:
-        exchange.status = response.status_code
-        tail = b""
-        async for chunk in response.aiter_bytes():  # not parsed: the answer may be ~100 MB of logprobs
-            exchange.bytes_received += len(chunk)
-            window = tail + chunk
-            exchange.error_event |= ERROR_EVENT in window
-            tail = window[-len(ERROR_EVENT) :]
-    exchange.finished = True
-
-
-async def run_attack(
-    attack: Attack, url: str, alpha_key: str, started: float, deadline: float
-) -> list[Exchange]:
-    """Every body on its own connection (sent again while attack.repeat_s lasts), each cut at the deadline."""
-    headers = {"authorization": f"Bearer {alpha_key}"} if attack.keyed else {}
-    limits = httpx.Limits(max_connections=len(attack.bodies))
-    exchanges: list[Exchange] = []
-    timeout = httpx.Timeout(deadline - time.monotonic() + 5)  # the deadline below cuts first
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=timeout) as client:
-
-        async def connection(raw: bytes) -> None:
-            while True:
-                exchange = Exchange()
-                exchanges.append(exchange)
-                sent = time.monotonic()
-                try:
-                    await asyncio.wait_for(send_body(client, raw, exchange), max(deadline - sent, 0.001))
-                except TimeoutError:
-                    pass  # exchange.finished stays False
-                except httpx.HTTPError as error:
-                    exchange.error = f"{type(error).__name__}: {error}"
-                exchange.seconds = time.monotonic() - sent
-                now = time.monotonic()
-                if not (now < started + attack.repeat_s and now < deadline):
-                    return
-
-        await asyncio.gather(*(connection(raw) for raw in attack.bodies))
-    return exchanges
-
-
-def attack_in_process(
-    attack: Attack, url: str, alpha_key: str, started: float, deadline: float
-) -> list[Exchange]:
-    """run_attack in a process of its own: a flood's client work (sending gigabytes) would otherwise slow the
-    victim's stream in this process's event loop and be counted as the server's doing. time.monotonic is the
-    same clock in every process."""
-    return asyncio.run(run_attack(attack, url, alpha_key, started, deadline))
+async def alone(setup: Setup, reps: int, kind: str = "chat") -> list[Victim]:
+    """The victim's request with no attack running, reps times; RuntimeError when one fails. A constrained
+    victim's first request is not counted: the executor builds its grammar compiler on first use."""
+    if kind != "chat":
+        await measure_victim(setup, setup.timeout, kind)
+    measured = [await measure_victim(setup, setup.timeout, kind) for _ in range(reps)]
+    failed = [v.error for v in measured if v.error is not None]
+    if failed:
+        raise RuntimeError(f"the victim's {kind} request failed with no attack running: {failed[0]}")
+    return measured
 
 
 async def poll_live(url: str, latencies: list[float], timeout: float) -> None:
@@ -228,7 +183,7 @@ async def run_case(attack: Attack, setup: Setup) -> CaseResult:
         )
         try:
             await asyncio.sleep(setup.delay)
-            victim = await measure_victim(setup, setup.timeout)
+            victim = await measure_victim(setup, setup.timeout, attack.victim)
             exchanges = await attacking  # bounded by the deadline in its process
         finally:
             poller.cancel()
@@ -236,7 +191,15 @@ async def run_case(attack: Attack, setup: Setup) -> CaseResult:
                 await poller
     quiet_after = await wait_quiet(setup)
     return CaseResult(
-        attack.case, attack.description, attack.body_bytes, exchanges, victim, live, quiet_after
+        attack.case,
+        attack.description,
+        attack.body_bytes,
+        exchanges,
+        victim,
+        live,
+        quiet_after,
+        attack.sends,
+        setup.alone_by_kind.get(attack.victim),
     )
 
 
@@ -284,18 +247,23 @@ async def measure(args: argparse.Namespace, url: str, metrics_url: str, alpha: s
             print(
                 f"note: {metrics_url} shows no executor load; quiet is judged by the victim alone", flush=True
             )
-        alone = [await measure_victim(setup, args.timeout) for _ in range(args.reps)]
-        failed = [v.error for v in alone if v.error is not None]
-        if failed:
-            raise RuntimeError(f"the victim's request failed with no attack running: {failed[0]}")
-        setup.alone = statistics.median(v.latency for v in alone)
-        ttft_alone = statistics.median(v.ttft for v in alone)
+        chat_alone = await alone(setup, args.reps)
+        setup.alone = statistics.median(v.latency for v in chat_alone)
+        ttft_alone = statistics.median(v.ttft for v in chat_alone)
         print(
             f"victim alone: {setup.alone:.2f} s (TTFT {ttft_alone:.2f} s), median of {args.reps}", flush=True
         )
         results = []
         for case in args.cases:
             attack = ATTACKS[case](sizes, model)
+            if attack.victim != "chat" and attack.victim not in setup.alone_by_kind:
+                measured = await alone(setup, args.reps, attack.victim)
+                setup.alone_by_kind[attack.victim] = statistics.median(v.latency for v in measured)
+                print(
+                    f"{attack.victim} victim alone: {setup.alone_by_kind[attack.victim]:.2f} s, "
+                    f"median of {args.reps}",
+                    flush=True,
+                )
             print(f"case {case}: {attack.description} ...", flush=True)
             results.append(await run_case(attack, setup))
     return {
@@ -306,95 +274,12 @@ async def measure(args: argparse.Namespace, url: str, metrics_url: str, alpha: s
         "timeout_s": args.timeout,
         "delay_s": args.delay,
         "settle_timeout_s": setup.settle_timeout,
-        "alone": [asdict(v) for v in alone],
+        "alone": [asdict(v) for v in chat_alone],
         "alone_s": setup.alone,
         "alone_ttft_s": ttft_alone,
         "sizes": asdict(sizes),
         "cases": [asdict(r) for r in results],
     }
-
-
-# --- the report ---------------------------------------------------------------------------------------------
-
-
-def seconds(value: float | None, bound: float) -> str:
-    return f"> {bound:g} s" if value is None else f"{value:.2f} s"
-
-
-def attacker_status(exchanges: list[Exchange]) -> str:
-    """`401 x48`, `200`, `200 + error event, cut`: each answer's status, and how many were cut at the deadline."""
-    labels = Counter(
-        ("no answer" if e.status is None else str(e.status)) + (" + error event" if e.error_event else "")
-        for e in exchanges
-    )
-    parts = [label if n == 1 else f"{label} x{n}" for label, n in sorted(labels.items())]
-    cut = sum(not e.finished and e.error is None for e in exchanges)
-    if cut:
-        parts.append("cut" if len(exchanges) == 1 else f"{cut} cut")
-    return ", ".join(parts)
-
-
-def attacker_time(exchanges: list[Exchange]) -> str:
-    """One request's time, or the (lower) median and max of many; `> x s` where cut at the deadline."""
-
-    def one(e: Exchange) -> str:
-        return f"{'> ' if not e.finished and e.error is None else ''}{e.seconds:.2f} s"
-
-    if len(exchanges) == 1:
-        return one(exchanges[0])
-    ordered = sorted(exchanges, key=lambda e: e.seconds)
-    return f"median {one(ordered[(len(ordered) - 1) // 2])}, max {one(ordered[-1])}"
-
-
-def victim_cells(victim: Victim, alone: float, timeout: float) -> tuple[str, str, str]:
-    """Latency under attack, its ratio to alone, TTFT; an error is named beside the latency."""
-    latency = seconds(victim.latency, timeout)
-    if victim.error is not None and victim.latency is not None:
-        latency += f" ({victim.error[:60]})"
-    ratio = f"> {timeout / alone:.0f}x" if victim.latency is None else f"{victim.latency / alone:.1f}x"
-    ttft = "-" if victim.ttft is None else f"{victim.ttft:.2f} s"
-    return latency, ratio, ttft
-
-
-def live_cell(latencies: list[float]) -> str:
-    if not latencies:
-        return "-"
-    return f"max {max(latencies):.2f} s, median {statistics.median(latencies):.3f} s"
-
-
-def markdown_table(report: dict) -> str:
-    alone, timeout = report["alone_s"], report["timeout_s"]
-    header = [
-        "case",
-        "hostile input",
-        "attacker status",
-        "attacker time",
-        "victim alone",
-        "victim under attack",
-        "ratio",
-        "victim TTFT",
-        "/health/live",
-        "quiet again after",
-    ]
-    rows = [header, ["---"] * len(header)]
-    for case in report["cases"]:
-        exchanges = [Exchange(**e) for e in case["attacker"]]
-        latency, ratio, ttft = victim_cells(Victim(**case["victim"]), alone, timeout)
-        rows.append(
-            [
-                case["case"],
-                case["description"],
-                attacker_status(exchanges),
-                attacker_time(exchanges),
-                f"{alone:.2f} s",
-                latency,
-                ratio,
-                ttft,
-                live_cell(case["live_latencies"]),
-                seconds(case["quiet_after"], report["settle_timeout_s"]),
-            ]
-        )
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
 # --- the command --------------------------------------------------------------------------------------------
@@ -406,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--cases", type=parse_cases, default="1,2,3,4,5,6", help="e.g. 1,3,6 (6: 6a and 6b)")
+    parser.add_argument(
+        "--cases", type=parse_cases, default="1,2,3,4,5,6,7,8", help="e.g. 1,3,6 (6: 6a and 6b)"
+    )
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds the victim may take per measurement"
     )

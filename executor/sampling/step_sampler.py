@@ -14,7 +14,7 @@ from executor.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, StepLogits
 from executor.request import Request
 from executor.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from executor.spec_decode import verify
-from executor.structured.grammars import step_bitmask
+from executor.structured.grammar_masks import step_bitmask
 
 
 @dataclass(slots=True)

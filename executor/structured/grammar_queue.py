@@ -21,6 +21,7 @@ class GrammarQueue:
         self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], config: EngineConfig
     ) -> None:
         self._grammar_args = (tokenizer, vocab_size, eos_token_ids, config.grammar_compile_timeout)
+        self._fast_budget_s = config.grammar_fast_budget
         self._grammars: Grammars | None = None
         self.max_waiting_seqs = config.max_waiting_seqs
         self.requests: list[Request] = []  # in arrival order
@@ -28,7 +29,7 @@ class GrammarQueue:
     @property
     def grammars(self) -> Grammars:
         if self._grammars is None:
-            self._grammars = Grammars(*self._grammar_args)
+            self._grammars = Grammars(*self._grammar_args, fast_budget_s=self._fast_budget_s)
         return self._grammars
 
     def __len__(self) -> int:
@@ -44,7 +45,9 @@ class GrammarQueue:
         if known is None or not known.done():
             self._check_room(tenant)
         compiled = self.grammars.compile(spec, tenant)
-        if compiled.done() and compiled.exception() is not None:  # cached, so the spec's own: a ValueError
+        if (
+            compiled.done() and compiled.exception() is not None
+        ):  # refused before, so the spec's own: a ValueError
             raise ValueError(str(compiled.exception()))
         return compiled
 

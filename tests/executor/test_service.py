@@ -496,8 +496,14 @@ def test_requests_waiting_for_their_grammars_are_bounded_and_a_compile_past_its_
         )
         assert reasons == {"plain": "length"} and not service.engine.has_unfinished()
         client.generate("again", PROMPT_B, max_tokens=3, structured_outputs={"regex": "(ab)+"})
-        _, reasons, errors, _ = client.collect({"again"}, timeout=120)
-        assert not errors and reasons["again"] in ("stop", "length")
+        _, reasons, failed, _ = client.collect({"again"}, timeout=120)
+        assert not failed and reasons["again"] in ("stop", "length")
+        # the refusal is remembered: asked again, the same 400 at once, with no compile queued
+        compiled = service.engine.grammars.num_compiled
+        client.generate("slow again", PROMPT_B, max_tokens=3, structured_outputs={"regex": slow})
+        _, _, again, _ = client.collect({"slow again"}, timeout=120)
+        assert again["slow again"].code == 400 and again["slow again"].message == errors["slow"].message
+        assert service.engine.grammars.num_compiled == compiled
 
 
 def test_a_request_that_waits_too_long_without_starting_is_handed_back_as_busy(tiny_models):

@@ -7,6 +7,7 @@ within a small bound of its time alone. bench/tenancy/hostile_inputs.py measures
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import statistics
 import time
 
@@ -119,6 +120,44 @@ def test_a_regex_that_compiles_for_seconds(tenants, alone):
     # the worker that was killed is replaced: a grammar compiles afterwards
     plain = _chat(base, alpha, structured_outputs={"regex": "(yes|no)"}, max_tokens=8, temperature=0)
     assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def test_a_flood_of_slow_patterns_leaves_another_tenants_schema_to_the_fast_lane(tenants):
+    """Alpha's schemas, whose string pattern has 156 overlapping classes, outgrow the fast lane's budget and run
+    out of the slow lane's deadline; beta's plain schema, sent while they compile, is answered before any of
+    them is refused (it never waits for a slow compile), and alpha's schema sent again is refused at once, with
+    the same message: no compile can be refused for its deadline before the deadline has passed."""
+    base, alpha, beta = tenants
+    pattern = "^" + EVIL_REGEX[: 156 * 5] + "$"
+    flood = _json_schema({"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}})
+    plain = _json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+
+    def timed(key: str, **body) -> tuple[httpx.Response, float]:
+        response = _chat(base, key, max_tokens=16, temperature=0, **body)
+        return response, time.monotonic()
+
+    with concurrent.futures.ThreadPoolExecutor(17) as pool:
+        attack = [pool.submit(timed, alpha, response_format=flood) for _ in range(16)]
+        time.sleep(0.3)
+        victim, answered = timed(beta, response_format=plain)
+        refusals = [future.result(timeout=120) for future in attack]
+    assert victim.status_code == 200, victim.text
+    choice = victim.json()["choices"][0]
+    assert choice["finish_reason"] == "length" or isinstance(
+        json.loads(choice["message"]["content"])["ok"], bool
+    )
+    messages = {_refused(response, 400, "response_format.json_schema.schema") for response, _ in refusals}
+    (message,) = messages
+    assert "--grammar-compile-timeout" in message
+    assert answered < min(refused_at for _, refused_at in refusals)
+    started = time.monotonic()
+    again, _ = timed(alpha, response_format=flood)
+    assert time.monotonic() - started < COMPILE_TIMEOUT_S
+    assert _refused(again, 400, "response_format.json_schema.schema") == message
 
 
 def test_keyless_bodies_cost_the_gateway_little(tenants, alone):

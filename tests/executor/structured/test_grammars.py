@@ -21,7 +21,8 @@ from executor import LLM, SamplingParams
 from executor.engine import Engine
 from executor.engine_busy import EngineBusy
 from executor.kv.layout import kv_block_bytes
-from executor.structured.grammars import Grammars, step_bitmask
+from executor.structured.grammar_masks import step_bitmask
+from executor.structured.grammars import Grammars
 from shared.structured_outputs import StructuredOutputsParams
 from shared.tenant import Tenant
 from tests.processes import REPO, eventually
@@ -36,7 +37,7 @@ PERSON = {
 }
 PHONE = r"[0-9]{3}-[0-9]{4}"
 SPEC = dict(speculative_model="ngram", num_speculative_tokens=4, speculative_disable_by_batch_size=64)
-DEADLINE_S = 0.5  # the tiny engine's --grammar-compile-timeout
+DEADLINE_S = 0.5  # the tiny engine's --grammar-compile-timeout, and its --grammar-fast-budget: one lane
 
 
 def slow_regex(classes: int = 60) -> str:
@@ -97,12 +98,14 @@ def tiny(tiny_models) -> str:
 @pytest.fixture(scope="module")
 def tiny_engine(tiny):
     """One engine for the compile tests, a short deadline and room for 3 requests waiting for their grammars;
-    each test leaves it with nothing unfinished."""
+    each test leaves it with nothing unfinished. Its fast lane's budget is the deadline, so every compile runs
+    there and what waits behind what does not depend on when a spec moves lanes (test_grammar_lanes.py)."""
     engine = LLM(
         tiny,
         kv_cache_memory="4MiB",
         max_model_len=512,
         grammar_compile_timeout=DEADLINE_S,
+        grammar_fast_budget=DEADLINE_S,
         max_waiting_seqs=3,
     ).engine
     yield engine
@@ -227,8 +230,8 @@ def test_a_grammar_past_its_deadline_fails_alone_and_the_next_compiles_in_a_fres
     engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
     after = SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=constrained(regex="(ab)+"))
     engine.add_request("after", [7, 8, 9], after)  # the same tenant's, so compiled after "slow"
-    assert eventually(lambda: engine.grammars.worker_pid is not None, timeout=30)
-    first_pid = engine.grammars.worker_pid
+    assert eventually(lambda: engine.grammars.worker_pids[0] is not None, timeout=30)
+    first_pid = engine.grammars.worker_pids[0]
     finished, tokens = run_to_the_end(engine)
     assert list(finished)[0] == "plain"  # it never waited for the compile
     assert finished["slow"].error == (
@@ -237,27 +240,27 @@ def test_a_grammar_past_its_deadline_fails_alone_and_the_next_compiles_in_a_fres
     assert finished["slow"].error_code == 400 and not finished["slow"].new_token_ids
     assert finished["after"].error is None and finished["after"].finish_reason in ("stop", "length")
     assert re.fullmatch("((ab)+)?a?", engine.tokenizer.decode(tokens["after"], skip_special_tokens=True))
-    assert gone(first_pid) and engine.grammars.worker_pid not in (None, first_pid)
+    assert gone(first_pid) and engine.grammars.worker_pids[0] not in (None, first_pid)
     assert engine.stats().kv_blocks_used == 0
 
 
 def test_a_compile_process_that_dies_fails_its_request_as_our_fault_and_is_replaced(tiny_engine):
     engine, grammars = tiny_engine, tiny_engine.grammars
     grammars.compile(constrained(regex="(warm)+"), salted("dies")).result(timeout=120)
-    grammars.timeout_s = 120  # for this test: time to kill the process mid-compile from here
+    grammars.timeout_s = grammars.fast_budget_s = 120  # for this test: time to kill the process mid-compile
     try:
         params = SamplingParams(max_tokens=2, structured_outputs=constrained(regex=slow_regex(70)))
         engine.add_request("dies", [1, 2, 3], params, salted("dies"))
-        pid = grammars.worker_pid
+        pid = grammars.worker_pids[0]
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
         finished, _ = run_to_the_end(engine)
     finally:
-        grammars.timeout_s = DEADLINE_S
+        grammars.timeout_s = grammars.fast_budget_s = DEADLINE_S
     assert finished["dies"].error_code == 500  # the spec may well be fine: it is not called bad
     assert "structured_outputs.regex: the grammar compiler failed" in finished["dies"].error
     assert grammars.compile(constrained(regex="(after)+"), salted("dies")).result(timeout=120) is not None
-    assert gone(pid) and grammars.worker_pid not in (None, pid)
+    assert gone(pid) and grammars.worker_pids[0] not in (None, pid)
 
 
 def test_requests_waiting_for_their_grammar_hold_no_place_in_the_waiting_queue(tiny_engine):
@@ -388,10 +391,11 @@ def test_grammars_compile_once_per_spec_within_a_bounded_cache_and_close_ends_th
         grammars.compile(spec).result()
     grammars.compile(specs[0]).result()  # the least recently used, dropped for c+
     assert grammars.num_compiled == 4
-    pid = grammars.worker_pid
+    pids = [*grammars.worker_pids, grammars.server_pid]
     queued = grammars.compile(constrained(regex=slow_regex()))
     grammars.close()
-    assert gone(pid) and grammars.worker_pid is None and queued.done()
+    assert all(gone(pid) for pid in pids) and grammars.worker_pids == (None, None) and queued.done()
+    assert grammars.server_pid is None
     with pytest.raises(RuntimeError, match="closed"):
         grammars.compile(specs[1])
 
@@ -406,17 +410,19 @@ from shared.structured_outputs import StructuredOutputsParams as Spec
 tokenizer = AutoTokenizer.from_pretrained({tiny!r})
 grammars = Grammars(tokenizer, len(tokenizer), frozenset({{tokenizer.eos_token_id}}), timeout_s=600)
 grammars.compile(Spec(regex="a+")).result()
-grammars.compile(Spec(regex={slow_regex(80)!r}))  # minutes, niced
-print(grammars.worker_pid, flush=True)
+grammars.compile(Spec(regex={slow_regex(80)!r}))  # minutes, niced: past the fast budget, on to the slow lane
+while grammars.num_slow == 0 or grammars.worker_pids[1] is None:
+    time.sleep(0.05)
+print(grammars.worker_pids[1], grammars.server_pid, flush=True)
 time.sleep(600)
 """
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
-        worker = int(parent.stdout.readline())
+        processes = [int(pid) for pid in parent.stdout.readline().split()]  # the slow lane's, the server
         time.sleep(1)  # into the compile
-        assert not gone(worker)
+        assert not any(gone(pid) for pid in processes)
         os.kill(parent.pid, signal.SIGKILL)
-        assert eventually(lambda: gone(worker), timeout=10)
+        assert eventually(lambda: all(gone(pid) for pid in processes), timeout=10)
     finally:
         parent.kill()
         parent.wait()
