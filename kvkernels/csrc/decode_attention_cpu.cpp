@@ -202,26 +202,27 @@ DecodeAttention::DecodeAttention(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, 
       D_(D), B_(B), Hkv_(Hkv), group_(Hq / Hkv), vectorized_(D == 32 || D == 64 || D == 128) {
   // a sequence's kv heads together where there are sequences enough for every thread; else one a work item
   per_item_ = S_ >= 2 * threads ? Hkv_ : 1;
-  const int64_t units = S_ * (Hkv_ / per_item_);
   for (int64_t s = 0; s < S_; ++s) most_parts_ = std::max(most_parts_, parts_of(s));
   for (int64_t part = 0; part < most_parts_; ++part)
-    for (int64_t u = 0; u < units; ++u)
+    for (int64_t u = 0; u < units(); ++u)
       if (part < parts_of(u / (Hkv_ / per_item_))) items_.push_back({u, part});
   if (most_parts_ > 1) {
-    partial_out_.resize(units * most_parts_ * rows() * D_);
-    partial_stats_.resize(units * most_parts_ * rows() * 2);
+    partial_out_.resize(units() * most_parts_ * rows() * D_);
+    partial_stats_.resize(units() * most_parts_ * rows() * 2);
   }
 }
 
-// Parts of about kPartTokens positions each, by the context's length alone: never by the thread count, whose
-// change (the CPU thread governor's) would move the cut and so the merge's rounding, nor by the batch beside it.
-// Against a cut into as many parts as threads need: one stream of ~170 positions on two threads cuts in two
-// either way; 16 streams of ~330, three parts merged a head where that cut none. Only the vectorized head sizes
-// keep the running maximum and sum a merge needs.
+// Parts of at most kPartTokens positions, by the context's length alone: never by the thread count, whose change
+// (the CPU thread governor's) would move the cut and so the merge's rounding, nor by the batch beside it. A power
+// of two of them, so that one stream's 3 kv heads make an even number of work items: at 257-512 positions the
+// two halves a cut by two threads made. At most kMaxParts, so that the merge stays a few parts a head. Only the
+// vectorized head sizes keep the running maximum and sum a merge needs.
 int64_t DecodeAttention::parts_of(int64_t s) const {
   if (!vectorized_) return 1;
   const int64_t blocks = (lens_[s] + B_ - 1) / B_, part_blocks = std::max<int64_t>(1, kPartTokens / B_);
-  return std::clamp<int64_t>((blocks + part_blocks - 1) / part_blocks, 1, kMaxParts);
+  int64_t parts = 1;
+  while (parts < kMaxParts && parts * part_blocks < blocks) parts *= 2;
+  return std::max<int64_t>(1, std::min(parts, blocks));  // each part a block at least
 }
 
 void DecodeAttention::set(const float* query, int64_t query_stride, const float* key_cache, const float* value_cache,
@@ -279,30 +280,31 @@ void DecodeAttention::store(int64_t w, const std::vector<float>& scratch) {
 
 void DecodeAttention::finish() {
   if (most_parts_ == 1) return;
+  for (int64_t u = 0; u < units(); ++u) finish_unit(u);
+}
+
+void DecodeAttention::finish_unit(int64_t u) {
   // each query head of a cut context: its parts' outputs weighed by exp(part max - overall max), over their sums
   // likewise, in the parts' order
-  const int64_t rows = this->rows(), units = S_ * (Hkv_ / per_item_);
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t parts = parts_of(u / (Hkv_ / per_item_));
-    if (parts == 1) continue;  // stored whole
-    for (int64_t r = 0; r < rows; ++r) {
-      auto stats = [&](int64_t p) { return partial_stats_.data() + ((u * most_parts_ + p) * rows + r) * 2; };
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, stats(p)[0]);
-      float sum = 0.f;
-      float* orow = out_ + (u * rows + r) * D_;
-      std::fill(orow, orow + D_, 0.f);
-      for (int64_t p = 0; p < parts; ++p) {
-        const float* st = stats(p);
-        if (st[1] == 0.f) continue;  // a part whose scores were all -inf
-        const float weight = std::exp(st[0] - mx);
-        sum += st[1] * weight;
-        const float* po = partial_out_.data() + ((u * most_parts_ + p) * rows + r) * D_;
-        for (int64_t i = 0; i < D_; ++i) orow[i] += weight * po[i];
-      }
-      const float inv = 1.f / sum;
-      for (int64_t i = 0; i < D_; ++i) orow[i] *= inv;
+  const int64_t parts = parts_of(u / (Hkv_ / per_item_)), rows = this->rows();
+  if (parts == 1) return;  // stored whole
+  for (int64_t r = 0; r < rows; ++r) {
+    auto stats = [&](int64_t p) { return partial_stats_.data() + ((u * most_parts_ + p) * rows + r) * 2; };
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, stats(p)[0]);
+    float sum = 0.f;
+    float* orow = out_ + (u * rows + r) * D_;
+    std::fill(orow, orow + D_, 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* st = stats(p);
+      if (st[1] == 0.f) continue;  // a part whose scores were all -inf
+      const float weight = std::exp(st[0] - mx);
+      sum += st[1] * weight;
+      const float* po = partial_out_.data() + ((u * most_parts_ + p) * rows + r) * D_;
+      for (int64_t i = 0; i < D_; ++i) orow[i] += weight * po[i];
     }
+    const float inv = 1.f / sum;
+    for (int64_t i = 0; i < D_; ++i) orow[i] *= inv;
   }
 }
 
@@ -324,6 +326,10 @@ at::Tensor decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor v
                 out.data_ptr<float>());
   parallel_dynamic(attention.items(), [] { return std::vector<float>(); },
                    [&](int64_t w, std::vector<float>& scratch) { attention.run(w, scratch); });
-  attention.finish();
+  // many sequences' merges share the threads; one stream's few are not worth waking them again
+  if (attention.units() >= 4 * at::get_num_threads() && attention.items() > attention.units())
+    parallel_dynamic(attention.units(), [] { return 0; }, [&](int64_t u, int) { attention.finish_unit(u); });
+  else
+    attention.finish();
   return out;
 }

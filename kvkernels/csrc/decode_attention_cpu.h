@@ -27,11 +27,14 @@ class DecodeAttention {
   }
   // after every item was stored: the parts of each cut context merged into out, in the parts' order
   void finish();
+  // finish for one unit (a sequence's kv heads of one work item), from any thread, each once
+  void finish_unit(int64_t u);
+  int64_t units() const { return S_ * (Hkv_ / per_item_); }
 
  private:
-  // A context is cut into parts of about kPartTokens positions (whole blocks), at most kMaxParts: one stream's
-  // few kv heads then make work for every thread, and the serial merge stays a few parts a head.
-  static constexpr int64_t kPartTokens = 128, kMaxParts = 8;
+  // A context is cut into parts of at most kPartTokens positions (whole blocks; up to kMaxParts, then longer):
+  // one stream's few kv heads then make work for every thread, and the merge stays a few parts a head.
+  static constexpr int64_t kPartTokens = 256, kMaxParts = 8;
   struct Work {
     int64_t unit, part;  // unit: a sequence's kv heads [h, h + per_item), sequence-major
   };

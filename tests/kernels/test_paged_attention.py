@@ -72,7 +72,7 @@ def test_cpu_decode_kernel_block_by_block(heads, kv_heads, dim, seq_lens, scale,
     ("kv_heads", "seq_lens"), [(3, [333]), (1, [333]), (1, [1, 333]), (1, [40, 17]), (2, [31])]
 )
 def test_cpu_decode_kernel_cuts_a_few_contexts_into_parts(threads, kv_heads, seq_lens):
-    """The kernel cuts each context of more than 128 positions into parts of whole blocks and merges their
+    """The kernel cuts each context of more than 256 positions into parts of whole blocks and merges their
     softmaxes: beside a sequence too short to cut (one position, 17, 31), on every thread count, a sequence's kv
     heads together or apart."""
     if cpu_kernels() is None:
