@@ -36,6 +36,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "phases of team steps whose missing work a thread did as well (another held it), so far")
       .def("set_team_wait_us", &DecoderStack::set_team_wait_us,
            "how long a team thread waits for work another holds before doing it as well (tests: 0)")
+      .def("set_team_stall", &DecoderStack::set_team_stall,
+           "tests: the team's last thread sleeps us microseconds between computing every every-th piece of work "
+           "it claimed and keeping it (every 0: never)",
+           pybind11::arg("every"), pybind11::arg("us"))
+      .def("set_team_throw", &DecoderStack::set_team_throw,
+           "tests: the team's last thread throws at the at-th piece of work it computes (0: never)")
       .def("forward", &DecoderStack::forward,
            "(the last layer's addition, the residual before it) of a step of decodes, one token per sequence");
 }

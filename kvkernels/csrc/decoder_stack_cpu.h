@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -48,9 +49,14 @@ class DecoderStack {
   // the most sequences a step may hold to run on one team of threads (forward_team), 0 where it never does
   int64_t team_rows() const;
   // phases of team steps whose missing work a thread did as well, so far
-  int64_t team_rescues() const;
+  int64_t team_rescues() const { return team_rescues_.load(); }
   // how long a team thread waits for work another holds before doing it as well (tests set 0)
   void set_team_wait_us(int64_t us) { team_wait_us_ = us; }
+  // tests: the team's last thread sleeps us microseconds between computing every every-th piece of work it
+  // claimed and keeping it (0: never), as a thread preempted by another process does
+  void set_team_stall(int64_t every, int64_t us) { team_stall_every_ = every, team_stall_us_ = us; }
+  // tests: the team's last thread throws at the at-th piece of work it computes (0: never)
+  void set_team_throw(int64_t at) { team_throw_at_ = at; }
 
   // (the last layer's addition, the residual stream before it), as the Python loop leaves them
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
@@ -74,6 +80,9 @@ class DecoderStack {
   // every layer so far has int8_weights for all its linears, of the heads' and the first layer's shapes
   bool team_fits_ = true;
   mutable std::unique_ptr<TeamWorkspace> team_;  // what forward_team keeps from one step to the next
+  mutable std::atomic<bool> team_busy_{false};     // one team step at a time; taken before team_ may change
+  mutable std::atomic<int64_t> team_rescues_{0};
   // a thread preempted by another process loses its core for 0.1 ms or more; a chunk of panels takes 1-2 us
   int64_t team_wait_us_ = 20;
+  int64_t team_stall_every_ = 0, team_stall_us_ = 0, team_throw_at_ = 0;
 };

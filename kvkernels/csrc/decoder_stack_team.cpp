@@ -12,10 +12,19 @@
 // cores for 0.1-0.6 ms at a time, about once a token; a thread preempted in the middle of its last chunk of panels
 // held the whole step until it ran again. Instead a thread that finds a phase's work all claimed but not all done
 // waits about 20 us, then does the missing panels or items itself, marks the phase complete and goes on; the
-// preempted thread, once it runs again, finishes what it held and skips to the phase the step has reached. What it
-// then writes, late, are the same bits the other thread wrote, into buffers nothing overwrites during the step:
-// each layer's GEMMs have their own inputs and outputs, rotary writes a copy of the queries, and attention's parts
-// are each layer's own. Leads run once, by their claimant.
+// preempted thread, once it runs again, finishes what it held and skips to the phase the step has reached.
+//
+// Work may so be done twice, and no thread writes where another may read: every chunk of panels and every
+// attention item is computed into a buffer of the computing thread's own, then kept by whichever thread takes it
+// first (one bit a panel or item, DoneBits::take), which copies it into the layer's buffer and only then marks it
+// done. Whoever comes second, the late thread among them, drops its copy. Leads run once, by their claimant, after
+// the phase before them is complete. An exception on any thread ends every thread's loop and is raised after the
+// parallel region.
+//
+// ThreadSanitizer does not check this in the tests: the team runs only where the CPU has AVX-512 VNNI (the test
+// machines have AVX2), and the synchronization of the OpenMP runtime (libgomp, which torch loads) is not
+// instrumented, so a TSan build reports every hand-over across its fork and join as a race. The tests force the
+// rescue instead (set_team_wait_us(0), set_team_stall) and compare every bit with the layer loop's.
 //
 // The arithmetic is the layer loop's, operation for operation, so are the results, bit for bit.
 #include <ATen/ATen.h>
@@ -28,6 +37,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -40,6 +50,8 @@
 #if defined(KVSERVE_INT8_DOT)
 namespace {
 
+constexpr int64_t kPanelCols = int8_dot::kCols;  // output columns a GEMM panel holds
+
 // a layer's phases in order; the GEMMs' index among the layer's four is their order
 enum Step : int64_t { kNormQkv, kQkv, kRotary, kAttention, kMergeO, kO, kNormGateUp, kGateUp, kSiluDown, kDown };
 constexpr int64_t kSteps = 10;
@@ -50,36 +62,51 @@ int64_t gemm_index(int64_t step) {  // kQkv, kO, kGateUp, kDown: 0, 1, 2, 3
   return step == kQkv ? 0 : step == kO ? 1 : step == kGateUp ? 2 : 3;
 }
 
-// one bit a panel (or work item) of a phase, set once it is done
+// one bit a panel (or work item) of a phase, set once it is done; and one set by the thread that keeps it
 class DoneBits {
  public:
   void reset(int64_t n) {
     n_ = n;
     const int64_t words = (n + 63) / 64;
     if (words > capacity_) {
-      words_.reset(new std::atomic<uint64_t>[words]);
+      done_.reset(new std::atomic<uint64_t>[words]);
+      taken_.reset(new std::atomic<uint64_t>[words]);
       capacity_ = words;
     }
-    for (int64_t w = 0; w < words; ++w) words_[w].store(0, std::memory_order_relaxed);
+    for (int64_t w = 0; w < words; ++w) {
+      done_[w].store(0, std::memory_order_relaxed);
+      taken_[w].store(0, std::memory_order_relaxed);
+    }
   }
-  void mark(int64_t begin, int64_t end) {
+  // keep(from, to) for each run of [begin, end) that no thread took before this one, then those marked done
+  template <typename Keep>
+  void take(int64_t begin, int64_t end, Keep&& keep) {
     while (begin < end) {
       const int64_t w = begin / 64, stop = std::min(end, (w + 1) * 64);
-      words_[w].fetch_or(mask(begin - w * 64, stop - w * 64), std::memory_order_acq_rel);
+      const uint64_t wanted = mask(begin - w * 64, stop - w * 64);
+      const uint64_t won = wanted & ~taken_[w].fetch_or(wanted, std::memory_order_acq_rel);
+      for (uint64_t rest = won; rest != 0;) {  // runs of set bits
+        const int from = __builtin_ctzll(rest);
+        const uint64_t shifted = ~(rest >> from);
+        const int length = shifted == 0 ? 64 - from : __builtin_ctzll(shifted);
+        keep(w * 64 + from, w * 64 + from + length);
+        rest &= ~mask(from, from + length);
+      }
+      if (won != 0) done_[w].fetch_or(won, std::memory_order_release);
       begin = stop;
     }
   }
   bool all() const {
     for (int64_t w = 0; w * 64 < n_; ++w)
-      if (words_[w].load(std::memory_order_acquire) != mask(0, std::min<int64_t>(64, n_ - w * 64))) return false;
+      if (done_[w].load(std::memory_order_acquire) != mask(0, std::min<int64_t>(64, n_ - w * 64))) return false;
     return true;
   }
-  // the first run of unset bits, [begin, end); false where every bit is set
-  bool missing(int64_t& begin, int64_t& end) const {
+  // the first run of bits no thread took, [begin, end); false where every bit is taken
+  bool untaken(int64_t& begin, int64_t& end) const {
     begin = 0;
-    while (begin < n_ && set(begin)) ++begin;
+    while (begin < n_ && taken(begin)) ++begin;
     end = begin;
-    while (end < n_ && !set(end)) ++end;
+    while (end < n_ && !taken(end)) ++end;
     return begin < n_;
   }
 
@@ -87,9 +114,9 @@ class DoneBits {
   static uint64_t mask(int64_t from, int64_t to) {  // bits [from, to) of a word
     return (to - from == 64 ? ~uint64_t{0} : ((uint64_t{1} << (to - from)) - 1)) << from;
   }
-  bool set(int64_t i) const { return (words_[i / 64].load(std::memory_order_acquire) >> (i % 64)) & 1; }
+  bool taken(int64_t i) const { return (taken_[i / 64].load(std::memory_order_acquire) >> (i % 64)) & 1; }
 
-  std::unique_ptr<std::atomic<uint64_t>[]> words_;
+  std::unique_ptr<std::atomic<uint64_t>[]> done_, taken_;
   int64_t capacity_ = 0, n_ = 0;
 };
 
@@ -112,8 +139,6 @@ struct TeamWorkspace {
   std::vector<stealing::Range> ranges;   // [layer, gemm, thread]
   std::unique_ptr<std::atomic<int64_t>[]> next_item;  // attention's, a layer
   std::unique_ptr<std::atomic<bool>[]> claimed;       // [layer, lead]
-  std::atomic<bool> busy{false};         // one step at a time
-  std::atomic<int64_t> rescues{0};       // phases whose missing work a thread did as well
 };
 
 std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& embeddings, const at::Tensor& cos,
@@ -141,13 +166,14 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
     for (int64_t t = 0; t < T; ++t)
       TORCH_CHECK(slots[t] < kc.size(0) * kc.size(1), "decoder stack: slot ", slots[t], " is outside the cache");
   }
-  if (!team_ || team_->threads != threads) team_ = std::make_unique<TeamWorkspace>(L, threads);
-  TeamWorkspace& ws = *team_;
-  TORCH_CHECK(!ws.busy.exchange(true), "decoder stack: one step at a time");
+  // the guard before the workspace: a second step at once must not replace or reset what the first one runs on
+  TORCH_CHECK(!team_busy_.exchange(true, std::memory_order_acquire), "decoder stack: one step at a time");
   struct Release {
     std::atomic<bool>& busy;
-    ~Release() { busy.store(false); }
-  } release{ws.busy};
+    ~Release() { busy.store(false, std::memory_order_release); }
+  } release{team_busy_};
+  if (!team_ || team_->threads != threads) team_ = std::make_unique<TeamWorkspace>(L, threads);
+  TeamWorkspace& ws = *team_;
 
   // each layer's buffers, [T, width] each: qkv, rotated queries, attention's output, o, gate_up, down
   const int64_t widths[] = {qkv_size, q_size, q_size, H, 2 * I, H};
@@ -246,32 +272,49 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
   const int64_t phases = L * kSteps;
   std::atomic<int64_t> completed{0};  // phases done, in order
   std::atomic<bool> failed{false};
-  std::exception_ptr error;
+  std::exception_ptr error;  // written once, by the thread that set failed; read after the region
   auto complete = [&](int64_t p) {
     int64_t now = completed.load(std::memory_order_relaxed);
     while (now <= p && !completed.compare_exchange_weak(now, p + 1, std::memory_order_acq_rel)) {
     }
   };
+  const auto wait = std::chrono::microseconds(team_wait_us_);
+  const int64_t stall_every = team_stall_every_;
+  const auto stall = std::chrono::microseconds(team_stall_us_);
+  const int64_t throw_at = team_throw_at_;
 #pragma omp parallel num_threads(threads)
-  {
+  try {
     const int self = omp_get_thread_num();
-    std::vector<float> scratch;
-    // until phase p's work is all done (then it is marked complete) or someone else marked it complete; after
-    // team_wait_us_, whatever is missing is done here too
-    const auto wait = std::chrono::microseconds(team_wait_us_);
-    auto settle = [&](int64_t p, DoneBits& done, auto&& redo) {
+    std::vector<float> scratch, kept;  // a thread's own: attention's, and the panels it computed
+    int64_t pieces = 0;                 // of work this thread computed, for set_team_stall
+    auto before_keeping = [&] {
+      if (self != threads - 1) return;
+      ++pieces;
+      TORCH_CHECK(pieces != throw_at, "decoder stack: the fault a test asked for (set_team_throw)");
+      if (stall_every > 0 && pieces % stall_every == 0) std::this_thread::sleep_for(stall);
+    };
+    auto over = [&](int64_t p) {
+      return completed.load(std::memory_order_acquire) > p || failed.load(std::memory_order_acquire);
+    };
+    // until phase p's work is all done (then it is marked complete), someone else marked it complete or a thread
+    // failed; after wait, whatever no thread took is done here too, chunk at most at a time
+    auto settle = [&](int64_t p, DoneBits& done, int64_t chunk, auto&& attempt) {
       const auto start = std::chrono::steady_clock::now();
+      bool rescued = false;
       for (int spins = 0; !done.all(); ++spins) {
-        if (completed.load(std::memory_order_acquire) > p) return;
+        if (over(p)) return;
         if (wait.count() > 0 && (spins % 64 != 63 || std::chrono::steady_clock::now() - start < wait)) {
           _mm_pause();
           continue;
         }
-        ws.rescues.fetch_add(1, std::memory_order_relaxed);
         int64_t begin, end;
-        while (done.missing(begin, end)) {
-          redo(begin, end);
-          done.mark(begin, end);
+        if (done.untaken(begin, end)) {
+          if (!rescued) team_rescues_.fetch_add(1, std::memory_order_relaxed);
+          rescued = true;
+          do attempt(begin, std::min(end, begin + chunk));
+          while (!over(p) && done.untaken(begin, end));
+        } else {
+          _mm_pause();  // taken, being copied by the thread that took it
         }
       }
       complete(p);
@@ -285,45 +328,53 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
       const int64_t l = p / kSteps, step = p % kSteps;
       if (step % 2 == 0) {
         if (!ws.claimed[l * kLeads + lead_index(step)].exchange(true, std::memory_order_acq_rel)) {
-          try {
-            run_lead(l, step);
-          } catch (...) {
-            error = std::current_exception();
-            failed.store(true, std::memory_order_release);
-          }
+          run_lead(l, step);
           complete(p);
         } else {
-          while (completed.load(std::memory_order_acquire) <= p && !failed.load(std::memory_order_acquire))
-            _mm_pause();
+          while (!over(p)) _mm_pause();
         }
       } else if (step == kAttention) {
         DoneBits& done = ws.done[l * (kGemms + 1) + kGemms];
         DecodeAttention& layer_attention = attention[l];
-        auto items = [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i) layer_attention.run(i, scratch);
+        auto attempt = [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end && !over(p); ++i) {
+            layer_attention.compute(i, scratch);
+            before_keeping();
+            done.take(i, i + 1, [&](int64_t, int64_t) { layer_attention.store(i, scratch); });
+          }
         };
         for (int64_t i = ws.next_item[l].fetch_add(1, std::memory_order_relaxed); i < layer_attention.items();
-             i = ws.next_item[l].fetch_add(1, std::memory_order_relaxed)) {
-          items(i, i + 1);
-          done.mark(i, i + 1);
-        }
-        settle(p, done, items);
+             i = ws.next_item[l].fetch_add(1, std::memory_order_relaxed))
+          attempt(i, i + 1);
+        settle(p, done, 1, attempt);
       } else {
         const int64_t g = gemm_index(step);
         const Int8DotWeights& weights = linear_of(l, g);
+        const int64_t N = weights.out_features();
         const Int8Rows& rows = ws.rows[l * kGemms + g];
         float* out = gemm_out(l, g);
         DoneBits& done = ws.done[l * (kGemms + 1) + g];
-        auto panels = [&](int64_t begin, int64_t end) { weights.run(rows, out, begin, end); };
-        auto claimed = [&](int64_t begin, int64_t end) {
-          panels(begin, end);
-          done.mark(begin, end);
+        // panels [begin, end) into kept, [T, width]; those this thread takes first copied into out
+        auto attempt = [&](int64_t begin, int64_t end) {
+          if (over(p)) return;
+          const int64_t width = (end - begin) * kPanelCols;
+          kept.resize(T * width);
+          weights.run(rows, kept.data(), width, begin, end);
+          before_keeping();
+          done.take(begin, end, [&](int64_t from, int64_t to) {
+            const int64_t first = from * kPanelCols, count = std::min(to * kPanelCols, N) - first;
+            for (int64_t t = 0; t < T; ++t)
+              std::memcpy(out + t * N + first, kept.data() + t * width + (first - begin * kPanelCols),
+                          count * sizeof(float));
+          });
         };
-        stealing::work(ws.ranges.data() + (l * kGemms + g) * threads, threads, self, weights.chunk(), claimed);
-        settle(p, done, panels);
+        stealing::work(ws.ranges.data() + (l * kGemms + g) * threads, threads, self, weights.chunk(), attempt);
+        settle(p, done, weights.chunk(), attempt);
       }
       ++p;
     }
+  } catch (...) {
+    if (!failed.exchange(true, std::memory_order_acq_rel)) error = std::current_exception();
   }
   if (error) std::rethrow_exception(error);
   return {at::from_blob(buffer(L - 1, kDownOut), {T, H}, opts).clone(), residual};
@@ -336,11 +387,3 @@ DecoderStack::DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {}
 
 DecoderStack::~DecoderStack() = default;
-
-int64_t DecoderStack::team_rescues() const {
-#if defined(KVSERVE_INT8_DOT)
-  return team_ ? team_->rescues.load() : 0;
-#else
-  return 0;
-#endif
-}

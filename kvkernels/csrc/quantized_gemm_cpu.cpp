@@ -366,7 +366,7 @@ int64_t Int8DotWeights::chunk() const {
 }
 
 template <int PLANES, typename S>
-void Int8DotWeights::run_panels(const Int8Rows& x, float* y, int64_t begin, int64_t end) const {
+void Int8DotWeights::run_panels(const Int8Rows& x, float* y, int64_t ldy, int64_t begin, int64_t end) const {
   const int64_t groups = K_ / G_, row_bytes = bits_ == 8 ? kCols : kCols / 2, M = x.M;
   const auto* sp = static_cast<const S*>(scales_);
   const auto* m = static_cast<const S*>(offsets_);
@@ -379,21 +379,21 @@ void Int8DotWeights::run_panels(const Int8Rows& x, float* y, int64_t begin, int6
       const int64_t count = std::min<int64_t>(int8_dot::kRows, M - r);
       kernels[count](x.each.data() + r, q_ + p * K_ * row_bytes, sp + p * groups * kCols,
                      m == nullptr ? nullptr : m + p * groups * kCols, G_, zp,
-                     bias_ == nullptr ? nullptr : bias_ + col, y + r * N_ + col, N_, cols);
+                     bias_ == nullptr ? nullptr : bias_ + col, y + r * ldy + (p - begin) * kCols, ldy, cols);
     }
   }
 }
 
-void Int8DotWeights::run(const Int8Rows& x, float* y, int64_t begin, int64_t end) const {
+void Int8DotWeights::run(const Int8Rows& x, float* y, int64_t ldy, int64_t begin, int64_t end) const {
   if (x.planes == 2) {
     if (half_)
-      run_panels<2, c10::Half>(x, y, begin, end);
+      run_panels<2, c10::Half>(x, y, ldy, begin, end);
     else
-      run_panels<2, float>(x, y, begin, end);
+      run_panels<2, float>(x, y, ldy, begin, end);
   } else if (half_) {
-    run_panels<1, c10::Half>(x, y, begin, end);
+    run_panels<1, c10::Half>(x, y, ldy, begin, end);
   } else {
-    run_panels<1, float>(x, y, begin, end);
+    run_panels<1, float>(x, y, ldy, begin, end);
   }
 }
 #endif

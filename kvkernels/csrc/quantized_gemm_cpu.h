@@ -35,11 +35,15 @@ class Int8DotWeights {
   int64_t in_features() const { return K_; }
   int64_t out_features() const { return N_; }
   // y [x.M, N]'s columns of panels [begin, end); from any thread, each panel once
-  void run(const Int8Rows& x, float* y, int64_t begin, int64_t end) const;
+  void run(const Int8Rows& x, float* y, int64_t begin, int64_t end) const {
+    run(x, y + begin * int8_dot::kCols, N_, begin, end);
+  }
+  // the same columns into y [x.M, ldy] from its column 0 (a thread's own buffer)
+  void run(const Int8Rows& x, float* y, int64_t ldy, int64_t begin, int64_t end) const;
 
  private:
   template <int PLANES, typename S>
-  void run_panels(const Int8Rows& x, float* y, int64_t begin, int64_t end) const;
+  void run_panels(const Int8Rows& x, float* y, int64_t ldy, int64_t begin, int64_t end) const;
 
   int64_t K_ = 0, N_ = 0, G_ = 0, bits_ = 8, zero_point_ = 0;
   const int8_t* q_ = nullptr;

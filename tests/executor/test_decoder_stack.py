@@ -102,6 +102,77 @@ def test_work_done_twice_by_the_team_gives_the_same_bits(tiny_models, two_thread
     assert _outputs(llm, params, PROMPTS[:2]) == teamed
 
 
+def _default_shaped_team(default_shaped_model) -> tuple[LLM, list[list[int]]]:
+    """The default model's shapes with int8 weights (the team's), and prompts whose contexts decode attention cuts."""
+    if not cpu_kernels().int8_dot_available():
+        pytest.skip("the team needs int8 activations (AVX-512 VNNI)")
+    llm = LLM(
+        default_shaped_model,
+        device="cpu",
+        kv_cache_memory="64MiB",
+        max_model_len=1536,
+        quantization="int8",
+        enable_prefix_caching=False,
+    )
+    g = torch.Generator().manual_seed(11)
+    return llm, [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (300, 1100)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_a_stalled_team_thread_changes_no_bit_on_the_default_shapes(default_shaped_model, threads):
+    """The team's last thread sleeps between computing work it claimed and keeping it, as a preempted thread does;
+    the others do that work meanwhile and go on, and the late copies are dropped: on the default model's heads
+    and MLP, with contexts cut into parts, greedy and seeded answers and their log-probabilities are the ones
+    without stalls, and the layer loop's."""
+    llm, prompts = _default_shaped_team(default_shaped_model)
+    model = llm.engine.runner.model
+    stack = model.decoder_stack
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=2),
+    ]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        calm = [_outputs(llm, p, prompts) for p in params]
+        stack.set_team_wait_us(5)
+        stack.set_team_stall(every=3, us=300)
+        stalled = [_outputs(llm, p, prompts) for p in params]
+        rescues = stack.team_rescues()
+        model.decoder_stack = None
+        looped = [_outputs(llm, p, prompts) for p in params]
+    finally:
+        torch.set_num_threads(before)
+    assert threads == 1 or rescues > 0
+    assert stalled == calm
+    assert looped == calm
+
+
+def test_an_exception_on_a_team_thread_is_raised_after_the_team(default_shaped_model, two_threads):
+    """A fault inside the team's parallel region ends the step with an error (not the process); the next step
+    runs, and gives the bits of one that never failed."""
+    llm, prompts = _default_shaped_team(default_shaped_model)
+    model = llm.engine.runner.model
+    stack = model.decoder_stack
+    steps = []
+    original = stack.forward
+
+    class Recording:
+        def forward(self, *args):
+            steps.append(args)
+            return original(*args)
+
+    model.decoder_stack = Recording()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    args = steps[-1]
+    expected = original(*args)
+    stack.set_team_throw(2)
+    with pytest.raises(RuntimeError, match="set_team_throw"):
+        original(*args)
+    stack.set_team_throw(0)
+    assert all(torch.equal(a, b) for a, b in zip(original(*args), expected, strict=True))
+
+
 def test_a_model_with_qk_norm_keeps_the_layer_loop(tiny_models):
     llm = LLM(tiny_models["qwen3"], device="cpu", kv_cache_memory="16MiB", max_model_len=256)
     assert llm.engine.runner.model.decoder_stack is None
