@@ -250,7 +250,11 @@ def serve(args: argparse.Namespace) -> int:
         engine.close()
         return fail(str(error), 1)
     index = IndexWriter(
-        client, executor_id, cached_hashes=engine.cached_block_hashes, tier_hashes=engine.tier_hashes
+        client,
+        executor_id,
+        cached_hashes=engine.cached_block_hashes,
+        tier_hashes=engine.tier_hashes,
+        watch_adapters=engine.adapters is not None,
     )
     service = ExecutorService(engine, socket, index, args.shutdown_grace_period, args.zmq_sndhwm)
     signal.signal(signal.SIGTERM, service.drain)
@@ -265,6 +269,7 @@ def serve(args: argparse.Namespace) -> int:
             "max_waiting_seqs": engine.config.max_waiting_seqs,
             "waiting_tenants_share": engine.waiting_tenants_share,
             **transfer_info,
+            **engine.adapter_registration(),
         }
     )
     index.start_heartbeat()

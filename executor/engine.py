@@ -8,6 +8,7 @@ which holds the one map of unfinished requests; what callers see is add_request,
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 from executor.cpu_threads import cpu_threads_for
 from executor.engine_config import EngineConfig
 from executor.engine_setup import (
+    build_adapters,
     build_kv_tiers,
     build_proposers,
     build_runner,
@@ -27,6 +29,7 @@ from executor.engine_setup import (
 from executor.intake import Intake
 from executor.kv.block_seconds import KVBlockSeconds
 from executor.kv.sizing import pick_device_and_dtype
+from executor.lora.adapter_loads import AdapterLoads
 from executor.request import Request
 from executor.sampling.sampler import TokenLogprobs
 from executor.sampling.step_sampler import StepSampler
@@ -69,7 +72,9 @@ class Engine:
         self.backoff = SpecBackoff(config.speculative_disable_by_batch_size)
         self.sampling = StepSampler(self.runner, self.vocab_size)
         self.grammar_queue = GrammarQueue(models.tokenizer, models.vocab_size, models.eos_token_ids, config)
-        self.intake = Intake(models, config, num_blocks, self.device, self.grammar_queue)
+        self.adapters = build_adapters(config, models, self.device, self.dtype)
+        self.adapter_loads = None if self.adapters is None else AdapterLoads(self.adapters)
+        self.intake = Intake(models, config, num_blocks, self.device, self.grammar_queue, self.adapters)
         log_kv_capacity(num_blocks, block_bytes, self.block_size, self.dtype, self.max_model_len)
         self.cpu_threads = cpu_threads_for(config.adaptive_cpu_threads, self.device, self.dtype)
         self.kv_tiers = build_kv_tiers(config, models, self.kv, self.runner.kv_cache, self.device, self.dtype)
@@ -85,12 +90,14 @@ class Engine:
         block_hashes: Sequence[bytes] = (),
         priority: int = 0,
         kv_peer: KVPeer | None = None,
+        lora: str | None = None,
     ) -> list[Request]:
         """Validate and queue; the request's choices (n > 1), the first carrying the prompt. A bad request raises
         ValueError naming the field and touches nothing else, one that must wait for a compile while too many do
         raises EngineBusy. block_hashes: the prompt's chain as the gateway hashed it, checked against the engine's;
-        kv_peer: the executor that holds the prompt's first blocks, to pull those this one lacks."""
-        choices = self.intake.add(request_id, prompt, params, tenant, block_hashes, priority)
+        kv_peer: the executor that holds the prompt's first blocks, to pull those this one lacks; lora: the name
+        of the LoRA adapter it runs under (None: the base model)."""
+        choices = self.intake.add(request_id, prompt, params, tenant, block_hashes, priority, lora)
         request = choices[0]
         request.kv_peer = kv_peer
         if request.grammar is not None and not request.grammar.future.done():
@@ -99,9 +106,19 @@ class Engine:
             self._enqueue(request)
         return choices
 
+    def load_adapter(self, name: str) -> None:
+        """Have the adapter's weights in host memory now (the offline API's way: it may wait)."""
+        known = self.intake.known_adapter(name)
+        adapter = self.adapters.held(known) or self.adapters.load(known)
+        self.adapters.keep(
+            adapter, {r.lora.name for r in self.intake.requests.values() if r.adapter is not None}
+        )
+
     def _enqueue(self, request: Request) -> None:
-        """To the scheduler, or first to the tiers when they hold blocks of its prefix the pool lacks (to the
-        scheduler once loaded: step)."""
+        """To the scheduler, or first to its adapter's load and to the tiers when they hold blocks of its prefix
+        the pool lacks (on from there once loaded: step)."""
+        if self.adapter_loads is not None and self.adapter_loads.hold(request):
+            return
         if self.kv_tiers is None or not self.kv_tiers.start_load(request):
             self.scheduler.add(request)
 
@@ -112,6 +129,8 @@ class Engine:
         for choice in stopped:
             self._end(choice, "abort")
             self.grammar_queue.drop(choice)
+            if self.adapter_loads is not None:
+                self.adapter_loads.drop(choice)
         return sorted({c.index for c in stopped})
 
     def _end(self, request: Request, reason: str) -> bool:
@@ -179,6 +198,8 @@ class Engine:
     def close(self) -> None:
         """Let go of what outlives the engine's own objects: the grammar compile process and its thread."""
         self.grammar_queue.close()
+        if self.adapter_loads is not None:
+            self.adapter_loads.close()
         if self.kv_tiers is not None:
             self.kv_tiers.close()
 
@@ -186,6 +207,10 @@ class Engine:
         """Structured outputs: requests whose grammar is ready join the scheduler's queue, in arrival order;
         those whose grammar failed end with its error (a 400, or a 500 where the fault was the engine's)."""
         ready, failed = self.grammar_queue.take_settled()
+        if self.adapter_loads is not None and len(self.adapter_loads):  # so too for adapters' weights
+            in_use = {r.lora.name for r in self.intake.requests.values() if r.adapter is not None}
+            loaded, not_loaded = self.adapter_loads.take_settled(in_use)
+            ready, failed = ready + loaded, failed + not_loaded
         for request in ready:
             self._enqueue(request)
         refused = []
@@ -203,7 +228,8 @@ class Engine:
     def step(self) -> StepResult:
         """Schedule, run the model and sample, let the scheduler book it, propose for the next step."""
         started = time.perf_counter()
-        result = StepResult(self._admit_compiled() if len(self.grammar_queue) else [])
+        held = len(self.grammar_queue) + (len(self.adapter_loads) if self.adapter_loads is not None else 0)
+        result = StepResult(self._admit_compiled() if held else [])
         self.poll_tiers()
         sched = self.scheduler.schedule()
         if self.kv_tiers is not None:
@@ -231,6 +257,8 @@ class Engine:
                 self._propose([new.request for new in news if new.request.finish_reason is None])
         elif len(self.grammar_queue):  # nothing else to do until a grammar is ready: wait for one, briefly
             self.grammar_queue.wait(GRAMMAR_WAIT_S)
+        elif self.adapter_loads is not None and len(self.adapter_loads):  # or for an adapter's weights
+            self.adapter_loads.wait(GRAMMAR_WAIT_S)
         elif self.kv_tiers is not None and self.kv_tiers.in_flight:  # likewise for blocks the tiers copy
             self.kv_tiers.wait(GRAMMAR_WAIT_S)
         elif self.scheduler.num_unfinished:
@@ -308,6 +336,8 @@ class Engine:
         """The engine's numbers now, cheap enough to take every step."""
         scheduler, pool = self.scheduler, self.kv.pool
         waiting = [*scheduler.waiting, *self.grammar_queue.requests, *self._loading()]
+        if self.adapter_loads is not None:
+            waiting += self.adapter_loads.requests
         return EngineStats(
             running=len(scheduler.running),
             waiting=len(waiting),
@@ -329,7 +359,22 @@ class Engine:
             block_hash_mismatches=self.intake.block_hash_mismatches,
             structured_output_mask_seconds=self.sampling.mask_seconds,
             **({} if self.kv_tiers is None else self.kv_tiers.stats()),
+            **({} if self.adapters is None else self._adapter_residency()),
         )
+
+    def _adapter_residency(self) -> dict[str, str]:
+        running = sorted({r.lora.name for r in self.scheduler.running if r.lora is not None})
+        return {"lora_running": ",".join(running), "lora_held": ",".join(self.adapters.names_held)}
+
+    def adapter_registration(self) -> dict[str, str]:
+        """What the registration says of its adapters: lora_adapters (name -> the digest their block hashes name)
+        and lora_refused (name -> why one of the run-time registry is not served); none without LoRA."""
+        if self.adapters is None:
+            return {}
+        return {
+            "lora_adapters": json.dumps(self.adapters.catalog()),
+            "lora_refused": json.dumps(self.adapters.refused),
+        }
 
     def kv_tokens_stored(self) -> int:
         """Tokens whose KV the running requests' blocks hold, a shared block counted once (walks every table)."""

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 from executor.engine_config import (
+    ADMISSIONS,
     ATTENTION_BACKENDS,
     KV_OFFLOAD_DISK_BYTES,
     QUANTIZATIONS,
@@ -106,11 +107,50 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"the disk tier's size (default: {KV_OFFLOAD_DISK_BYTES // 2**30}GiB)",
     )
     g.add_argument(
+        "--kv-offload-admission",
+        default=d.kv_offload_admission,
+        choices=ADMISSIONS,
+        help="which blocks the pool caches are copied to the tiers: recency (every one; the tiers evict by "
+        "recency and shares) or reuse (a block the prefix cache served or that was computed twice: one-off "
+        "prompts never take tier room, a history is computed twice before it is kept) (default: %(default)s)",
+    )
+    g.add_argument(
         "--kv-pull-timeout",
         type=float,
         default=d.kv_pull_timeout,
         help="seconds a pull of a prefix from another executor may take before the request computes it "
         "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_lora,
+        help="serve LoRA adapters beside the base model: a request's model names one (default: off)",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters to serve: each a name and a PEFT directory (adapter_config.json, adapter_model.safetensors)",
+    )
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        default=d.max_loras,
+        help="distinct adapters in one step (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded in host memory, least recently used dropped first (default: --max-loras)",
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=d.max_lora_rank,
+        help="the largest adapter rank accepted (default: %(default)s)",
     )
     g.add_argument("--speculative-model", default=None, help="ngram or a draft model path")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
@@ -189,6 +229,10 @@ def engine_argv(config: EngineConfig) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            argv += [flag, *(f"{k}={v}" for k, v in value.items())]
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
     return argv

@@ -6,6 +6,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from executor.kv.tiers.admission import ADMISSIONS
 from shared.defaults import DEFAULT_BLOCK_SIZE
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -49,6 +50,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
 # tier there keeps what the pool evicts at a memcpy's cost. On the CPU the pool is host memory already: a tier
 # would hold the same bytes twice, so it is off unless asked for (it still pays where the pool must stay small).
 KV_OFFLOAD_DEFAULT_BYTES = {"cuda": 16 * 2**30, "cpu": 0}
+MAX_LORA_RANK = 512  # vLLM's largest supported rank
 KV_OFFLOAD_DISK_BYTES = 10 * 2**30  # the disk tier's size when only its directory is given
 # a request refused by a full executor waits at the gateway for whichever executor frees first; one queued
 # at an executor waits for that one alone. So an executor queues about this many steps' prefill, no more
@@ -93,6 +95,15 @@ class EngineConfig:
     kv_offload_dir: str | None = None
     kv_offload_disk: int | str | None = None
     kv_pull_timeout: float = 5.0
+    # which cached blocks go down to the tiers: every one (recency) or those used twice (reuse; kv/tiers/admission.py)
+    kv_offload_admission: str = "recency"
+    # LoRA adapters beside the base model (executor/lora/): their names and PEFT directories, how many distinct
+    # ones a step may run, how many host memory keeps loaded, and the largest rank accepted
+    enable_lora: bool = False
+    lora_modules: list[str] | dict[str, str] | None = None  # NAME=PATH each, or name -> path
+    max_loras: int = 1
+    max_cpu_loras: int | None = None  # None: max_loras
+    max_lora_rank: int = 16
     speculative_model: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
@@ -120,6 +131,7 @@ class EngineConfig:
             if self.kv_cache_memory <= 0:
                 raise ValueError("kv_cache_memory must be positive")
         self._check_tiers()
+        self._check_lora()
         for name in (
             "block_size",
             "max_num_seqs",
@@ -190,6 +202,10 @@ class EngineConfig:
                     raise ValueError(f"{name} must be a size >= 0, got {getattr(self, name)}")
         if self.kv_offload_disk is not None and not self.kv_offload_dir:
             raise ValueError("kv_offload_disk sizes the disk tier: give its directory too (kv_offload_dir)")
+        if self.kv_offload_admission not in ADMISSIONS:
+            raise ValueError(
+                f"kv_offload_admission must be one of {', '.join(ADMISSIONS)}, got {self.kv_offload_admission!r}"
+            )
         if not self.kv_pull_timeout >= 0:
             raise ValueError(f"kv_pull_timeout must be >= 0 seconds, got {self.kv_pull_timeout}")
         tiers = self.kv_offload_dir or self.kv_offload_memory
@@ -204,6 +220,20 @@ class EngineConfig:
         if self.kv_offload_memory is not None:
             return int(self.kv_offload_memory)
         return KV_OFFLOAD_DEFAULT_BYTES.get(device_type, 0)
+
+    def _check_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): a step's "
+                "adapters are held in host memory"
+            )
 
     def _check_speculative(self) -> None:
         if self.speculative_model is None:

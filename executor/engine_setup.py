@@ -15,10 +15,12 @@ from executor.kv.block_pool import BlockPool
 from executor.kv.cache_manager import KVCacheManager
 from executor.kv.layout import kv_block_bytes
 from executor.kv.sizing import kv_cache_bytes, weight_bytes
+from executor.kv.tiers.admission import ReuseAdmission
 from executor.kv.tiers.disk_tier import DiskTier
 from executor.kv.tiers.fingerprint import KVFingerprint, model_identity
 from executor.kv.tiers.host_tier import HostTier
 from executor.kv.tiers.offloader import KVTiers
+from executor.lora.adapters import Adapters, parse_lora_modules
 from executor.model_runner import ModelRunner
 from executor.models.llama import DecoderLM
 from executor.models.loader import build_model, decoder_spec
@@ -106,6 +108,7 @@ def build_scheduler(config: EngineConfig, num_blocks: int, max_model_len: int) -
         config.max_waiting_seqs,
         config.max_waiting_tokens,
         config.fair_share,
+        config.max_loras,
     )
 
 
@@ -125,6 +128,25 @@ def build_runner(
         else:
             log.info("no CUDA graphs: the %s attention backend cannot be captured", model.kernels.name)
     return runner
+
+
+def build_adapters(
+    config: EngineConfig, models: Models, device: torch.device, dtype: torch.dtype
+) -> Adapters | None:
+    """The LoRA adapters this engine serves (--enable-lora, --lora-modules); None without --enable-lora."""
+    if not config.enable_lora:
+        return None
+    modules = parse_lora_modules(config.lora_modules)
+    max_cpu_loras = config.max_cpu_loras or config.max_loras
+    adapters = Adapters(modules, models.target.spec, dtype, device, config.max_lora_rank, max_cpu_loras)
+    log.info(
+        "LoRA: %d adapters (%s), %d at a time in a step, %d in host memory",
+        len(modules),
+        ", ".join(modules) or "none yet",
+        config.max_loras,
+        max_cpu_loras,
+    )
+    return adapters
 
 
 def build_proposers(
@@ -179,7 +201,14 @@ def build_kv_tiers(
             disk_bytes / 2**30,
             found,
         )
-    return KVTiers(kv, kv_cache, fingerprint, host, disk, pull_timeout=config.kv_pull_timeout)
+    admission = None
+    if config.kv_offload_admission == "reuse":
+        # remember first appearances for as many blocks as the pool and the tiers hold together
+        tiers = [t for t in (host, disk) if t is not None]
+        admission = ReuseAdmission(kv.pool.num_blocks + sum(t.index.num_blocks for t in tiers))
+    return KVTiers(
+        kv, kv_cache, fingerprint, host, disk, pull_timeout=config.kv_pull_timeout, admission=admission
+    )
 
 
 def log_kv_capacity(num_blocks: int, block_bytes: int, block_size: int, dtype, max_model_len: int) -> None:

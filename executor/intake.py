@@ -15,6 +15,7 @@ import torch
 
 from executor.engine_config import EngineConfig
 from executor.engine_setup import Models
+from executor.lora.adapters import Adapters, KnownAdapter
 from executor.request import Request
 from executor.sampling.sampling_state import PromptTerms, SamplingState
 from executor.structured.grammar_masks import RequestGrammar
@@ -41,7 +42,9 @@ class Intake:
         num_blocks: int,
         device: torch.device,
         grammars: GrammarQueue,
+        adapters: Adapters | None = None,
     ) -> None:
+        self.adapters = adapters  # the LoRA adapters it serves (--enable-lora), None: the base model alone
         self.tokenizer, self.vocab_size, self.eos_token_ids = (
             models.tokenizer,
             models.vocab_size,
@@ -66,6 +69,7 @@ class Intake:
         tenant: Tenant,
         block_hashes: Sequence[bytes],
         priority: int,
+        lora: str | None = None,
     ) -> list[Request]:
         """Check and build a request's choices, the first carrying the others in its forks; it raises EngineBusy
         for one that must wait for a compile while too many do (GrammarQueue.compiled)."""
@@ -86,6 +90,7 @@ class Intake:
         taken = next((i for i in ids if i in self.requests or i in self.groups), None)
         if taken is not None:
             raise ValueError(f"request_id: {taken!r} is already in use")
+        known = None if lora is None else self.known_adapter(lora)
         spec = params.structured_outputs
         compiled = None if spec is None else self.grammar_queue.compiled(spec, tenant)
         prompt_terms = PromptTerms(params, token_ids)  # built once, at the first step, for every choice
@@ -97,6 +102,7 @@ class Intake:
                 self.eos_token_ids,
                 tenant=tenant,
                 priority=priority,
+                lora=known,
                 generator=self._generator(params.choice_seed(index)),
                 grammar=None if compiled is None else RequestGrammar(compiled),  # a matcher each
                 group_id=request_id,
@@ -112,6 +118,13 @@ class Intake:
             self.requests[choice.request_id] = choice
         self.groups[request_id] = choices
         return choices
+
+    def known_adapter(self, name: str) -> KnownAdapter:
+        if self.adapters is None:
+            raise ValueError(
+                f"lora: this executor serves no adapters (start it with --enable-lora), asked for {name!r}"
+            )
+        return self.adapters.resolve(name)
 
     def stopping(self, request_id: str, index: int | None) -> list[Request]:
         """The unfinished choices an abort of request_id (every choice, or only choice index) stops. A choice still
@@ -175,7 +188,7 @@ class Intake:
         cached prefix finds nothing here, and the hit rate drops to 0 without a word otherwise."""
         n = min(len(sent), HASHES_CHECKED)
         request.block_hashes = hash_blocks(
-            request.token_ids[: n * self.block_size], self.block_size, request.tenant.cache_salt
+            request.token_ids[: n * self.block_size], self.block_size, request.cache_salt
         )
         if list(sent[:n]) == request.block_hashes:
             return

@@ -63,8 +63,10 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs in prompt order."""
+        """Run every prompt to completion, batched together; outputs in prompt order. lora: the adapter (by its
+        --lora-modules name) every prompt runs under, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -73,10 +75,13 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora: {len(loras)} given for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params, strict=True):
-                ids.append(self.add_request(prompt, params))
+            for prompt, params, adapter in zip(prompts, sampling_params, loras, strict=True):
+                ids.append(self.add_request(prompt, params, lora=adapter))
         except ValueError:
             for request_id in ids:
                 self.abort(request_id)
@@ -91,7 +96,11 @@ class LLM:
         return [results[i] for i in ids]
 
     def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora: str | None = None,
     ) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         token_prompt = list(prompt) if not isinstance(prompt, str) else prompt
@@ -103,7 +112,11 @@ class LLM:
                 error is not None
             ):  # a new one each time: the cached one's traceback would grow with every raise
                 raise (ValueError if isinstance(error, ValueError) else RuntimeError)(str(error)) from None
-        request = self.engine.add_request(request_id, token_prompt, params)[0]
+        if (
+            lora is not None
+        ):  # likewise an adapter's weights: a bad one raises its AdapterError (a ValueError) here
+            self.engine.load_adapter(lora)
+        request = self.engine.add_request(request_id, token_prompt, params, lora=lora)[0]
         output = RequestOutput(
             request_id,
             prompt if isinstance(prompt, str) else None,

@@ -14,6 +14,8 @@ import torch
 from executor.cuda_graphs import DecodeGraphs, DecodeRow, capture_sizes
 from executor.kv.cache_manager import KVCacheManager
 from executor.kv.layout import copy_blocks, kv_cache_shape, layer_caches
+from executor.lora.adapter_files import LoRAAdapter
+from executor.lora.lora_batch import LoRABatch
 from executor.models.llama import AttentionBatch, DecoderLM
 from executor.request import Request
 
@@ -63,6 +65,7 @@ class Chunk:
     # prompt logprobs: logits also wanted for num_prompt_rows tokens from the chunk's first_prompt_row on
     first_prompt_row: int = 0
     num_prompt_rows: int = 0
+    adapter: LoRAAdapter | None = None  # the LoRA adapter its tokens run under (None: the base model)
 
 
 class ModelRunner:
@@ -126,7 +129,7 @@ class ModelRunner:
                 num_logits = end - req.num_tokens + 1
                 sampled.append(req)
                 num_rows.append(num_logits)
-            chunk = Chunk(kv.block_ids(req), start, token_ids, num_logits)
+            chunk = Chunk(kv.block_ids(req), start, token_ids, num_logits, adapter=req.adapter)
             if req.num_prompt_tokens_to_score:
                 # positions first..last - 1 score prompt tokens first + 1..last; the last prompt position's
                 # row predicts the first output token, so it is the sampled row, not a prompt row
@@ -172,7 +175,7 @@ class ModelRunner:
             or not graphs.fits(len(chunks), max(len(c.block_ids) for c in chunks))
         ):
             return None
-        if any(len(c.token_ids) != 1 or c.num_logits != 1 or c.num_prompt_rows for c in chunks):
+        if any(len(c.token_ids) != 1 or c.num_logits != 1 or c.num_prompt_rows or c.adapter for c in chunks):
             return None
         return [DecodeRow(c.token_ids[0], c.start, c.block_ids) for c in chunks]
 
@@ -211,6 +214,7 @@ class ModelRunner:
             block_table=torch.from_numpy(table).to(dev),
             seq_lens=torch.from_numpy((starts + lengths).astype(np.int32)).to(dev),
             query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
+            lora=LoRABatch.of_chunks([c.adapter for c in chunks], query_start, dev),
         )
         input_ids = torch.from_numpy(ids).to(dev)
         rows = torch.from_numpy(wanted).to(dev)

@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor.sampling.sampling_state import SamplingState
+from shared.block_hash import adapter_salt
 from shared.sampling_params import SamplingParams
 from shared.tenant import ANONYMOUS_TENANT, Tenant
 
 if TYPE_CHECKING:
+    from executor.lora.adapter_files import LoRAAdapter
+    from executor.lora.adapters import KnownAdapter
     from executor.sampling.sampler import TokenLogprobs
     from executor.structured.grammar_masks import RequestGrammar
 
@@ -33,6 +36,9 @@ class Request:
     # whose request it is (shared/tenant.py): its fair share, waiting places, KV share and cache salt go by it
     tenant: Tenant = ANONYMOUS_TENANT
     priority: int = 0  # within its tenant, lower first (executor/scheduling/waiting_queue.py)
+    # the LoRA adapter it runs under (executor/lora/; None: the base model), and its weights once loaded
+    lora: KnownAdapter | None = None
+    adapter: LoRAAdapter | None = None
     # wall-clock times (time.time_ns) of its life, for queue-time metrics and trace spans; 0 until it happens
     arrival_ns: int = field(default_factory=time.time_ns)
     queued_ns: int = 0  # when it joined the scheduler's queue (later than arrival while its grammar compiled)
@@ -89,6 +95,11 @@ class Request:
         wants_prompt = self.params.prompt_logprobs is not None and self.index == 0
         self.prompt_logprobs = [] if wants_prompt else None
         self.sampling_state = self.sampling_state or SamplingState.of(self.params, self.prompt_token_ids)
+
+    @property
+    def cache_salt(self) -> str | bytes | None:
+        """What its block hashes' chain starts from: its tenant's salt, and its adapter where it has one."""
+        return adapter_salt(self.tenant.cache_salt, None if self.lora is None else self.lora.identity)
 
     @property
     def num_prompt_tokens_to_score(self) -> int:

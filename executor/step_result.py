@@ -73,6 +73,10 @@ class EngineStats:
     kv_disk_blocks_used: int = 0
     kv_disk_blocks_total: int = 0
     kv_blocks_filled: int = 0  # holding KV, in use or cached: what a new block may evict
+    # LoRA adapters (executor/lora/), by name, comma-separated: those running requests use (a step's slots), and
+    # those host memory holds; None where the engine serves none
+    lora_running: str | None = None
+    lora_held: str | None = None
 
     @property
     def kv_cached_tokens_pool(self) -> int:
@@ -91,9 +95,12 @@ class EngineStats:
     def spec_acceptance_rate(self) -> float:
         return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
-    def load(self) -> dict[str, float]:
+    def load(self) -> dict[str, float | str]:
         """What routing needs, published after each step that changes it (the executor's load in Redis)."""
-        return {
+        adapters = (
+            {} if self.lora_held is None else {"lora_running": self.lora_running, "lora_held": self.lora_held}
+        )
+        return adapters | {
             "running": self.running,
             "waiting": self.waiting,
             "compiling": self.compiling,

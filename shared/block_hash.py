@@ -20,6 +20,15 @@ def root_hash(cache_salt: str | bytes | None = None) -> bytes:
     return hashlib.blake2b(_ROOT_DOMAIN + b"\x00" + salt, digest_size=HASH_BYTES).digest()
 
 
+def adapter_salt(cache_salt: str | bytes | None, adapter: str | None) -> str | bytes | None:
+    """The salt a chain starts from for a request run under a LoRA adapter (its identity, name and digest): no
+    block is shared between adapters, or with the base model, whose chains start from cache_salt alone."""
+    if adapter is None:
+        return cache_salt
+    salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
+    return struct.pack("<I", len(salt)) + salt + b"lora\x00" + adapter.encode()
+
+
 def hash_block(parent: bytes, token_ids: Sequence[int], extras: bytes = b"") -> bytes:
     """h_i = H(h_{i-1}, tokens_i, extras)."""
     h = hashlib.blake2b(parent, digest_size=HASH_BYTES)

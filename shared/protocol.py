@@ -38,6 +38,7 @@ PROTOCOL_VERSION = 2  # 2: RequestUpdate.seq, which the gateway needs to see a l
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_PRIORITY = 2**31  # a request's priority is within +- this
 MAX_PEER_ADDRESS = 256  # a KV peer's endpoint is at most this many characters (a host name is at most 253)
+MAX_ADAPTER_NAME = 128  # a LoRA adapter's name (executor/lora/adapters.py checks its characters)
 
 # logprobs of one generated token: [token_id, logprob, rank, [[token_id, logprob], ...]] (top entries, best first)
 TokenLogprobsWire = list
@@ -73,6 +74,8 @@ class GenerateRequest:
     # where to pull the prompt's KV blocks from that this executor lacks; on the wire a map of the three fields,
     # absent when None (an older executor ignores it and computes them)
     kv_peer: KVPeer | None = None
+    # the LoRA adapter it runs under, by name (None: the base model); absent from the wire when None
+    lora: str | None = None
 
 
 @dataclass(slots=True)
@@ -201,6 +204,8 @@ def _generate_fields(request: GenerateRequest) -> dict[str, Any]:
     peer = fields.pop("kv_peer")
     if peer is not None:
         fields["kv_peer"] = _fields(peer)
+    if fields["lora"] is None:
+        del fields["lora"]
     return fields
 
 
@@ -265,7 +270,12 @@ def _read_generate(f: Fields) -> GenerateRequest:
         ),
         traceparent=f.optional_text("traceparent"),
         kv_peer=_read_kv_peer(f, len(block_hashes)),
+        lora=f.get("lora", _is_adapter_name, "nil or an adapter name (1-128 characters)", None),
     )
+
+
+def _is_adapter_name(value: object) -> bool:
+    return value is None or (isinstance(value, str) and 0 < len(value) <= MAX_ADAPTER_NAME)
 
 
 def _is_executor_id(value: object) -> bool:

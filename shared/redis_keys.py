@@ -11,7 +11,9 @@ Layout (`<id>` is an executor id):
                                       or from it), kv_transfer_address (the tcp:// endpoint its KV transfer server
                                       answers pulls on) and kv_fingerprint (hex digest of what makes its KV blocks
                                       interchangeable: model, dtype, block shape, quantization; executors pull only
-                                      from one with the same). Its TTL is the heartbeat: refreshed every
+                                      from one with the same); lora_adapters (JSON: the LoRA adapters it serves,
+                                      name -> digest of their files; absent: none) and lora_refused (JSON: name ->
+                                      why an adapter of LORA_ADAPTERS could not be served here). Its TTL is the heartbeat: refreshed every
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
 - `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached in
                                       its KV pool, and BLOCKS_MARKER (not hex: never a hash). A set without the
@@ -22,7 +24,9 @@ Layout (`<id>` is an executor id):
                                       tier is on (off: the marker alone). A block may be in several; routing
                                       counts the best (pool, then host, then disk).
 - `kvserve:executor:<id>:load`        hash: running, waiting, compiling, prefill_tokens, kv_usage, kv_filled, queue_full,
-                                      waiting_max_tenant (executor.step_result.EngineStats.load), updated_at.
+                                      waiting_max_tenant (executor.step_result.EngineStats.load), updated_at; with
+                                      LoRA, lora_running and lora_held (adapter names, comma-separated: those its
+                                      running requests use, those its host memory holds).
 - `kvserve:executor:<id>:inflight`    counter the gateways keep: prompt tokens to prefill of requests routed there
                                       whose first update has not come back yet, so not in the executor's load (a
                                       burst of arrivals would otherwise all see the same idle executor). Its own
@@ -30,6 +34,9 @@ Layout (`<id>` is an executor id):
 - `kvserve:executor:<id>:stats`       hash: the executor's cumulative counters, gauges and queue-time histogram
                                       (shared.executor_stats), read by every gateway's /metrics.
 - `kvserve:gateway:round_robin`       counter the gateways share for the round_robin routing policy.
+- `kvserve:lora:adapters`             hash: LoRA adapters loaded at run time (POST /v1/load_lora_adapter), name ->
+                                      JSON {"path": its PEFT directory}; every executor with --enable-lora serves
+                                      them from its next heartbeat (those of --lora-modules beside them).
 All of an executor's keys carry the heartbeat TTL, so a dead executor's entries expire together.
 
 Tenancy (`<key_id>` is an API key's public id, `<tenant>` a tenant name):
@@ -55,6 +62,7 @@ import re
 
 EXECUTORS = "kvserve:executors"
 ROUND_ROBIN = "kvserve:gateway:round_robin"  # counter shared by every gateway replica
+LORA_ADAPTERS = "kvserve:lora:adapters"  # adapters loaded at run time: name -> JSON {"path": ...}
 HEARTBEAT_TTL_S = 5
 HEARTBEAT_INTERVAL_S = 1.0
 INFLIGHT_TTL_S = 30

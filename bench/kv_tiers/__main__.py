@@ -14,6 +14,7 @@ float32 with a Redis of its own, or for (b) two `kvserve executor`s; their logs 
 
     python -m bench.kv_tiers [--part a|b|c|all] [--out bench/results/kv_tiers.json]
     python -m bench.kv_tiers --part a --users 2 --turns 2 --document-tokens 200   # a smoke run
+    python -m bench.kv_tiers --part a --runs "host tier,host tier (reuse)"   # admission rules
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-output-tokens", type=int, default=32)
     a.add_argument("--concurrency", type=int, default=1, help="requests at a time (1: TTFT is the prefill's)")
     a.add_argument(
+        "--runs",
+        default=",".join(conversations.RUNS),
+        help=f"comma-separated, of: {', '.join(conversations.ALL_RUNS)} (the last: the host tier under "
+        "--kv-offload-admission reuse, compared with the host tier's default, recency)",
+    )
+    a.add_argument(
         "--pool-fraction", type=float, default=0.125, help="the KV pool's share of the working set"
     )
     b = parser.add_argument_group("(b) pull against recompute")
@@ -80,8 +87,21 @@ def run_part(part: str, args: argparse.Namespace, config: dict, bytes_per_token:
             args.users, args.turns, args.document_tokens, args.message_tokens, args.max_output_tokens
         )
         sizes = tier_sizes(shape, bytes_per_token, args.pool_fraction)
+        runs = tuple(name.strip() for name in args.runs.split(","))
+        if unknown := set(runs) - set(conversations.ALL_RUNS):
+            raise SystemExit(
+                f"--runs: unknown {', '.join(sorted(unknown))}; known: {', '.join(conversations.ALL_RUNS)}"
+            )
         report = conversations.measure(
-            shape, sizes, bytes_per_token, args.concurrency, args.seed, args.model, up_args, args.log_dir
+            shape,
+            sizes,
+            bytes_per_token,
+            args.concurrency,
+            args.seed,
+            args.model,
+            up_args,
+            args.log_dir,
+            runs,
         )
         return report, conversations.rows(report)
     if part == "b":

@@ -22,7 +22,11 @@ from bench.tenancy.tenant_stack import tenant_stack
 
 TENANT = "kv-tiers"
 INSTRUCTIONS = "You are a careful reader. Answer in two or three plain sentences."
-RUNS = ("no tier", "host tier")
+RUNS = ("no tier", "host tier")  # the default runs, the table's two columns
+# the host tier with --kv-offload-admission reuse (a block goes down on its second use): against "host tier"
+# (recency), what gating admission costs conversations
+REUSE_RUN = "host tier (reuse)"
+ALL_RUNS = (*RUNS, REUSE_RUN)
 
 
 def run_conversations(
@@ -91,8 +95,9 @@ def measure(
     model: str | None,
     up_args: list[str],
     log_dir: Path,
+    runs: tuple[str, ...] = RUNS,
 ) -> dict:
-    """Both runs, each on a stack of its own, one after the other."""
+    """The runs, each on a stack of its own, one after the other."""
     conversations = Conversations(shape, seed)
     report = {
         "shape": asdict(shape),
@@ -102,11 +107,13 @@ def measure(
         "host_tier_bytes": sizes.host,
         "runs": {},
     }
-    for name in RUNS:
+    for name in runs:
         extra = ["--kv-cache-memory", str(sizes.pool)]
-        if name == "host tier":
+        if name != "no tier":
             extra += ["--kv-offload-memory", str(sizes.host)]
-        log = log_dir / f"kv_tiers_conversations_{name.replace(' ', '_')}.log"
+        if name == REUSE_RUN:
+            extra += ["--kv-offload-admission", "reuse"]
+        log = log_dir / f"kv_tiers_conversations_{name.replace('(', '').replace(')', '').replace(' ', '_')}.log"
         print(
             f"(a) {name}: {shape.users} users x {shape.turns} turns, kvserve up {' '.join(extra)}", flush=True
         )
@@ -119,7 +126,39 @@ def measure(
 
 
 def rows(report: dict) -> list[Row]:
-    without, with_tier = (report["runs"][name] for name in RUNS)
+    runs = report["runs"]
+    out = tier_rows(runs["no tier"], runs["host tier"]) if all(name in runs for name in RUNS) else []
+    if "host tier" in runs and REUSE_RUN in runs:
+        out += admission_rows(runs["host tier"], runs[REUSE_RUN])
+    return out
+
+
+def admission_rows(recency: dict, reuse: dict) -> list[Row]:
+    """Recency admission (the host tier's default) in the first column, reuse-gated in the second."""
+    out = [
+        Row(
+            "(a) admission",
+            "cached share, recency vs reuse",
+            share(recency["cached_share"]),
+            share(reuse["cached_share"]),
+        )
+    ]
+    for p in ("p50", "p90"):
+        slow, fast = reuse["revisit_ttft_ms"][p], recency["revisit_ttft_ms"][p]
+        better = ratio(slow, fast)
+        out.append(
+            Row(
+                "(a) admission",
+                f"TTFT {p} revisits, recency vs reuse",
+                ms(fast and fast / 1000),
+                ms(slow and slow / 1000),
+                "-" if better is None else f"recency {better:.2f}x better",
+            )
+        )
+    return out
+
+
+def tier_rows(without: dict, with_tier: dict) -> list[Row]:
     shares = (without["cached_share"], with_tier["cached_share"])
     out = [
         Row(

@@ -57,6 +57,8 @@ class KVCacheManager:
         # how many of a tenant's blocks only the KV tiers' pins hold (executor/kv/tiers/offloader.py), no request:
         # they do not make it a tenant with work running (may_evict_others)
         self.held_by_pins: Callable[[Tenant], int] = lambda tenant: 0
+        # told of the cached blocks each started request takes: the tiers' reuse admission counts them as reused
+        self.prefix_hit: Callable[[tuple[Block, ...]], None] = lambda blocks: None
 
     def block_ids(self, request: Request) -> np.ndarray:
         """The request's block ids, a view into block_table: valid until its blocks change."""
@@ -120,6 +122,7 @@ class KVCacheManager:
             table = self._copy_on_write(request, table, shared, evict_others)
         if cached_prefix:
             self.pool.touch(list(cached_prefix))
+            self.prefix_hit(cached_prefix)
             table = table + list(cached_prefix)
             self._num_cached[request.request_id] = len(cached_prefix)
         if num_needed > 0:
@@ -216,5 +219,5 @@ class KVCacheManager:
     def _update_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             request.block_hashes = hash_blocks(
-                request.token_ids, self.block_size, request.tenant.cache_salt, request.block_hashes
+                request.token_ids, self.block_size, request.cache_salt, request.block_hashes
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from torch import nn
 
 from kvkernels.backend import Kernels
 from kvkernels.decoder_stack import StackLayer, build_decoder_stack
+
+if TYPE_CHECKING:
+    from executor.lora.lora_batch import LoRABatch
 
 
 @dataclass(slots=True)
@@ -27,6 +31,7 @@ class AttentionBatch:
     block_table: torch.Tensor  # [S, M] int32
     seq_lens: torch.Tensor  # [S] int32, context length after this step
     query_start_loc: torch.Tensor  # [S+1] int32
+    lora: LoRABatch | None = None  # rows that run under LoRA adapters (executor/lora/lora_batch.py)
 
 
 @dataclass(slots=True)
@@ -89,9 +94,9 @@ def rope_inv_freq(spec: DecoderSpec) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: Kernels, layer: int = 0) -> None:
         super().__init__()
-        self.kernels = kernels
+        self.kernels, self.layer = kernels, layer
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         # q, k and v in one GEMM (HF's q_proj, k_proj, v_proj stacked at load time): one pass over the input
@@ -112,7 +117,10 @@ class Attention(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if batch.lora is not None:
+            batch.lora.add(self.layer, "self_attn.qkv_proj", x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -124,29 +132,40 @@ class Attention(nn.Module):
         o = self.kernels.paged_attention(
             q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc, self.scale
         )
-        return self.o_proj(o.reshape(t, -1))
+        o = o.reshape(t, -1)
+        out = self.o_proj(o)
+        if batch.lora is not None:
+            batch.lora.add(self.layer, "self_attn.o_proj", o, out)
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: Kernels, layer: int = 0) -> None:
         super().__init__()
-        self.kernels = kernels
+        self.kernels, self.layer = kernels, layer
         # gate and up in one GEMM (HF's gate_proj and up_proj stacked at load time)
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        lora.add(self.layer, "mlp.gate_up_proj", x, gate_up)
+        h = self.kernels.silu_and_mul(gate_up)
+        out = self.down_proj(h)
+        lora.add(self.layer, "mlp.down_proj", h, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, kernels: Kernels) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: Kernels, layer: int = 0) -> None:
         super().__init__()
         self.kernels = kernels
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, kernels)
+        self.self_attn = Attention(spec, kernels, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec, kernels)
+        self.mlp = MLP(spec, kernels, layer)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, kv_cache, batch: AttentionBatch
@@ -163,7 +182,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, kv_cache, batch)
         norm = self.post_attention_layernorm
         h, residual = self.kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.mlp(h), residual
+        return self.mlp(h, batch.lora), residual
 
 
 class Backbone(nn.Module):
@@ -174,7 +193,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(
             spec.vocab_size, spec.hidden_size, _weight=torch.empty(spec.vocab_size, spec.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(spec, kernels) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, kernels, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -231,8 +250,12 @@ class DecoderLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(input_ids)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        if self.decoder_stack is not None and input_ids.shape[0] == batch.block_table.shape[0]:
-            # a step of decodes, one token per sequence
+        if (
+            self.decoder_stack is not None
+            and input_ids.shape[0] == batch.block_table.shape[0]
+            and batch.lora is None
+        ):
+            # a step of decodes, one token per sequence, with no adapter
             keys, values = zip(*kv_caches, strict=True)
             x, residual = self.decoder_stack.forward(
                 x, cos, sin, keys, values, batch.block_table, batch.seq_lens, batch.slot_mapping

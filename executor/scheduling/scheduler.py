@@ -58,8 +58,10 @@ class Scheduler:
         max_waiting_seqs: int | None = None,
         max_waiting_tokens: int | None = None,
         fair_share: bool = True,
+        max_loras: int = 1,
     ) -> None:
         self.kv = kv
+        self.max_loras = max_loras  # distinct LoRA adapters among running requests (executor/lora/)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -192,6 +194,11 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _adapter_slots_full(self, name: str) -> bool:
+        """Whether starting a request of adapter name would run more distinct adapters than max_loras."""
+        running = {r.adapter.name for r in self.running if r.adapter is not None}
+        return name not in running and len(running) >= self.max_loras
+
     def _preemption_victim(self) -> Request:
         """The running request to preempt for blocks: the newest of the tenant whose running requests hold the
         most blocks for its weight, so a tenant's growth takes from its own newest work before another tenant's
@@ -209,6 +216,8 @@ class Scheduler:
         """Start a waiting request with what of its prompt the budget allows: the tokens scheduled, or None when
         it does not fit (max_num_seqs, blocks, or a whole prompt without chunked prefill)."""
         if len(self.running) + request.group_size > self.max_num_seqs:
+            return None
+        if request.adapter is not None and self._adapter_slots_full(request.adapter.name):
             return None
         cached = self.kv.find_cached_prefix(request)
         num_cached = cached.num_tokens

@@ -9,6 +9,7 @@ and a heartbeat that finds it missing has the next publish replace the set with 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -69,6 +70,7 @@ class IndexWriter:
         ttl_s: int = keys.HEARTBEAT_TTL_S,
         cached_hashes: Callable[[], Iterable[bytes]] = tuple,
         tier_hashes: Callable[[], Mapping[str, Iterable[bytes]]] = dict,
+        watch_adapters: bool = False,
     ) -> None:
         self.client = client
         self.executor_id = keys.check_executor_id(executor_id)
@@ -89,6 +91,10 @@ class IndexWriter:
         self._failing = False
         self._info: dict[str, str | int | float] = {}
         self._beating: threading.Thread | None = None
+        # the run-time LoRA registry (shared.redis_keys.LORA_ADAPTERS) as of the last heartbeat, name -> path;
+        # read only by an executor serving adapters, None until first read
+        self.watch_adapters = watch_adapters
+        self.adapter_registry: dict[str, str] | None = None
 
     def register(self, info: dict[str, str | int]) -> None:
         """Clear whatever an earlier run under this id left, then announce this one, with zero stats, so a
@@ -105,6 +111,10 @@ class IndexWriter:
         # tier's set whole
         for tier in keys.TIERS:
             self.sets[tier].lost.set()
+
+    def update_info(self, fields: dict[str, str]) -> None:
+        """Change fields of the registration: written with the next heartbeat."""
+        self._info = {**self._info, **fields}
 
     def _announce(self, pipe) -> dict[str, int]:
         """Queue the registration, rewritten on every heartbeat so one that expired (a stall, a Redis restart)
@@ -206,8 +216,13 @@ class IndexWriter:
             pipe = self.client.pipeline(transaction=False)
             marker_replies = self._announce(pipe)
             self._refresh_ttls(pipe)
+            if self.watch_adapters:
+                pipe.hgetall(keys.LORA_ADAPTERS)
             try:
-                self._check_markers(pipe.execute(), marker_replies)
+                replies = pipe.execute()
+                self._check_markers(replies, marker_replies)
+                if self.watch_adapters:
+                    self.adapter_registry = adapter_paths(replies[-1])
                 self.check_peers()
             except redis.RedisError as error:
                 self.peer_has_room = False
@@ -232,3 +247,18 @@ class IndexWriter:
         pipe.delete(*self.keys, keys.inflight_key(self.executor_id))
         pipe.srem(keys.EXECUTORS, self.executor_id)
         pipe.execute()
+
+
+def adapter_paths(registry: Mapping[bytes, bytes]) -> dict[str, str]:
+    """The run-time LoRA registry's entries (name -> JSON {"path": ...}) as name -> path; one that is not such an
+    entry is skipped with a warning (the gateway writes none: a hand edit)."""
+    paths = {}
+    for name, entry in registry.items():
+        try:
+            path = json.loads(entry)["path"]
+            if not isinstance(path, str):
+                raise TypeError(f"path is {type(path).__name__}")
+            paths[name.decode()] = path
+        except (ValueError, KeyError, TypeError) as error:
+            log.warning("skipping LoRA registry entry %r: %r", name, error)
+    return paths

@@ -97,6 +97,7 @@ class ExecutorService:
                 heartbeat = now >= next_heartbeat
                 if heartbeat:
                     next_heartbeat = now + HEARTBEAT_INTERVAL_S
+                    self._sync_adapters()
                 self._publish(heartbeat, changed, step)
 
     # -- messages in --------------------------------------------------------------------------------
@@ -179,6 +180,7 @@ class ExecutorService:
                 msg.block_hashes,
                 priority=msg.priority,
                 kv_peer=msg.kv_peer,
+                lora=msg.lora,
             )
         except ValueError as error:
             self._send_error(identity, msg.request_id, str(error), 400, trace_id)
@@ -335,6 +337,12 @@ class ExecutorService:
             extra=log_ids(request_id, trace_id),
         )
         self.wire.send(identity, protocol.RequestError(request_id, message, code))
+
+    def _sync_adapters(self) -> None:
+        """Serve the run-time LoRA registry as the heartbeat last read it; the registration says what changed."""
+        registry = self.index.adapter_registry
+        if registry is not None and self.engine.adapters.sync(registry):
+            self.index.update_info(self.engine.adapter_registration())
 
     def _publish(self, heartbeat: bool, changed: bool, step: StepResult | None = None) -> None:
         """The step's cache changes (the pool's and the KV tiers'), and the engine's numbers as they are now

@@ -31,6 +31,7 @@ import torch
 
 from executor.kv.block_pool import Block
 from executor.kv.cache_manager import KVCacheManager
+from executor.kv.tiers.admission import ReuseAdmission
 from executor.kv.tiers.block_copies import BlockCopies
 from executor.kv.tiers.fingerprint import KVFingerprint, tier_owner
 from executor.kv.tiers.host_tier import HostTier
@@ -80,8 +81,12 @@ class KVTiers:
         disk=None,  # executor.kv.tiers.disk_tier.DiskTier
         puller=None,  # executor.kv.tiers.peer_puller.KVPuller
         pull_timeout: float = 5.0,
+        admission: ReuseAdmission | None = None,  # None: recency, every cached block offered (admission.py)
     ) -> None:
         self.kv, self.pool = kv, kv.pool
+        self.admission = admission
+        if admission is not None:
+            kv.prefix_hit = admission.prefix_hit
         self.copies = BlockCopies(kv_cache)
         self.dtype = kv_cache.dtype
         self.block_size = kv.block_size
@@ -107,6 +112,8 @@ class KVTiers:
         """Copy blocks the pool has just cached down to every tier that lacks them (a step's newly cached hashes)."""
         if not self.tiers:
             return
+        if self.admission is not None:
+            hashes = self.admission.admit(hashes)
         job = _Offload([], [], [], [])
         for block_hash in hashes:
             block = self.pool.lookup(block_hash)

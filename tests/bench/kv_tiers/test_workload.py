@@ -74,6 +74,18 @@ def test_conversation_rows_judge_the_share_with_the_tier_and_the_p90_ratio_of_al
     assert share.met is False and p90.met is False and revisit_p90.met is False
 
 
+def test_admission_rows_compare_recency_with_reuse_on_the_host_tier_alone():
+    recency, reuse = _run(0.84, 0.5, 1.5, (0.4, 0.5)), _run(0.45, 1.0, 3.0, (0.8, 2.0))
+    share, p50, p90 = conversations.rows({"runs": {"host tier": recency, conversations.REUSE_RUN: reuse}})
+    assert (share.baseline, share.tiers) == ("0.840", "0.450") and "recency vs reuse" in share.measure
+    assert (p90.baseline, p90.tiers, p90.ratio) == ("500 ms", "2,000 ms", "recency 4.00x better")
+    assert p50.ratio == "recency 2.00x better" and p90.met is None
+    both = conversations.rows(
+        {"runs": {"no tier": _run(0.05, 2.0, 6.0), "host tier": recency, conversations.REUSE_RUN: reuse}}
+    )
+    assert len(both) == 5 + 3
+
+
 def test_pull_rows_hold_the_target_at_2k_only_and_say_how_much_was_pulled():
     def length(asked, pull, recompute):
         return {

@@ -233,3 +233,52 @@ def test_a_step_waits_for_copies_down_that_pin_the_blocks_the_next_request_needs
     )
     assert all(s.done() for s in stalls)
     assert_nothing_pinned(llm)
+
+
+def test_reuse_admission_keeps_one_off_prompts_out_of_the_host_tier_and_admits_a_second_use(
+    tiny_models, reference
+):
+    b = tiny_block_bytes(tiny_models)
+    llm = LLM(
+        tiny_models["llama"],
+        kv_cache_memory=12 * b,
+        kv_offload_memory=64 * b,
+        kv_offload_admission="reuse",
+        max_model_len=512,
+    )
+    served_twice, *one_offs = prompts(5, seed=2)
+    assert llm.generate([served_twice], GREEDY)[0].num_cached_tokens == 0
+    assert llm.generate([served_twice], GREEDY)[0].num_cached_tokens == 96  # a hit in the pool: admitted
+    settle(llm)
+    assert llm.stats().kv_host_blocks_used == 6
+    for prompt in one_offs:  # each computed once: never offered, while they evict served_twice from the pool
+        assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
+        settle(llm)
+    assert llm.stats().kv_host_blocks_used == 6
+    out = llm.generate([served_twice], GREEDY)[0]
+    stats = llm.stats()  # the pool keeps what was used twice longer than the one-offs: some of it is still there
+    assert out.num_cached_tokens == 96 and stats.kv_cached_tokens_host > 0
+    assert stats.kv_cached_tokens_host + stats.kv_cached_tokens_pool == 96 + 96
+    assert out.outputs[0].token_ids == reference.generate([served_twice], GREEDY)[0].outputs[0].token_ids
+    settle(llm)
+    again = one_offs[0]  # computed a second time after the pool lost it: admitted now, found next time
+    assert llm.generate([again], GREEDY)[0].num_cached_tokens == 0
+    settle(llm)
+    assert llm.stats().kv_host_blocks_used == 12
+    for prompt in one_offs[1:]:
+        llm.generate([prompt], GREEDY)
+        settle(llm)
+    assert llm.generate([again], GREEDY)[0].num_cached_tokens == 96
+    assert_nothing_pinned(llm)
+
+
+def test_reuse_admission_remembers_a_bounded_number_of_first_appearances():
+    from executor.kv.tiers.admission import ReuseAdmission
+
+    admission = ReuseAdmission(num_remembered=2)
+    assert admission.admit([b"a", b"b", b"c"]) == []  # a is forgotten: only two first appearances kept
+    assert admission.admit([b"b", b"c"]) == [b"b", b"c"]  # a second appearance, admitted and forgotten
+    assert admission.admit([b"a"]) == []  # a first appearance again
+    assert admission.admit([b"a"]) == [b"a"]
+    with pytest.raises(ValueError, match="at least one"):
+        ReuseAdmission(0)

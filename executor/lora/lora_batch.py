@@ -1,0 +1,62 @@
+"""A step's LoRA work: which rows of the flattened batch run under which adapter.
+
+Every base projection runs once for all rows; then, per adapter in the step, its rows' low-rank update is added to
+that projection's output: a shrink (the rows times the stacked A matrices) and an expand per targeted part (into
+the part's output columns), as Punica's SGMV groups rows by adapter. Rows of the base model have no group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.lora.adapter_files import LoRAAdapter
+
+
+@dataclass(slots=True)
+class LoRAGroup:
+    adapter: LoRAAdapter
+    rows: torch.Tensor | slice  # the group's rows: a slice where they are contiguous, else an int64 index
+
+
+class LoRABatch:
+    def __init__(self, groups: list[LoRAGroup]) -> None:
+        self.groups = groups
+
+    @classmethod
+    def of_chunks(
+        cls, adapters: list[LoRAAdapter | None], query_start, device: torch.device
+    ) -> LoRABatch | None:
+        """From each chunk's adapter (None: the base model) and where each chunk's rows start (query_start,
+        one more than chunks); None when no chunk has an adapter."""
+        by_name: dict[str, tuple[LoRAAdapter, list[range]]] = {}
+        for i, adapter in enumerate(adapters):
+            if adapter is not None:
+                rows = range(int(query_start[i]), int(query_start[i + 1]))
+                by_name.setdefault(adapter.name, (adapter, []))[1].append(rows)
+        if not by_name:
+            return None
+        groups = []
+        for adapter, ranges in by_name.values():
+            if all(a.stop == b.start for a, b in zip(ranges, ranges[1:], strict=False)):
+                groups.append(LoRAGroup(adapter, slice(ranges[0].start, ranges[-1].stop)))
+            else:
+                rows = [row for r in ranges for row in r]
+                groups.append(LoRAGroup(adapter, torch.tensor(rows, dtype=torch.int64, device=device)))
+        return cls(groups)
+
+    def add(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out (projection's output for every row) += each group's low-rank update of its rows of x."""
+        for group in self.groups:
+            lora = group.adapter.layers[layer].get(projection)
+            if lora is None:
+                continue
+            rows = group.rows
+            shrunk = x[rows] @ lora.a.T
+            for start, end, b, first in lora.parts:
+                update = shrunk[:, first : first + b.shape[1]] @ b.T
+                if isinstance(rows, slice):
+                    out[rows, start:end] += update
+                else:
+                    out[:, start:end].index_add_(0, rows, update)
