@@ -52,6 +52,7 @@ HEADERS = tuple(
         "quantized_gemm_cpu.h",
         "softmax_row.h",
         "stealing_parallel.h",
+        "team_done_bits.h",
     )
 )  # included by the sources: part of the build's name, not compiled alone
 # no fused multiply-add contraction: the fused operations then round exactly as torch's separate ones do

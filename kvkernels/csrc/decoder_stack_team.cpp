@@ -21,10 +21,11 @@
 // the phase before them is complete. An exception on any thread ends every thread's loop and is raised after the
 // parallel region.
 //
-// ThreadSanitizer does not check this in the tests: the team runs only where the CPU has AVX-512 VNNI (the test
-// machines have AVX2), and the synchronization of the OpenMP runtime (libgomp, which torch loads) is not
-// instrumented, so a TSan build reports every hand-over across its fork and join as a race. The tests force the
-// rescue instead (set_team_wait_us(0), set_team_stall) and compare every bit with the layer loop's.
+// ThreadSanitizer does not run on the team itself: it is built only where the CPU has AVX-512 VNNI (the test
+// machines have AVX2), and the OpenMP runtime torch loads (libgomp) is not instrumented, so a TSan build would
+// report every hand-over across its fork and join as a race. It runs on the keeping rule (team_done_bits.h) in a
+// small workload of std::threads with a stalled thread (tests/kernels/test_team_done_bits.py); the team's tests
+// force the rescue and a stall (set_team_wait_us, set_team_stall) and compare every bit with the layer loop's.
 //
 // The arithmetic is the layer loop's, operation for operation, so are the results, bit for bit.
 #include <ATen/ATen.h>
@@ -46,6 +47,7 @@
 #include "fused_rows.h"
 #include "quantized_gemm_cpu.h"
 #include "stealing_parallel.h"
+#include "team_done_bits.h"
 
 #if defined(KVSERVE_INT8_DOT)
 namespace {
@@ -61,64 +63,6 @@ int64_t lead_index(int64_t step) { return step / 2; }  // the leads are the even
 int64_t gemm_index(int64_t step) {  // kQkv, kO, kGateUp, kDown: 0, 1, 2, 3
   return step == kQkv ? 0 : step == kO ? 1 : step == kGateUp ? 2 : 3;
 }
-
-// one bit a panel (or work item) of a phase, set once it is done; and one set by the thread that keeps it
-class DoneBits {
- public:
-  void reset(int64_t n) {
-    n_ = n;
-    const int64_t words = (n + 63) / 64;
-    if (words > capacity_) {
-      done_.reset(new std::atomic<uint64_t>[words]);
-      taken_.reset(new std::atomic<uint64_t>[words]);
-      capacity_ = words;
-    }
-    for (int64_t w = 0; w < words; ++w) {
-      done_[w].store(0, std::memory_order_relaxed);
-      taken_[w].store(0, std::memory_order_relaxed);
-    }
-  }
-  // keep(from, to) for each run of [begin, end) that no thread took before this one, then those marked done
-  template <typename Keep>
-  void take(int64_t begin, int64_t end, Keep&& keep) {
-    while (begin < end) {
-      const int64_t w = begin / 64, stop = std::min(end, (w + 1) * 64);
-      const uint64_t wanted = mask(begin - w * 64, stop - w * 64);
-      const uint64_t won = wanted & ~taken_[w].fetch_or(wanted, std::memory_order_acq_rel);
-      for (uint64_t rest = won; rest != 0;) {  // runs of set bits
-        const int from = __builtin_ctzll(rest);
-        const uint64_t shifted = ~(rest >> from);
-        const int length = shifted == 0 ? 64 - from : __builtin_ctzll(shifted);
-        keep(w * 64 + from, w * 64 + from + length);
-        rest &= ~mask(from, from + length);
-      }
-      if (won != 0) done_[w].fetch_or(won, std::memory_order_release);
-      begin = stop;
-    }
-  }
-  bool all() const {
-    for (int64_t w = 0; w * 64 < n_; ++w)
-      if (done_[w].load(std::memory_order_acquire) != mask(0, std::min<int64_t>(64, n_ - w * 64))) return false;
-    return true;
-  }
-  // the first run of bits no thread took, [begin, end); false where every bit is taken
-  bool untaken(int64_t& begin, int64_t& end) const {
-    begin = 0;
-    while (begin < n_ && taken(begin)) ++begin;
-    end = begin;
-    while (end < n_ && !taken(end)) ++end;
-    return begin < n_;
-  }
-
- private:
-  static uint64_t mask(int64_t from, int64_t to) {  // bits [from, to) of a word
-    return (to - from == 64 ? ~uint64_t{0} : ((uint64_t{1} << (to - from)) - 1)) << from;
-  }
-  bool taken(int64_t i) const { return (taken_[i / 64].load(std::memory_order_acquire) >> (i % 64)) & 1; }
-
-  std::unique_ptr<std::atomic<uint64_t>[]> done_, taken_;
-  int64_t capacity_ = 0, n_ = 0;
-};
 
 }  // namespace
 
