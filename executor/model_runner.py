@@ -120,6 +120,9 @@ class ModelRunner:
         """One step of the scheduler's work; a request whose tokens all have KV after it gets logits at its last
         token and at each of the proposals scheduled for verification."""
         chunks, sampled, num_rows, prompt_rows = [], [], [], []
+        if any(req.adapter is not None for req, _ in scheduled):
+            # each adapter's rows together: its update is one slice of the batch, not a gather and a scatter
+            scheduled = sorted(scheduled, key=lambda item: "" if item[0].lora is None else item[0].lora.name)
         for req, n in scheduled:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             token_ids = req.token_ids[start:end]
