@@ -8,6 +8,7 @@ It is this user's alone (mode 0700; kvserve refuses one that others may enter) a
     redis.url         the running server's whole URL (0600), while a `kvserve up` serves from this folder
     lock              locked (flock) by whoever runs a server on this folder, and by that server; holds the PID of
                       the `kvserve` command that started it
+    run/              each `kvserve up`'s runtime folder, unless $XDG_RUNTIME_DIR is set (kvserve/runtime_dir.py)
 """
 
 from __future__ import annotations
@@ -40,6 +41,24 @@ def add_data_dir_arg(parser: argparse.ArgumentParser) -> None:
         help="the embedded Redis's data (default: $KVSERVE_HOME, else $XDG_DATA_HOME/kvserve, "
         "else ~/.local/share/kvserve)",
     )
+
+
+def private_dir(path: Path, what: str) -> None:
+    """path made (0700, its parents as the umask says) or checked: ours, and closed to other users; DataDirError
+    naming `what` and path when it is not."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+        info = path.stat()
+    except FileExistsError:
+        raise DataDirError(f"{what} {path}: not a directory") from None
+    except OSError as error:
+        raise DataDirError(f"{what} {path}: {error}") from None
+    if info.st_uid != os.getuid():
+        raise DataDirError(f"{what} {path}: owned by another user (uid {info.st_uid})")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        mode = oct(stat.S_IMODE(info.st_mode))[2:]
+        raise DataDirError(f"{what} {path}: mode {mode} lets other users in; `chmod 700 {path}` it")
 
 
 def data_dir_path(given: str | None, environ: Mapping[str, str] = os.environ) -> Path:
@@ -85,21 +104,9 @@ class DataDir:
 
 
 def open_data_dir(path: Path) -> DataDir:
-    """The folder made (0700, its parents as the umask says) or checked: ours, and closed to other users."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir(mode=PRIVATE_DIR, exist_ok=True)
-        info = path.stat()
-    except FileExistsError:
-        raise DataDirError(f"data directory {path}: not a directory") from None
-    except OSError as error:
-        raise DataDirError(f"data directory {path}: {error}") from None
-    if info.st_uid != os.getuid():
-        raise DataDirError(f"data directory {path}: owned by another user (uid {info.st_uid})")
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        # its Redis data holds every tenant's key hashes and cache salts: other users must not read it
-        mode = oct(stat.S_IMODE(info.st_mode))[2:]
-        raise DataDirError(f"data directory {path}: mode {mode} lets other users in; `chmod 700 {path}` it")
+    """The folder made (0700, its parents as the umask says) or checked: ours, and closed to other users (its
+    Redis data holds every tenant's key hashes and cache salts)."""
+    private_dir(path, "data directory")
     data = DataDir(path)
     data.redis_dir.mkdir(mode=PRIVATE_DIR, exist_ok=True)
     return data

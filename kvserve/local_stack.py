@@ -33,6 +33,7 @@ from kvserve.redis_server import EmbeddedRedis, free_port
 from kvserve.store import Claim, claim
 from kvserve.supervisor import Supervisor, describe_exit, stop_processes
 from shared import redis_keys
+from shared.child_env import engine_environment
 from shared.parent_death import dying_with_this_process
 from shared.redis_url import masked
 
@@ -175,11 +176,12 @@ class LocalStack:
 def start_executor(
     argv: list[str], redis_url: str, num_executors: int, device: str, niceness: int
 ) -> subprocess.Popen:
-    """One executor child process, given the Redis URL in its environment (KVSERVE_REDIS_URL), where its
-    password is hidden from other users. CPU executors split this machine's cores between them (oversubscribed
-    OpenMP threads spin against each other: two executors with two threads each on two cores ran several
-    times slower) unless OMP_NUM_THREADS is set, and run `niceness` below the gateway."""
-    env = {**os.environ, "KVSERVE_REDIS_URL": redis_url}
+    """One executor child process, given what an engine reads of this environment (shared/child_env.py) and the
+    Redis URL (KVSERVE_REDIS_URL), where its password is hidden from other users. CPU executors split this
+    machine's cores between them (oversubscribed OpenMP threads spin against each other: two executors with two
+    threads each on two cores ran several times slower) unless OMP_NUM_THREADS is set, and run `niceness` below
+    the gateway."""
+    env = {**engine_environment(), "KVSERVE_REDIS_URL": redis_url}
     on_cpu = device != "cuda"
     if on_cpu:
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // num_executors)))

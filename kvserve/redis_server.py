@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from gateway.tenants.key_backup import write_private
+from shared.child_env import python_environment
 from shared.parent_death import dying_with_this_process
 
 
@@ -154,6 +155,7 @@ def _launch(
 ) -> subprocess.Popen:
     return subprocess.Popen(
         command,
+        env=python_environment(),  # its password is in its config file; nothing else of ours is its business
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         process_group=0 if own_process_group else None,

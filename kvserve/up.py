@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from executor.cli import add_zmq_sndhwm_arg
 from executor.engine_args import add_engine_args, config_from_args, engine_argv
+from executor.engine_config import EngineConfig
 from gateway.cli import add_http_args, run_gateway
 from gateway.server.exit_deadline import EXIT_MARGIN_S
 from kvserve.curve_keys_cli import write_keys
-from kvserve.data_dir import BOTH_GIVEN, DataDirError, add_data_dir_arg, data_dir_path, open_data_dir
+from kvserve.data_dir import BOTH_GIVEN, DataDir, DataDirError, add_data_dir_arg, data_dir_path, open_data_dir
+from kvserve.runtime_dir import RunDir, open_run_dir, runtime_root
 from kvserve.supervisor import FIRST_BACKOFF_S, RESTART_LIMIT, RESTART_WINDOW_S
 from shared.curve_keys import CurveKeyError, load_executor_keys, load_gateway_keys
 from shared.defaults import DEFAULT_MODEL
@@ -32,7 +32,9 @@ UP_DESCRIPTION = (
     "Redis (embedded unless --redis-url), executors and a gateway on this machine. The embedded Redis keeps "
     "its data (API keys, usage, stored responses) across runs in the data directory: --data-dir, else "
     "$KVSERVE_HOME, else $XDG_DATA_HOME/kvserve, else ~/.local/share/kvserve; one `kvserve up` at a time "
-    "serves from it, and `kvserve keys` finds it there. A child that dies is "
+    "serves from it, and `kvserve keys` finds it there. What lives only for the run (its CURVE keys) is in a "
+    "private folder of its own under $XDG_RUNTIME_DIR/kvserve, else the data directory's run/, removed when it "
+    "ends, or by the next start after a kill -9. A child that dies is "
     f"restarted after {FIRST_BACKOFF_S} s, the wait doubling with each death within {RESTART_WINDOW_S:.0f} s; "
     f"{RESTART_LIMIT} deaths of one child within {RESTART_WINDOW_S:.0f} s end kvserve up with exit code 1, "
     "naming it. SIGTERM or Ctrl-C drains: new requests get 503 while those in flight finish (at most "
@@ -60,9 +62,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     """Start what is missing (Redis unless --redis-url), N executors as supervised child processes, then the
-    gateway here; on exit stop exactly the processes it started."""
-    from kvserve.local_stack import ExecutorPlan, LocalStack, StackError
-    from kvserve.redis_server import RedisServerError
+    gateway here; on exit stop exactly the processes it started, and remove this run's private folder."""
     from kvserve.store import StoreBusy, check_not_served
     from shared import logs
 
@@ -105,9 +105,25 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"kvserve up: error: {error}", file=sys.stderr)
         return 2
     config.model = model_dir
-    fresh_keys = args.curve_keys is None
     try:
-        args.curve_keys = _curve_keys(args.curve_keys)
+        run = open_run_dir(runtime_root(args.data_dir))
+    except DataDirError as error:
+        print(f"kvserve up: error: {error}", file=sys.stderr)
+        return 1
+    try:
+        return _run_stack(args, config, data, run)
+    finally:
+        run.remove()
+
+
+def _run_stack(args: argparse.Namespace, config: EngineConfig, data: DataDir | None, run: RunDir) -> int:
+    """The stack with this run's private folder (its CURVE keys, unless given): started, served, stopped."""
+    from kvserve.local_stack import ExecutorPlan, LocalStack, StackError
+    from kvserve.redis_server import RedisServerError
+    from kvserve.store import StoreBusy
+
+    try:
+        args.curve_keys = _curve_keys(args.curve_keys, run.path)
     except CurveKeyError as error:
         print(f"kvserve up: error: --curve-keys: {error}", file=sys.stderr)
         return 2
@@ -138,8 +154,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         stack.start()
         args.redis_url = stack.redis_url
-        args.model = model_dir
-        if args.served_model_name is None and _is_default(model_dir):
+        args.model = config.model
+        if args.served_model_name is None and _is_default(config.model):
             args.served_model_name = DEFAULT_MODEL
         code = run_gateway(args, supervise)
     except (StackError, RedisServerError, StoreBusy) as error:
@@ -149,24 +165,22 @@ def run_up(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # stopping the children is bounded; let it finish
         stack.stop()
-        if fresh_keys:
-            shutil.rmtree(args.curve_keys, ignore_errors=True)
     if stack.failure is not None:
         print(f"kvserve up: error: {stack.failure}", file=sys.stderr)
         return 1
     return code
 
 
-def _curve_keys(given: str | None) -> str:
+def _curve_keys(given: str | None, run_dir: Path) -> str:
     """The directory of the CURVE keys the stack runs with: the given one, checked for both sides before
-    anything starts, or a fresh pair for this run only (the caller removes it)."""
+    anything starts, or a fresh pair for this run only, in its runtime folder."""
     if given is not None:
         load_executor_keys(given)
         load_gateway_keys(given)
         return given
-    directory = tempfile.mkdtemp(prefix="kvserve-curve-")
-    write_keys(Path(directory))
-    return directory
+    directory = run_dir / "curve"
+    write_keys(directory)
+    return str(directory)
 
 
 def _exit_on_signal(signum: int, _frame) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from shared.child_env import engine_environment
 from shared.defaults import DEFAULT_MODEL
 from shared.parent_death import dying_with_this_process
 
@@ -76,8 +77,10 @@ def pulled_model_dir(model: str | None) -> Path:
     path = model_dir(model)
     if path.is_dir():
         return path
-    # it dies with this process: a pull is long, and nobody would be left to read what it prints
-    done = subprocess.run(dying_with_this_process(pull_command(model)), capture_output=True, text=True)
+    # it dies with this process: a pull is long, and nobody would be left to read what it prints; it gets what
+    # a download and a conversion read, not this process's secrets (a Redis URL)
+    command = dying_with_this_process(pull_command(model))
+    done = subprocess.run(command, capture_output=True, text=True, env=engine_environment())
     printed = done.stdout.strip().splitlines()
     if done.returncode != 0 or not printed or not Path(printed[-1]).is_dir():
         error = (done.stderr.strip() or done.stdout.strip()).splitlines()[-10:]  # its error, not its log

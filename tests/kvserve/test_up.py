@@ -16,11 +16,16 @@ import pytest
 import redis
 
 from gateway.server.exit_deadline import EXIT_MARGIN_S
+from kvserve.data_dir import DataDir
+from kvserve.store import reach
 from kvserve.supervisor import RESTART_LIMIT
 from shared import redis_keys
 from tests.gateway.answers import json_events
-from tests.kvserve.up_process import Up, alive, children, command_line
-from tests.processes import eventually, raw_generate
+from tests.kvserve.up_process import Up, alive, children, command_line, environment, kvserve_env
+from tests.processes import eventually, raw_generate, run_kvserve
+
+# in up's environment, and none of its children's business
+PLANTED = {"UNRELATED_TOKEN": "planted-secret"}
 
 
 def reaped(pid: int) -> bool:
@@ -32,7 +37,8 @@ def reaped(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    up = Up(tiny_models["llama"], tmp_path_factory.mktemp("up") / "up.log", "--shutdown-grace-period", "60")
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    up = Up(tiny_models["llama"], log, "--shutdown-grace-period", "60", env=PLANTED)
     try:
         up.wait_serving(2)
         yield up
@@ -149,6 +155,33 @@ def test_killed_redis_comes_back_on_its_port_with_its_data(stack):
 
 
 @pytest.mark.slow
+def test_each_child_gets_only_the_environment_it_needs(stack):
+    """Executors get what an engine reads and the Redis URL; Redis and the grammar compile process (which runs
+    clients' grammars) get neither the URL nor its password; nobody gets what up's environment holds for others."""
+    url = stack.redis_url()
+    password = redis.connection.parse_url(url)["password"]
+    constrained = {"model": "tiny", "prompt": "yes or no?", "max_tokens": 4}
+    constrained["structured_outputs"] = {"regex": "(yes|no)"}  # starts an executor's grammar compile process
+    answer = httpx.post(f"{stack.base}/v1/completions", json=constrained, timeout=120)
+    assert answer.status_code == 200, answer.text
+    executors = [stack.child(f"--executor-id executor-{i}") for i in range(2)]
+    for pid in executors:
+        env = environment(pid)
+        assert env["KVSERVE_REDIS_URL"] == url and "PATH" in env and "UNRELATED_TOKEN" not in env
+    compilers = [
+        pid
+        for executor in executors
+        for pid in descendants(executor)
+        if "executor.structured.grammar_worker" in command_line(pid)
+    ]
+    assert compilers
+    for pid in [stack.child("valkey-server"), *compilers]:
+        env = environment(pid)
+        assert "KVSERVE_REDIS_URL" not in env and "UNRELATED_TOKEN" not in env, command_line(pid)
+        assert not any(password in value for value in env.values()), command_line(pid)
+
+
+@pytest.mark.slow
 def test_ctrl_c_drains_requests_in_flight_refuses_new_ones_with_503_and_stops_everything(stack):
     started = stack.children()
     assert len(started) == 3
@@ -189,7 +222,7 @@ def test_ctrl_c_drains_requests_in_flight_refuses_new_ones_with_503_and_stops_ev
     assert stack.process.wait(30) == 0, stack.text()
     assert eventually(stack.none_left, timeout=10)
     assert "draining (SIGINT)" in stack.text()
-    assert not keys.exists()  # the run's keys go with it
+    assert not keys.parent.exists()  # the run's private folder, its keys in it, goes with it
 
 
 # -- nothing left running, and no waiting past the grace period -------------------------------------------
@@ -203,12 +236,21 @@ def descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_kill_9_of_up_takes_every_process_it_started_with_it(tiny_models, tmp_path):
+def test_kill_9_of_up_takes_every_process_it_started_with_it_and_the_next_start_its_secrets(
+    tiny_models, tmp_path
+):
     up = Up(tiny_models["llama"], tmp_path / "up.log", executors=1)
     try:
         up.wait_serving(1)
         started = descendants(up.process.pid)
         assert up.child("valkey-server") in started and up.child("--executor-id executor-0") in started
+        # the run's secrets live in a private folder of its own in the data directory's run/ (no XDG_RUNTIME_DIR
+        # here), which names its PID
+        run_dir = up.curve_keys().parent
+        assert run_dir.parent == up.data_dir / "run" and oct(run_dir.stat().st_mode)[-3:] == "700"
+        assert (run_dir / "lock").read_text() == f"{up.process.pid}\n"
+        redis.Redis.from_url(up.redis_url()).set("test:kept", "yes")
+        time.sleep(1.5)  # appendfsync everysec
         up.process.kill()
         up.process.wait()
         killed = time.monotonic()
@@ -216,6 +258,16 @@ def test_kill_9_of_up_takes_every_process_it_started_with_it(tiny_models, tmp_pa
             command_line(p) for p in started if alive(p)
         ]
         print(f"every child of kvserve up gone {time.monotonic() - killed:.2f} s after its SIGKILL")
+        assert (run_dir / "curve" / "executor.key_secret").exists()  # nothing cleaned up after the kill
+
+        # the next start removes it, whatever then stops it (here: keys it is pointed at that do not exist)
+        env = {**kvserve_env(), "KVSERVE_HOME": str(up.data_dir)}
+        model = ["--model", tiny_models["llama"]]
+        stopped = run_kvserve("up", *model, "--curve-keys", str(tmp_path / "none"), env=env, timeout=120)
+        assert stopped.returncode == 2 and "--curve-keys" in stopped.stderr, stopped.stderr
+        assert not run_dir.exists() and list((up.data_dir / "run").iterdir()) == []
+        with reach(DataDir(up.data_dir)) as url:  # the store's data is not a run's: it stays
+            assert redis.Redis.from_url(url).get("test:kept") == b"yes"
     finally:
         for pid in descendants(up.process.pid) if up.process.poll() is None else []:
             os.kill(pid, signal.SIGKILL)

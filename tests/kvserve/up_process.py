@@ -41,14 +41,22 @@ def command_line(pid: int) -> str:
 
 
 def kvserve_env() -> dict[str, str]:
-    """This environment without what would point a `kvserve` command elsewhere than a test says."""
-    return {k: v for k, v in os.environ.items() if k not in ("KVSERVE_REDIS_URL", "KVSERVE_LOG_FORMAT")}
+    """This environment without what would point a `kvserve` command elsewhere than a test says (its runtime
+    folders go to its data directory's run/, not this user's $XDG_RUNTIME_DIR)."""
+    ignored = ("KVSERVE_REDIS_URL", "KVSERVE_LOG_FORMAT", "XDG_RUNTIME_DIR")
+    return {k: v for k, v in os.environ.items() if k not in ignored}
+
+
+def environment(pid: int) -> dict[str, str]:
+    """A process's environment as it started, from /proc."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
 
 
 class Up:
     """`kvserve up` on a tiny model as a child process, logging (as text, unless log_format says otherwise: None
     is the default, auto) to a file. Its data directory (KVSERVE_HOME) is data_dir, else a folder of its own
-    beside the log: never the user's."""
+    beside the log: never the user's. env adds to its environment."""
 
     def __init__(
         self,
@@ -58,6 +66,7 @@ class Up:
         executors: int = 2,
         data_dir: Path | None = None,
         log_format: str | None = "text",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -72,7 +81,7 @@ class Up:
             cwd=REPO,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env={**kvserve_env(), "KVSERVE_HOME": str(self.data_dir)},
+            env={**kvserve_env(), "KVSERVE_HOME": str(self.data_dir), **(env or {})},
         )
         self.seen: set[int] = set()  # every child ever seen, to check none is left behind
 
