@@ -19,7 +19,7 @@ from gateway.tenants.tenancy import Caller, Tenancy
 log = logging.getLogger("kvserve.gateway")
 
 # a refused request's unread body up to this is left to uvicorn to discard, keeping the connection; a larger one
-# closes it (a client still sending may then see the connection reset rather than the 401)
+# closes it, unparsed, with a lingering close (gateway/server/lingering_close.py), so the client still reads the 401
 CLOSE_UNREAD_BODY_BYTES = 64 * 1024
 
 
