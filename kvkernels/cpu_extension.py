@@ -50,6 +50,7 @@ HEADERS = tuple(
         "panel_kernel.h",
         "prefetch.h",
         "quantized_gemm_cpu.h",
+        "region_error.h",
         "softmax_row.h",
         "stealing_parallel.h",
         "team_done_bits.h",

@@ -36,7 +36,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <exception>
 #include <memory>
 #include <thread>
 #include <tuple>
@@ -46,6 +45,7 @@
 #include "decoder_stack_cpu.h"
 #include "fused_rows.h"
 #include "quantized_gemm_cpu.h"
+#include "region_error.h"
 #include "stealing_parallel.h"
 #include "team_done_bits.h"
 
@@ -215,8 +215,7 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
 
   const int64_t phases = L * kSteps;
   std::atomic<int64_t> completed{0};  // phases done, in order
-  std::atomic<bool> failed{false};
-  std::exception_ptr error;  // written once, by the thread that set failed; read after the region
+  RegionError error;
   auto complete = [&](int64_t p) {
     int64_t now = completed.load(std::memory_order_relaxed);
     while (now <= p && !completed.compare_exchange_weak(now, p + 1, std::memory_order_acq_rel)) {
@@ -238,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
       if (stall_every > 0 && pieces % stall_every == 0) std::this_thread::sleep_for(stall);
     };
     auto over = [&](int64_t p) {
-      return completed.load(std::memory_order_acquire) > p || failed.load(std::memory_order_acquire);
+      return completed.load(std::memory_order_acquire) > p || error.failed();
     };
     // until phase p's work is all done (then it is marked complete), someone else marked it complete or a thread
     // failed; after wait, whatever no thread took is done here too, chunk at most at a time
@@ -263,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
       }
       complete(p);
     };
-    for (int64_t p = 0; p < phases && !failed.load(std::memory_order_acquire);) {
+    for (int64_t p = 0; p < phases && !error.failed();) {
       const int64_t reached = completed.load(std::memory_order_acquire);
       if (reached > p) {
         p = reached;
@@ -318,9 +317,9 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward_team(const at::Tensor& 
       ++p;
     }
   } catch (...) {
-    if (!failed.exchange(true, std::memory_order_acq_rel)) error = std::current_exception();
+    error.capture();
   }
-  if (error) std::rethrow_exception(error);
+  error.rethrow();
   return {at::from_blob(buffer(L - 1, kDownOut), {T, H}, opts).clone(), residual};
 }
 #else

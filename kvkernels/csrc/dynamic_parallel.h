@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include "region_error.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -22,10 +24,15 @@ void parallel_dynamic(int64_t n, MakeState make_state, Fn fn) {
     return;
   }
   std::atomic<int64_t> next{0};
+  RegionError error;
 #pragma omp parallel num_threads(threads)
-  {
+  try {
     auto state = make_state();
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n && !error.failed();
+         i = next.fetch_add(1, std::memory_order_relaxed))
       fn(i, state);
+  } catch (...) {
+    error.capture();
   }
+  error.rethrow();
 }

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include "region_error.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -73,6 +75,15 @@ void parallel_stealing(int64_t n, int64_t chunk, Fn fn) {
   }
   std::vector<stealing::Range> ranges(threads);
   stealing::split(ranges.data(), threads, n);
+  RegionError error;
+  auto unless_failed = [&](int64_t begin, int64_t end) {
+    if (!error.failed()) fn(begin, end);
+  };
 #pragma omp parallel num_threads(threads)
-  stealing::work(ranges.data(), threads, omp_get_thread_num(), chunk, fn);
+  try {
+    stealing::work(ranges.data(), threads, omp_get_thread_num(), chunk, unless_failed);
+  } catch (...) {
+    error.capture();
+  }
+  error.rethrow();
 }
