@@ -163,8 +163,8 @@ def test_an_exception_on_a_team_thread_is_raised_after_the_team(default_shaped_m
             return original(*args)
 
     model.decoder_stack = Recording()
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    args = steps[-1]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    args = steps[-1]  # a step of decodes alone, which the team runs
     expected = original(*args)
     stack.set_team_throw(2)
     with pytest.raises(RuntimeError, match="set_team_throw"):
