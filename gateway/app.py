@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from gateway.api_error import EXECUTOR_HEADER, NO_EXECUTOR, APIError, error_response
 from gateway.endpoints.completions import CompletionEndpoint, chat_completions, text_completions
+from gateway.endpoints.lora_adapters import LoRAUpdates
 from gateway.endpoints.responses import Responses
 from gateway.openai.body import BODY_TIMEOUT_S
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
@@ -68,6 +69,7 @@ class GatewayConfig:
     curve: CurveKeys | None = None  # --curve-keys: this gateway's CURVE pair and the executors' public key
     limits: RequestLimits = DEFAULT_LIMITS  # what one request may ask for (gateway/openai/request_limits.py)
     response_store: StoreLimits = DEFAULT_STORE_LIMITS  # --responses-*: stored responses' TTL and bounds
+    runtime_lora_updating: bool = False  # --allow-runtime-lora-updating: operators load and unload adapters
 
 
 class Gateway:
@@ -86,6 +88,7 @@ class Gateway:
         self.text_completions: CompletionEndpoint | None = None
         self.responses_endpoint: Responses | None = None
         self.metrics_listener: MetricsListener | None = None
+        self.lora_updates = LoRAUpdates(self.index, self.tenancy, config.runtime_lora_updating)
 
     async def startup(self) -> None:
         await self.tenancy.startup()
@@ -107,10 +110,10 @@ class Gateway:
             config.limits,
         )
         workers = self.prompt_workers
-        model, tokenizer, parser = config.model_name, config.tokenizer, config.tool_call_parser
-        self.chat_completions = chat_completions(model, tokenizer, parser, config.limits, workers)
-        self.text_completions = text_completions(model, tokenizer, config.limits, workers)
-        self.responses_endpoint = Responses(model, tokenizer, parser, config.limits, workers, self.store)
+        tokenizer, parser = config.tokenizer, config.tool_call_parser
+        self.chat_completions = chat_completions(tokenizer, parser, config.limits, workers)
+        self.text_completions = text_completions(tokenizer, config.limits, workers)
+        self.responses_endpoint = Responses(tokenizer, parser, config.limits, workers, self.store)
         if self.config.metrics_port is not None:
             metrics_app = Starlette(
                 routes=[Route("/metrics", self.metrics_page, methods=["GET"])],
@@ -162,13 +165,24 @@ class Gateway:
         return Response(stored, media_type="application/json", headers=headers)
 
     async def models(self, request: Request) -> Response:
+        """What the caller's key may use: the base model, then its LoRA adapters that live executors serve."""
         try:
             caller = await self.tenancy.identify(request.headers)
+            admission = self.pipeline.admission
+            names = admission.models(caller, await admission.catalog())
         except APIError as error:
             return error_response(error, "")
+        base = self.config.model_name
         models = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvserve"}
-            for name in caller.models([self.config.model_name])
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "kvserve",
+                "root": base,
+                "parent": None if name == base else base,
+            }
+            for name in names
         ]
         return JSONResponse({"object": "list", "data": models}, headers={EXECUTOR_HEADER: NO_EXECUTOR})
 
@@ -244,6 +258,8 @@ def _last_resort(metrics: GatewayMetrics) -> Middleware:
         "/v1/completions": "completion",
         "/v1/responses": "responses",
         "/v1/models": "models",
+        "/v1/load_lora_adapter": "lora",
+        "/v1/unload_lora_adapter": "lora",
         "/health": "health",
         "/health/live": "health",
         "/metrics": "metrics",
@@ -259,6 +275,8 @@ def build_app(config: GatewayConfig) -> Starlette:
         Route("/v1/responses", gateway.responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", gateway.stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", gateway.lora_updates.load, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", gateway.lora_updates.unload, methods=["POST"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/health/live", gateway.live, methods=["GET"]),
         Route("/metrics", gateway.public_metrics, methods=["GET"]),

@@ -90,6 +90,12 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "functions need no parser",
     )
     parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING), to operator keys only (`kvserve keys create|update --operator`)",
+    )
+    parser.add_argument(
         "--log-format",
         choices=logs.FORMATS,
         default=None,
@@ -198,6 +204,7 @@ def run_gateway(args: argparse.Namespace, on_start: Callable[[GatewayServer], No
         curve=curve,
         limits=request_limits(args),
         response_store=store_limits(args),
+        runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     if tracing.configure("kvserve-gateway"):
         logging.getLogger("kvserve.gateway").info("tracing on: spans go out over OTLP")

@@ -5,7 +5,7 @@ answered as a chat.completion / text_completion or its chunks."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from gateway.api_error import APIError
 from gateway.openai.request import OpenAIRequest, parse_chat_request, parse_completion_request
@@ -21,7 +21,7 @@ class CompletionEndpoint:
         self,
         name: str,
         prompt_field: str,
-        parse: Callable[[bytes], OpenAIRequest],
+        parse: Callable[[bytes, Collection[str]], OpenAIRequest],
         tokenizer,
         workers: PromptWorkers,
     ) -> None:
@@ -31,32 +31,28 @@ class CompletionEndpoint:
         self.tokenizer = tokenizer
         self.workers = workers
 
-    async def read(self, raw: bytes, caller: Caller) -> Reading:
-        work = functools.partial(self._prompt, raw)
+    async def read(self, raw: bytes, caller: Caller, models: Collection[str]) -> Reading:
+        work = functools.partial(self._prompt, raw, models)
         parsed, ids, tokenizing_since = await self.workers.run(work, len(raw))
         return Reading(parsed, ids, tokenizing_since, ChatReply(parsed.include_usage))
 
     def refusal(self, error: APIError) -> APIError:
         return error
 
-    def _prompt(self, raw: bytes) -> tuple[OpenAIRequest, list[int], int]:
-        parsed = self.parse(raw)
+    def _prompt(self, raw: bytes, models: Collection[str]) -> tuple[OpenAIRequest, list[int], int]:
+        parsed = self.parse(raw, models)
         return parsed, *tokenized(parsed, self.tokenizer)
 
 
 def chat_completions(
-    model_name: str, tokenizer, tool_call_parser: str | None, limits: RequestLimits, workers: PromptWorkers
+    tokenizer, tool_call_parser: str | None, limits: RequestLimits, workers: PromptWorkers
 ) -> CompletionEndpoint:
     """POST /v1/chat/completions: `tool_call_parser` reads tool_choice "auto"'s calls (None refuses "auto")."""
-    parse = functools.partial(
-        parse_chat_request, served_models=[model_name], tool_call_parser=tool_call_parser, limits=limits
-    )
+    parse = functools.partial(parse_chat_request, tool_call_parser=tool_call_parser, limits=limits)
     return CompletionEndpoint("chat", "messages", parse, tokenizer, workers)
 
 
-def text_completions(
-    model_name: str, tokenizer, limits: RequestLimits, workers: PromptWorkers
-) -> CompletionEndpoint:
+def text_completions(tokenizer, limits: RequestLimits, workers: PromptWorkers) -> CompletionEndpoint:
     """POST /v1/completions."""
-    parse = functools.partial(parse_completion_request, served_models=[model_name], limits=limits)
+    parse = functools.partial(parse_completion_request, limits=limits)
     return CompletionEndpoint("completion", "prompt", parse, tokenizer, workers)

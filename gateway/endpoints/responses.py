@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import redis
 
@@ -44,25 +44,23 @@ class Responses:
 
     def __init__(
         self,
-        model_name: str,
         tokenizer,
         tool_call_parser: str | None,
         limits: RequestLimits,
         workers: PromptWorkers,
         store: ResponseStore,
     ) -> None:
-        self.model_name = model_name
         self.tokenizer = tokenizer
         self.tool_call_parser = tool_call_parser
         self.limits = limits
         self.workers = workers
         self.store = store
 
-    async def read(self, raw: bytes, caller: Caller) -> Reading:
+    async def read(self, raw: bytes, caller: Caller, models: Collection[str]) -> Reading:
         """The body names the conversation it continues, read from Redis before its prompt is built."""
         body = await self.workers.run(functools.partial(read_json_body, raw), len(raw))
         items = await history(self.store, caller.tenant.name, body)
-        work = functools.partial(self._prompt, body, items)
+        work = functools.partial(self._prompt, body, items, models)
         turn, stored_size, ids, tokenizing_since = await self.workers.run(work, len(raw))
         if turn.store:  # a full store is said before the answer is generated, not found out at the next turn
             await self.store.check_room(caller.tenant.name, stored_size)
@@ -72,10 +70,12 @@ class Responses:
         """The chat path's checks name chat's fields; the client knows the Responses request's."""
         return as_responses_error(error)
 
-    def _prompt(self, body: dict, items: list[dict]) -> tuple[ResponsesRequest, int, list[int], int]:
+    def _prompt(
+        self, body: dict, items: list[dict], models: Collection[str]
+    ) -> tuple[ResponsesRequest, int, list[int], int]:
         """The turn, the bytes its stored record will at least weigh (0: not stored), its prompt's ids and when
         tokenizing began."""
-        turn = parse_responses_body(body, items, [self.model_name], self.tool_call_parser, self.limits)
+        turn = parse_responses_body(body, items, models, self.tool_call_parser, self.limits)
         # a conversation too large to store is refused before it is answered
         stored_size = self.store.check_size(turn.items) if turn.store else 0
         return turn, stored_size, *tokenized(turn.chat, self.tokenizer)

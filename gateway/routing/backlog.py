@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from gateway.api_error import APIError
+from gateway.routing.adapters import Adapter
 from gateway.routing.router import Choice, Router, Saturated
 from shared.tenant import Tenant
 
@@ -61,13 +62,14 @@ class Backlog:
         exclude: set[str] = frozenset(),
         avoid: set[str] = frozenset(),
         refusals: int = 0,
+        adapter: Adapter | None = None,
     ) -> Choice:
         """The router's choice among executors with room for the tenant (exclude: lost executors; avoid: ones
         that just refused as busy, the refusals-th time in a row for this request, skipped on the first look
         only); while none has, wait in the tenant's line."""
         if avoid:
             try:
-                return await self.router.choose(ids, tenant, exclude, avoid)
+                return await self.router.choose(ids, tenant, exclude, avoid, adapter)
             except Saturated:
                 pass
             # no other executor has room: back off out of turn, then look like a newcomer
@@ -80,7 +82,7 @@ class Backlog:
                 raise _saturated(self.timeout_s)
         if not self._lines.get(self._line(tenant)):  # with others in its line, a newcomer queues behind them
             try:
-                return await self.router.choose(ids, tenant, exclude)
+                return await self.router.choose(ids, tenant, exclude, adapter=adapter)
             except Saturated:
                 pass
         tenant_line = self._line(tenant)
@@ -94,7 +96,7 @@ class Backlog:
             turn.set_result(None)
         try:
             await asyncio.wait_for(asyncio.shield(turn), max(0.0, deadline - time.monotonic()))
-            choice = await self._poll(ids, tenant, exclude, deadline)
+            choice = await self._poll(ids, tenant, exclude, deadline, adapter)
             return dataclasses.replace(choice, held_s=time.monotonic() - held_since)
         except TimeoutError:
             raise _saturated(self.timeout_s) from None
@@ -107,12 +109,13 @@ class Backlog:
         tenant: Tenant,
         exclude: set[str],
         deadline: float,
+        adapter: Adapter | None,
     ) -> Choice:
         """A line's oldest waiter's loop: ask, back off (or wake when a request ends), ask again."""
         backoff = FIRST_BACKOFF_S
         while True:
             try:
-                return await self.router.choose(ids, tenant, exclude)
+                return await self.router.choose(ids, tenant, exclude, adapter=adapter)
             except Saturated:
                 pass
             left = deadline - time.monotonic()

@@ -3,15 +3,16 @@
 Cost (route_cost), in prefill-equivalent tokens of work ahead of the request's first token: its own prompt tokens
 the executor would compute, plus those whose KV it would load from a tier of its own or pull from a peer, each at
 a fraction of a computed token; the prompt tokens queued there (published, plus those on their way), the running
-requests' decodes, and a penalty as the KV pool fills (a full pool means preemptions). Equal costs are broken at
-random, so a burst of cold requests spreads instead of all taking the first executor.
+requests' decodes, a penalty as the KV pool fills (a full pool means preemptions), and under a LoRA adapter what
+bringing the adapter into a step costs there (adapter_cost). Equal costs are broken at random, so a burst of cold
+requests spreads instead of all taking the first executor.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.block_hash import max_cached_blocks
 
@@ -40,6 +41,17 @@ PEER_PULL_COST = 0.2
 # executor still takes a hot prefix from its busy holder.
 DISPLACEMENT = 1.0
 _LOAD_COST = {POOL: 0.0, HOST: HOST_LOAD_COST, DISK: DISK_LOAD_COST}
+# A request under a LoRA adapter, by where the executor has it: used by its running requests (in a step's slots),
+# nothing more; held in host memory, a copy into the step's tensors, about a short prompt's prefill; only on disk, a
+# read of its files and their digest on a worker thread while its requests wait, about a few running requests'
+# decodes. These are bounded on purpose: once the executor running an adapter has more work queued than loading it
+# elsewhere costs, its next requests go to another executor, which loads it too (the spreading llm-d's LoRA
+# affinity scorer does once an adapter's servers are saturated).
+ADAPTER_HOST_LOAD_TOKENS = 32
+ADAPTER_DISK_LOAD_TOKENS = 256
+# An executor whose every step slot (max_loras) other adapters' running requests hold: the request waits until one
+# of those adapters' requests all end, about a whole decode.
+ADAPTER_SLOT_WAIT_TOKENS = 1024
 
 
 @dataclass(slots=True)
@@ -60,6 +72,11 @@ class Candidate:
     queue_full: bool = False  # its waiting queue is at its bound: it refuses new requests as busy
     # leading blocks another executor holds and would send it (the router's best peer for it; 0: none holds more)
     peer_blocks: int = 0
+    # LoRA adapters, by name: those its running requests use, those its host memory holds; and how many distinct
+    # adapters one of its steps runs (0: it does not say)
+    lora_running: frozenset[str] = field(default_factory=frozenset)
+    lora_held: frozenset[str] = field(default_factory=frozenset)
+    max_loras: int = 0
 
     @property
     def cached_blocks(self) -> int:
@@ -115,7 +132,18 @@ def prefill_tokens(candidate: Candidate, prompt_tokens: int, block_size: int) ->
     return token_sources(candidate, prompt_tokens, block_size).compute
 
 
-def route_cost(candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
+def adapter_cost(candidate: Candidate, adapter: str | None) -> float:
+    """What running the request under the adapter (None: the base model) costs there before its prompt's work."""
+    if adapter is None or adapter in candidate.lora_running:
+        return 0.0
+    slots_taken = candidate.max_loras and len(candidate.lora_running) >= candidate.max_loras
+    load = ADAPTER_HOST_LOAD_TOKENS if adapter in candidate.lora_held else ADAPTER_DISK_LOAD_TOKENS
+    return load + (ADAPTER_SLOT_WAIT_TOKENS if slots_taken else 0)
+
+
+def route_cost(
+    candidate: Candidate, prompt_tokens: int, block_size: int, adapter: str | None = None
+) -> float:
     queued = candidate.prefill_tokens + candidate.inflight_tokens
     decodes = TOKENS_PER_RUNNING_REQUEST * candidate.running
     sources = token_sources(candidate, prompt_tokens, block_size)
@@ -125,15 +153,20 @@ def route_cost(candidate: Candidate, prompt_tokens: int, block_size: int) -> flo
         + queued
         + decodes
         + TOKENS_AT_FULL_KV * candidate.kv_usage**2
+        + adapter_cost(candidate, adapter)
     )
 
 
 def route_request(
-    candidates: Sequence[Candidate], prompt_tokens: int, block_size: int, rng: random.Random = random
+    candidates: Sequence[Candidate],
+    prompt_tokens: int,
+    block_size: int,
+    rng: random.Random = random,
+    adapter: str | None = None,
 ) -> Candidate:
     """The cheapest live executor, one of the cheapest at random when several cost the same."""
     if not candidates:
         raise LookupError("no live executor")
-    costs = [route_cost(c, prompt_tokens, block_size) for c in candidates]
+    costs = [route_cost(c, prompt_tokens, block_size, adapter) for c in candidates]
     cheapest = min(costs)
     return rng.choice([c for c, cost in zip(candidates, costs, strict=True) if cost == cheapest])

@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Sequence
 
 from gateway.api_error import APIError, invalid_request
+from gateway.routing.adapters import Adapter
 from gateway.routing.backlog import Backlog
 from gateway.routing.executor_client import ExecutorClient, ExecutorGone, ExecutorRequestError
 from gateway.routing.in_flight import InFlight
@@ -74,11 +75,12 @@ class Dispatch:
         lost: set[str] = frozenset(),
         avoid: set[str] = frozenset(),
         busy_refusals: int = 0,
+        adapter: Adapter | None = None,
     ) -> Choice:
         """An executor with room for the prompt (waiting in the backlog until one has), recorded in the metrics
         and as the span's `route` child."""
         started = time.time_ns()
-        choice = await self.backlog.choose(ids, caller.tenant, arrival, lost, avoid, busy_refusals)
+        choice = await self.backlog.choose(ids, caller.tenant, arrival, lost, avoid, busy_refusals, adapter)
         self.metrics.route_decisions.labels(self.policy, choice.reason).inc()
         attributes = {
             "kvserve.route.policy": self.policy,
@@ -92,6 +94,8 @@ class Dispatch:
         }
         if choice.kv_peer is not None:
             attributes["kvserve.route.kv_peer"] = choice.kv_peer.executor_id
+        if choice.adapter is not None:
+            attributes["kvserve.route.adapter"] = choice.adapter.identity
         span.child("route", started, attributes)
         return choice
 
@@ -205,8 +209,11 @@ class Dispatch:
             placement.lost,
             avoid,
             placement.busy_refusals,
+            placement.adapter,
         )
         placement.executor, placement.prefill_estimate = choice.executor, choice.prefill_estimate
+        placement.adapter = choice.adapter
+        flight.request.block_hashes = choice.block_hashes  # its adapter's files may have changed meanwhile
         # the peer for the new executor's run: the old one's may be the new executor itself, or hold too little
         flight.request.kv_peer = choice.kv_peer
         placement.held_s += choice.held_s
@@ -232,4 +239,6 @@ class Dispatch:
         else:
             gap = now - delivered.last_token_at
         delivered.last_token_at = now
-        self.metrics.tokens_arrived(flight.caller.tenant.name, len(update.token_ids), gap)
+        self.metrics.tokens_arrived(
+            flight.caller.tenant.name, flight.adapter_label, len(update.token_ids), gap
+        )

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.openai.responses import Generation
+from gateway.routing.adapters import Adapter
 from gateway.routing.executor_client import ExecutorTiming
 from gateway.routing.index_reader import ExecutorInfo
 from gateway.telemetry.request_span import RequestSpan
@@ -19,6 +20,7 @@ class Placement:
     """Where the request is: routing's choice, made again when its executor is lost or refuses it as busy."""
 
     executor: ExecutorInfo
+    adapter: Adapter | None = None  # the LoRA adapter it runs under, as its executor serves it
     prefill_estimate: int = 0  # prompt tokens the chosen executor has to prefill, by its cached blocks
     held_s: float = 0.0  # time it waited at the gateway for an executor with room (gateway.routing.backlog)
     counted_on: str | None = None  # the executor whose in-flight count in Redis includes this request
@@ -56,3 +58,8 @@ class InFlight:
     status: int = 200  # what the request's metrics and span report at its end
     error: str | None = None
     endpoint: str = "chat"  # its route, as kvserve_requests_total labels it ("responses" serves as a chat)
+
+    @property
+    def adapter_label(self) -> str:
+        """Its LoRA adapter's name in the metrics' `adapter` label; "" for the base model."""
+        return self.request.lora or ""

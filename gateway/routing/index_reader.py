@@ -8,10 +8,11 @@ disk tier), and each one's load.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 import redis.asyncio as aioredis
@@ -74,6 +75,11 @@ class ExecutorInfo:
     # with another's (model, dtype, block shape, quantization): "" when it publishes none (no pulls to or from it)
     kv_transfer_address: str = ""
     kv_fingerprint: str = ""
+    # LoRA (docs/lora.md): whether it serves adapters (--enable-lora), those it serves, name -> digest of their
+    # files, and those of the run-time registry it refused, name -> why
+    lora: bool = False
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    lora_refused: dict[str, str] = field(default_factory=dict)
 
 
 # KEYS[1]: the set of executor ids. ARGV: key prefix; blocks (pool), host, disk, load and inflight suffixes; then
@@ -153,6 +159,27 @@ def _as_dict(flat: list[bytes]) -> dict[str, str]:
     return {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
 
 
+def _text_map(executor_id: str, name: str, text: str | None) -> dict[str, str]:
+    """A registration's JSON object of names to text (absent: empty); one that is not is logged and read as
+    empty, so a broken registration serves no adapter rather than failing every request."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        log.warning(
+            "executor %s publishes %s that is not a JSON object of strings: %.200r", executor_id, name, text
+        )
+        return {}
+    return value
+
+
+def _names(text: str | None) -> frozenset[str]:
+    return frozenset(name for name in (text or "").split(",") if name)
+
+
 class IndexReader:
     def __init__(self, redis_url: str) -> None:
         self.redis = connect(redis_url)
@@ -184,6 +211,9 @@ class IndexReader:
                         int(info.get("waiting_tenants_share", 1)),
                         info.get("kv_transfer_address", ""),
                         info.get("kv_fingerprint", ""),
+                        "lora_adapters" in info,
+                        _text_map(executor_id, "lora_adapters", info.get("lora_adapters")),
+                        _text_map(executor_id, "lora_refused", info.get("lora_refused")),
                     ),
                     Candidate(
                         executor_id,
@@ -197,6 +227,9 @@ class IndexReader:
                         prefill_tokens=int(load.get("prefill_tokens", 0)),
                         inflight_tokens=max(0, int(inflight or 0)),
                         queue_full=load.get("queue_full") == "1",
+                        lora_running=_names(load.get("lora_running")),
+                        lora_held=_names(load.get("lora_held")),
+                        max_loras=int(info.get("max_loras", 0)),
                     ),
                 )
             )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.api_error import APIError
+from gateway.routing.adapters import Adapter, chain_salt, served_adapters
 from gateway.routing.cost import (
     ROUTING_POLICIES,
     Candidate,
@@ -44,6 +45,16 @@ class Choice:
     )
     kv_peer: KVPeer | None = None  # the executor to pull the prompt's blocks from that this one lacks
     sources: TokenSources = TokenSources()  # where the prompt's tokens come from there, for the trace
+    adapter: Adapter | None = None  # the LoRA adapter it runs under, as the executors serve it now
+
+
+@dataclass(slots=True, frozen=True)
+class Catalog:
+    """What the live executors serve, read once for a request before its body: the longest context one of them
+    takes (0: none lives) and the LoRA adapters, by name."""
+
+    max_model_len: int
+    adapters: dict[str, Adapter]
 
 
 class Saturated(Exception):
@@ -78,17 +89,18 @@ class Router:
         # a line per tenant too, else one line for all, first come first served
         self.places_per_tenant = True
 
-    async def max_model_len(self) -> int:
-        """The longest context a live executor takes, read from their registrations alone: a prompt too long
-        for every one is refused before its routing read sends Redis one hash per block (megabytes for the
-        longest prompts a body may hold)."""
+    async def catalog(self) -> Catalog:
+        """From the live executors' registrations alone: a model no key may use is refused before the body is
+        parsed, and a prompt too long for every executor before its routing read sends Redis one hash per block
+        (megabytes for the longest prompts a body may hold)."""
         try:
             executors = await self.index.live_executors()
         except Exception as error:
             raise _index_unreachable(error) from None
-        if not executors:
-            raise APIError(503, NO_EXECUTOR_MESSAGE, "server_error")
-        return max(info.max_model_len for info in executors)
+        return Catalog(
+            max((info.max_model_len for info in executors), default=0),
+            served_adapters(info.lora_adapters for info in executors),
+        )
 
     async def choose(
         self,
@@ -96,22 +108,34 @@ class Router:
         tenant: Tenant,
         exclude: set[str] = frozenset(),
         avoid: set[str] = frozenset(),
+        adapter: Adapter | None = None,
     ) -> Choice:
         """The executor for a prompt under the policy, among those with room in their queue for the tenant's
         request; executors in exclude (tried and lost) are skipped, and so are those in avoid (they just refused
-        it as busy). Raises Saturated when live executors exist but none has room."""
+        it as busy). Under a LoRA adapter, only executors serving it (the same files) are candidates. Raises
+        Saturated when live executors exist but none has room."""
         block_size = DEFAULT_BLOCK_SIZE  # a guess, checked against what the executors report
-        hashes = hash_blocks(ids, block_size, tenant.cache_salt)
+        hashes = hash_blocks(ids, block_size, chain_salt(tenant, adapter))
         view = await self._view(hashes, exclude)
-        if view[0][0].block_size != block_size:  # executors with other blocks: hash again, read again
-            block_size = view[0][0].block_size
-            hashes = hash_blocks(ids, block_size, tenant.cache_salt)
+        current = _served_now(view, adapter)
+        servers = _serving(view, current)
+        # executors with other blocks, or the adapter's files changed since admission: hash again, read again
+        if servers[0][0].block_size != block_size or current != adapter:
+            block_size, adapter = servers[0][0].block_size, current
+            hashes = hash_blocks(ids, block_size, chain_salt(tenant, adapter))
             view = await self._view(hashes, exclude)
+            servers = _serving(view, adapter)
+            if not servers:
+                raise _not_served(adapter)
         view = [(info, load) for info, load in view if info.block_size == block_size]
         self.places_per_tenant = any(info.waiting_tenants_share > 1 for info, _ in view)
         # any live executor may send blocks, a busy one too: that is the point of a pull
         holders = view
-        view = [(info, load) for info, load in view if self._has_room(info, load, avoid, tenant)]
+        view = [
+            (info, load)
+            for info, load in _serving(view, adapter)
+            if self._has_room(info, load, avoid, tenant)
+        ]
         if not view:
             raise Saturated
         usable = max_cached_blocks(len(ids), block_size)
@@ -124,7 +148,8 @@ class Router:
         elif self.policy == "random":
             info, load = random.choice(view)
         else:
-            load = route_request([load for _, load in view], len(ids), block_size)
+            name = adapter.name if adapter is not None else None
+            load = route_request([load for _, load in view], len(ids), block_size, adapter=name)
             info = next(info for info, _ in view if info.executor_id == load.executor_id)
         if exclude:
             reason = "retry"
@@ -141,10 +166,11 @@ class Router:
             hashes,
             sources.compute,
             load.cached_blocks,
-            route_cost(load, len(ids), block_size),
+            route_cost(load, len(ids), block_size, adapter.name if adapter is not None else None),
             reason,
             kv_peer=kv_peer,
             sources=sources,
+            adapter=adapter,
         )
 
     def _has_room(self, info: ExecutorInfo, load: Candidate, avoid: set[str], tenant: Tenant) -> bool:
@@ -175,6 +201,32 @@ class Router:
         if not reachable:
             raise APIError(503, NO_EXECUTOR_MESSAGE, "server_error")
         return reachable
+
+
+def _served_now(view: Sequence[tuple[ExecutorInfo, Candidate]], adapter: Adapter | None) -> Adapter | None:
+    """The adapter as the live executors serve it now (its files may have changed since the request's admission)."""
+    if adapter is None:
+        return None
+    current = served_adapters(info.lora_adapters for info, _ in view).get(adapter.name)
+    if current is None:
+        raise _not_served(adapter)
+    return current
+
+
+def _serving(
+    view: Sequence[tuple[ExecutorInfo, Candidate]], adapter: Adapter | None
+) -> list[tuple[ExecutorInfo, Candidate]]:
+    """The executors that can run a request under the adapter: every one for the base model."""
+    if adapter is None:
+        return list(view)
+    return [(info, load) for info, load in view if info.lora_adapters.get(adapter.name) == adapter.digest]
+
+
+def _not_served(adapter: Adapter) -> APIError:
+    """Its executors stopped serving it after the request was admitted (unloaded, or they were lost)."""
+    return APIError(
+        503, f"no live executor serves the adapter {adapter.name!r} now; try again shortly", "server_error"
+    )
 
 
 def best_peer(

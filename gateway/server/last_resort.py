@@ -43,7 +43,7 @@ class LastResort:
                 "%s %s failed unexpectedly", scope["method"], scope["path"], extra={"request_id": request_id}
             )
             self.metrics.requests.labels(
-                "unauthenticated", self.endpoints.get(scope["path"], "other"), "500"
+                "unauthenticated", self.endpoints.get(scope["path"], "other"), "500", ""
             ).inc()
             # once the status is out, uvicorn closes the connection instead, telling the client it was cut
             if not started:

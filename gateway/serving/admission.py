@@ -1,5 +1,6 @@
-"""Who may be served, before any executor is asked: the caller's key (from the headers alone), the model it may use,
-the context every executor has, and its tenant's limits and concurrency, reserved until the request ends.
+"""Who may be served, before any executor is asked: the caller's key (from the headers alone), the models it may use
+(the base model and its LoRA adapters that live executors serve), the context every executor has, and its tenant's
+limits and concurrency, reserved until the request ends.
 
 A caller without a valid key is refused before a byte of its body is read, so it costs next to nothing."""
 
@@ -11,9 +12,11 @@ import sys
 from starlette.datastructures import Headers
 from starlette.requests import Request
 
-from gateway.openai.request import OpenAIRequest, fit_to_context, model_not_found
+from gateway.api_error import APIError
+from gateway.openai.request import OpenAIRequest, fit_to_context
 from gateway.openai.request_limits import RequestLimits
-from gateway.routing.router import Router
+from gateway.routing.adapters import Adapter
+from gateway.routing.router import NO_EXECUTOR_MESSAGE, Catalog, Router
 from gateway.tenants.tenancy import Caller, Tenancy
 
 log = logging.getLogger("kvserve.gateway")
@@ -55,14 +58,28 @@ class Admission:
         connection; a large one is closed: closes_connection)."""
         return await self.tenancy.identify(headers)
 
-    async def admit(self, caller: Caller, request: OpenAIRequest, ids: list[int], request_id: str) -> int:
+    async def catalog(self) -> Catalog:
+        """What the live executors serve now: read once for the request, before its body."""
+        return await self.router.catalog()
+
+    def models(self, caller: Caller, catalog: Catalog) -> list[str]:
+        """The names the caller may give as `model`, the base model first (the default). Another tenant's
+        adapter is not among them, so it is refused as an unknown model is, with the same body."""
+        return caller.models([self.model_name], catalog.adapters)
+
+    def adapter(self, model: str, catalog: Catalog) -> Adapter | None:
+        """The adapter a `model` the caller may use names; None: the base model (which wins a name clash)."""
+        return None if model == self.model_name else catalog.adapters[model]
+
+    async def admit(
+        self, caller: Caller, request: OpenAIRequest, ids: list[int], request_id: str, catalog: Catalog
+    ) -> int:
         """The tokens reserved for the request (prompt + n x max_tokens) once it is admitted. Before routing: a
         prompt no executor takes costs Redis no routing read, and a caller past its limits hears so on arrival,
         not after a wait in the backlog."""
-        allowed = caller.models([self.model_name])
-        if request.model not in allowed:
-            raise model_not_found(request.model, allowed)
-        params = fit_to_context(request, len(ids), await self.router.max_model_len(), self.limits)
+        if not catalog.max_model_len:
+            raise APIError(503, NO_EXECUTOR_MESSAGE, "server_error")
+        params = fit_to_context(request, len(ids), catalog.max_model_len, self.limits)
         reserved_tokens = len(ids) + params.n * params.max_tokens  # n choices: n outputs, one prompt
         await self.tenancy.admit(caller, request_id, reserved_tokens)
         return reserved_tokens

@@ -37,7 +37,8 @@ class Billing:
     async def settle(self, flight: InFlight, usage: tuple[int, int, int]) -> None:
         """Once the executor has been released: what its executor still owes is billed in the background."""
         tenant = flight.caller.tenant.name
-        self.metrics.count_usage(tenant, usage[0], usage[2], flight.delivered.kv_block_seconds)
+        adapter = flight.request.lora  # None: the base model
+        self.metrics.count_usage(tenant, adapter or "", usage[0], usage[2], flight.delivered.kv_block_seconds)
         try:
             await self.tenancy.release(
                 flight.caller,
@@ -46,6 +47,7 @@ class Billing:
                 *usage,
                 kv_block_seconds=flight.delivered.kv_block_seconds,
                 cached_from=flight.delivered.generations[0].cached_from,  # as usage_of's cached tokens
+                adapter=adapter,
             )
         except Exception as error:  # the slot's lease and the bucket's refill heal what this misses
             log.error("settling tenant %s's limits failed: %s", tenant, error)

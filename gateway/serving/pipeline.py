@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from gateway.api_error import APIError, error_response
 from gateway.openai.request_limits import DEFAULT_LIMITS, RequestLimits
+from gateway.routing.adapters import Adapter
 from gateway.routing.dispatch import Dispatch
 from gateway.routing.executor_client import ExecutorClient
 from gateway.routing.in_flight import InFlight
@@ -69,21 +70,29 @@ class Pipeline:
         span = RequestSpan.start(request.headers, endpoint.name, time.time_ns())
         # this request's task (and tasks it starts) log with its ids; the binding ends with the task
         logs.bind(request_id, span.trace_id(request.headers))
-        caller = None
+        caller = adapter = None
         try:
             caller = await self.admission.identify(request.headers)
-            reading = await read(request, endpoint, caller, span, self.body_timeout_s)
-            reserved_tokens = await self.admission.admit(caller, reading.request, reading.ids, request_id)
-            flight = await self._route(request, reading, caller, span, request_id, arrival, reserved_tokens)
+            catalog = await self.admission.catalog()
+            models = self.admission.models(caller, catalog)
+            reading = await read(request, endpoint, caller, models, span, self.body_timeout_s)
+            adapter = self.admission.adapter(reading.request.model, catalog)
+            reserved_tokens = await self.admission.admit(
+                caller, reading.request, reading.ids, request_id, catalog
+            )
+            flight = await self._route(
+                request, reading, caller, span, request_id, arrival, reserved_tokens, adapter
+            )
         except ClientDisconnect:  # the client left while sending its body: no one to answer, nothing broke
             log.info("client disconnected while sending its request body")
-            self.metrics.requests.labels(tenant_of(caller), endpoint.name, "499").inc()
+            self.metrics.requests.labels(tenant_of(caller), endpoint.name, "499", _label(adapter)).inc()
             span.finish(499, "client disconnected")
             return Response(status_code=499)
         except Exception as caught:
             error = endpoint.refusal(as_api_error(caught, request_id))
             log.info("request refused (%d, tenant %s): %s", error.status, tenant_of(caller), error.message)
-            self.metrics.requests.labels(tenant_of(caller), endpoint.name, str(error.status)).inc()
+            status = str(error.status)
+            self.metrics.requests.labels(tenant_of(caller), endpoint.name, status, _label(adapter)).inc()
             span.finish(error.status, error.message)
             response = error_response(error, request_id)
             if closes_connection(request, caller):
@@ -117,6 +126,7 @@ class Pipeline:
         request_id: str,
         arrival: float,
         reserved_tokens: int,
+        adapter: Adapter | None,
     ) -> InFlight:
         routed = place(
             self.dispatch,
@@ -128,6 +138,7 @@ class Pipeline:
             request_id,
             arrival,
             reserved_tokens,
+            adapter,
         )
         try:  # it may wait in the backlog: a client that leaves meanwhile takes it out
             return await while_connected(request, routed)
@@ -144,7 +155,9 @@ class Pipeline:
         await self.dispatch.release(flight)
         usage = usage_of(flight)
         generation = flight.delivered.generations[0]
-        self.metrics.requests.labels(flight.caller.tenant.name, flight.endpoint, str(flight.status)).inc()
+        self.metrics.requests.labels(
+            flight.caller.tenant.name, flight.endpoint, str(flight.status), flight.adapter_label
+        ).inc()
         self.metrics.e2e.observe(time.monotonic() - flight.arrival)
         flight.span.finish(
             flight.status,
@@ -155,3 +168,8 @@ class Pipeline:
             flight.placement.executor.executor_id,
         )
         await self.billing.settle(flight, usage)
+
+
+def _label(adapter: Adapter | None) -> str:
+    """The metrics' `adapter` label: an adapter's name once the request's model is known to name one, else ""."""
+    return adapter.name if adapter is not None else ""

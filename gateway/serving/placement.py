@@ -8,6 +8,7 @@ import dataclasses
 from gateway.openai.request import fit_to_context
 from gateway.openai.request_limits import RequestLimits
 from gateway.openai.responses import Generation
+from gateway.routing.adapters import Adapter
 from gateway.routing.dispatch import Dispatch
 from gateway.routing.in_flight import Delivered, InFlight, Placement
 from gateway.serving.reading import Reading
@@ -26,10 +27,12 @@ async def place(
     request_id: str,
     arrival: float,
     reserved_tokens: int,
+    adapter: Adapter | None = None,
 ) -> InFlight:
-    """The request, as served from now on: where it goes and what it is sent as."""
+    """The request, as served from now on: where it goes and what it is sent as (adapter: the LoRA adapter its
+    model names, None for the base model)."""
     parsed, ids = reading.request, reading.ids
-    choice = await dispatch.choose(ids, caller, arrival, span)
+    choice = await dispatch.choose(ids, caller, arrival, span, adapter=adapter)
     # again for the one chosen: executors may differ in their context length
     params = fit_to_context(parsed, len(ids), choice.executor.max_model_len, limits)
     span.describe(caller.tenant.name, parsed.model, params.max_tokens, params.temperature, params.top_p)
@@ -42,6 +45,7 @@ async def place(
         traceparent=span.traceparent(),
         priority=parsed.priority,
         kv_peer=choice.kv_peer,
+        lora=choice.adapter.name if choice.adapter is not None else None,
     )
 
     def restart() -> list[Generation]:
@@ -57,6 +61,6 @@ async def place(
         parsed.include_usage,
         parsed.constraint_field,
         restart,
-        Placement(choice.executor, choice.prefill_estimate, choice.held_s),
+        Placement(choice.executor, choice.adapter, choice.prefill_estimate, choice.held_s),
         Delivered(restart()),
     )

@@ -5,6 +5,7 @@ the span's `tokenize` child, and an empty prompt refused."""
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,8 +37,8 @@ class Endpoint(Protocol):
     name: str  # its label in kvserve_requests_total and in its span: "chat", "completion" or "responses"
     prompt_field: str  # the field an empty prompt's 400 names
 
-    async def read(self, raw: bytes, caller: Caller) -> Reading:
-        """The body parsed, validated and tokenized."""
+    async def read(self, raw: bytes, caller: Caller, models: Collection[str]) -> Reading:
+        """The body parsed, validated and tokenized; models: those the caller may name (the first by default)."""
         ...
 
     def refusal(self, error: APIError) -> APIError:
@@ -53,12 +54,17 @@ def tokenized(request: OpenAIRequest, tokenizer) -> tuple[list[int], int]:
 
 
 async def read(
-    request: Request, endpoint: Endpoint, caller: Caller, span: RequestSpan, body_timeout_s: float
+    request: Request,
+    endpoint: Endpoint,
+    caller: Caller,
+    models: Collection[str],
+    span: RequestSpan,
+    body_timeout_s: float,
 ) -> Reading:
     """The request body, read within the deadline, parsed and validated by its endpoint, with its prompt's ids."""
     check_content_type(request.headers.get("content-type"))
     raw = await read_body(request, body_timeout_s)
-    reading = await endpoint.read(raw, caller)
+    reading = await endpoint.read(raw, caller, models)
     span.child("tokenize", reading.tokenizing_since, {"gen_ai.usage.input_tokens": len(reading.ids)})
     if not reading.ids:
         raise APIError(400, "the prompt is empty", param=endpoint.prompt_field)

@@ -242,29 +242,35 @@ def _kv_usage(stats: ExecutorStats) -> float:
     return stats.gauges["kv_blocks_used"] / total if total else 0.0
 
 
+# the token counters' labels: a LoRA adapter's name has the tenant's bounded cardinality, since only the operator
+# registers adapters (--lora-modules, POST /v1/load_lora_adapter) and a request naming another is refused unlabelled
+_BY_ADAPTER = ["tenant", "adapter"]
+
+
 class GatewayMetrics:
     def __init__(self, model_name: str) -> None:
         """model_name: the name this gateway serves, the executors' vLLM-named series' model_name label."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvserve_requests",
-            "HTTP completion requests answered, by tenant, endpoint and status code.",
-            ["tenant", "endpoint", "status"],
+            'HTTP completion requests answered, by tenant, endpoint, status code and LoRA adapter ("": the base '
+            "model, or a request refused before its model was known).",
+            ["tenant", "endpoint", "status", "adapter"],
             registry=self.registry,
         )
         self.prompt_tokens = Counter(
-            "kvserve_prompt_tokens", "Prompt tokens of requests served.", ["tenant"], registry=self.registry
+            "kvserve_prompt_tokens", "Prompt tokens of requests served.", _BY_ADAPTER, registry=self.registry
         )
         self.prompt_tokens_cached = Counter(
             "kvserve_prompt_tokens_cached",
             "Prompt tokens whose KV came from an executor's prefix cache (not computed).",
-            ["tenant"],
+            _BY_ADAPTER,
             registry=self.registry,
         )
         self.prompt_tokens_computed = Counter(
             "kvserve_prompt_tokens_computed",
             "Prompt tokens an executor computed (prefilled): prompt tokens less cached ones.",
-            ["tenant"],
+            _BY_ADAPTER,
             registry=self.registry,
         )
         self.kv_block_seconds = Counter(
@@ -275,7 +281,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.generation_tokens = Counter(
-            "kvserve_generation_tokens", "Tokens generated.", ["tenant"], registry=self.registry
+            "kvserve_generation_tokens", "Tokens generated.", _BY_ADAPTER, registry=self.registry
         )
         self.ttft = Histogram(
             "kvserve_time_to_first_token_seconds",
@@ -336,17 +342,18 @@ class GatewayMetrics:
             self.added_latency.observe(max(0.0, gateway_ttft_s - executor_ttft_s - held_s))
 
     def count_usage(
-        self, tenant: str, prompt_tokens: int, cached_tokens: int, kv_block_seconds: float
+        self, tenant: str, adapter: str, prompt_tokens: int, cached_tokens: int, kv_block_seconds: float
     ) -> None:
-        """What an ended request used, as its tenant's usage hash counts it (gateway.tenants.rate_limits)."""
-        self.prompt_tokens.labels(tenant).inc(prompt_tokens)
-        self.prompt_tokens_cached.labels(tenant).inc(cached_tokens)
-        self.prompt_tokens_computed.labels(tenant).inc(max(0, prompt_tokens - cached_tokens))
+        """What an ended request used, as its tenant's usage hash counts it (gateway.tenants.rate_limits);
+        adapter: its LoRA adapter's name, "" for the base model."""
+        self.prompt_tokens.labels(tenant, adapter).inc(prompt_tokens)
+        self.prompt_tokens_cached.labels(tenant, adapter).inc(cached_tokens)
+        self.prompt_tokens_computed.labels(tenant, adapter).inc(max(0, prompt_tokens - cached_tokens))
         self.kv_block_seconds.labels(tenant).inc(kv_block_seconds)
 
-    def tokens_arrived(self, tenant: str, count: int, gap_s: float | None) -> None:
+    def tokens_arrived(self, tenant: str, adapter: str, count: int, gap_s: float | None) -> None:
         """count new tokens in one update, gap_s after the previous update (None for the first)."""
-        self.generation_tokens.labels(tenant).inc(count)
+        self.generation_tokens.labels(tenant, adapter).inc(count)
         if gap_s is not None and count:
             per_token = gap_s / count  # speculative decoding delivers several tokens at once
             for _ in range(count):

@@ -8,6 +8,7 @@ Each record carries its tenant's cache salt, so authenticating a request is a si
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import re
@@ -19,6 +20,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from gateway.routing.adapters import check_adapter_name
 from shared import redis_keys
 from shared.tenant import MAX_TENANT_WEIGHT
 
@@ -43,6 +45,13 @@ USAGE_COUNTERS = (
     "rejected",
 )
 FLOAT_USAGE_COUNTERS = frozenset({"kv_block_seconds"})
+# a request under a LoRA adapter counts these again as `<counter>:adapter:<name>` (adapter_usage)
+ADAPTER_USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
+ADAPTER_USAGE = ":adapter:"
+MAX_KEY_ADAPTERS = 256  # adapters one key may own: as many as the executors serve loaded at run time
+
+
+UNCHANGED = object()  # KeyStore.update: a field left as it is
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +67,11 @@ class KeyRecord:
     revoked_at: float | None = None
     # the tenant's share of each engine step and of the KV cache, relative to other tenants' (default 1)
     weight: float = 1.0
+    # the LoRA adapters it may use beside the base model (none: the base model only)
+    adapters: tuple[str, ...] = ()
+    operator: bool = (
+        False  # it may load and unload adapters (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)
+    )
 
 
 def new_key() -> tuple[str, str, str]:
@@ -113,6 +127,21 @@ def check_models(models: tuple[str, ...] | list[str] | None) -> tuple[str, ...] 
     return models
 
 
+def parse_adapters(text: str | None) -> tuple[str, ...]:
+    """ "a,b" -> ("a", "b"), each name checked; None or "" -> () (the base model only)."""
+    if text is None or not text.strip():
+        return ()
+    return check_adapters([name.strip() for name in text.split(",")])
+
+
+def check_adapters(names: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    if names is None:
+        return ()
+    if not isinstance(names, list | tuple) or len(names) > MAX_KEY_ADAPTERS:
+        raise ValueError(f"adapters: at most {MAX_KEY_ADAPTERS} adapter names, got {names!r:.200}")
+    return tuple(dict.fromkeys(check_adapter_name(name, "adapters") for name in names))
+
+
 def _secret_hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
@@ -142,6 +171,8 @@ def parse_record(key_id: str, fields: dict[str, str]) -> KeyRecord:
         created_at=float(fields["created_at"]),
         revoked_at=float(fields["revoked_at"]) if fields["revoked_at"] else None,
         weight=float(fields.get("weight") or 1.0),  # keys made before weights have none
+        adapters=tuple(fields["adapters"].split(",")) if fields.get("adapters") else (),
+        operator=fields.get("operator") == "1",
     )
 
 
@@ -157,6 +188,9 @@ def record_fields(record: KeyRecord, secret_sha256: str) -> dict[str, str]:
         "created_at": repr(record.created_at),
         "revoked_at": "" if record.revoked_at is None else repr(record.revoked_at),
         "weight": repr(record.weight),
+        # only when set: a key made before adapters reads back as it is held
+        **({"adapters": ",".join(record.adapters)} if record.adapters else {}),
+        **({"operator": "1"} if record.operator else {}),
     }
 
 
@@ -174,6 +208,8 @@ class KeyStore:
         max_concurrency: int | None = None,
         models: tuple[str, ...] | list[str] | None = None,
         weight: float = 1.0,
+        adapters: tuple[str, ...] | list[str] | None = None,
+        operator: bool = False,
     ) -> tuple[str, KeyRecord]:
         """(the full key, to show once, and its record)."""
         check_tenant(tenant)
@@ -183,13 +219,22 @@ class KeyStore:
         }
         models = check_models(models)
         weight = check_weight(weight)
+        adapters = check_adapters(adapters)
         with self.client.pipeline() as pipe:  # MULTI: a tenant's first two keys race to the same salt
             pipe.hsetnx(redis_keys.tenant_key(tenant), "cache_salt", secrets.token_hex(32))
             pipe.hget(redis_keys.tenant_key(tenant), "cache_salt")
             _, salt = pipe.execute()
         key, key_id, secret = new_key()
         record = KeyRecord(
-            key_id, tenant, _text(salt), **limits, models=models, created_at=time.time(), weight=weight
+            key_id,
+            tenant,
+            _text(salt),
+            **limits,
+            models=models,
+            created_at=time.time(),
+            weight=weight,
+            adapters=adapters,
+            operator=bool(operator),
         )
         with self.client.pipeline() as pipe:
             pipe.hset(redis_keys.api_key_key(key_id), mapping=record_fields(record, _secret_hash(secret)))
@@ -214,6 +259,42 @@ class KeyStore:
         if tenant is not None:
             records = [r for r in records if r.tenant == tenant]
         return sorted(records, key=lambda r: r.created_at, reverse=True)
+
+    def update(
+        self,
+        key_id_or_key: str,
+        models: tuple[str, ...] | list[str] | None | object = UNCHANGED,
+        adapters: tuple[str, ...] | list[str] | None | object = UNCHANGED,
+        operator: bool | object = UNCHANGED,
+    ) -> KeyRecord | None:
+        """Change what a key may use (its models, its adapters, whether it is an operator's); None when no such
+        key. Its requests see the change from their next request: each reads its record."""
+        key_id = key_id_of(key_id_or_key)
+        if key_id is None:
+            return None
+        changes: dict[str, object] = {}
+        if models is not UNCHANGED:
+            changes["models"] = check_models(models)
+        if adapters is not UNCHANGED:
+            changes["adapters"] = check_adapters(adapters)
+        if operator is not UNCHANGED:
+            changes["operator"] = bool(operator)
+        record_key = redis_keys.api_key_key(key_id)
+        with self.client.pipeline() as pipe:  # optimistic: a concurrent update or revoke starts it again
+            while True:
+                try:
+                    pipe.watch(record_key)
+                    fields = _decoded(pipe.hgetall(record_key))
+                    if not fields:
+                        return None
+                    record = dataclasses.replace(parse_record(key_id, fields), **changes)
+                    pipe.multi()
+                    pipe.hdel(record_key, "adapters", "operator")
+                    pipe.hset(record_key, mapping=record_fields(record, fields["secret_sha256"]))
+                    pipe.execute()
+                    return record
+                except redis.WatchError:
+                    continue
 
     def revoke(self, key_id_or_key: str) -> KeyRecord | None:
         """Revoke by key id or full key; None when no such key. Revoking twice keeps the first time."""

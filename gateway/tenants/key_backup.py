@@ -27,6 +27,7 @@ import redis
 from gateway.tenants.api_keys import (
     LIMITS,
     KeyRecord,
+    check_adapters,
     check_limit,
     check_models,
     check_tenant,
@@ -44,7 +45,7 @@ _HEADER = {"type": "header", "format": FORMAT, "version": VERSION}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TENANT_FIELDS = {"type", "tenant", "cache_salt"}
 _KEY_FIELDS = {"type", "key_id", "tenant", "secret_sha256", *LIMITS, "models", "created_at", "revoked_at"}
-_OPTIONAL_KEY_FIELDS = {"weight"}  # absent from exports made before it existed
+_OPTIONAL_KEY_FIELDS = {"weight", "adapters", "operator"}  # absent from exports made before they existed
 
 
 @dataclass(slots=True)
@@ -83,6 +84,8 @@ def export_lines(client: redis.Redis) -> Iterator[str]:
                 "created_at": record.created_at,
                 "revoked_at": record.revoked_at,
                 "weight": record.weight,
+                "adapters": list(record.adapters),
+                "operator": record.operator,
             }
         )
 
@@ -176,6 +179,12 @@ def _time(name: str, value, optional: bool) -> float | None:
     return float(value)
 
 
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: {value!r} must be true or false")
+    return value
+
+
 def _key(item: dict, salts: dict[str, str]) -> tuple[KeyRecord, str]:
     _fields(item, _KEY_FIELDS, _OPTIONAL_KEY_FIELDS)
     key_id = item["key_id"]
@@ -196,6 +205,8 @@ def _key(item: dict, salts: dict[str, str]) -> tuple[KeyRecord, str]:
         created_at=_time("created_at", item["created_at"], optional=False),
         revoked_at=_time("revoked_at", item["revoked_at"], optional=True),
         weight=check_weight(item.get("weight", 1.0)),
+        adapters=check_adapters(item.get("adapters")),
+        operator=_flag("operator", item.get("operator", False)),
     )
     return record, secret_sha256
 

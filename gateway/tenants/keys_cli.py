@@ -1,4 +1,4 @@
-"""`kvserve keys create|list|revoke|usage|export|import`: tenants' API keys and what they used, straight from
+"""`kvserve keys create|update|list|revoke|usage|export|import`: tenants' API keys and what they used, straight from
 Redis; export and import (gateway/tenants/key_backup.py) back them up as JSON lines, secrets only hashed. Which
 Redis (--redis-url, else `kvserve up`'s store) is kvserve/keys_cli.py's to say."""
 
@@ -13,11 +13,15 @@ from collections.abc import Callable, Sequence
 import redis
 
 from gateway.tenants.api_keys import (
+    ADAPTER_USAGE,
+    ADAPTER_USAGE_COUNTERS,
     FLOAT_USAGE_COUNTERS,
+    UNCHANGED,
     USAGE_COUNTERS,
     KeyRecord,
     KeyStore,
     key_id_of,
+    parse_adapters,
     parse_models,
 )
 from gateway.tenants.key_backup import export_lines, import_lines, write_private
@@ -40,7 +44,16 @@ def add_keys_args(keys: argparse.ArgumentParser) -> list[argparse.ArgumentParser
         default=1.0,
         help="the tenant's share of each engine step and of the KV cache relative to other tenants' (default: 1)",
     )
+    _add_access_args(create)
     create.set_defaults(run=create_key)
+
+    update = actions.add_parser(
+        "update", help="change what a key may use (--models, --adapters, --operator); the rest stays as it is"
+    )
+    update.add_argument("key", metavar="KEY_ID_OR_KEY")
+    update.add_argument("--models", default=None, help='comma-separated model names ("": every model)')
+    _add_access_args(update)
+    update.set_defaults(run=update_key)
 
     listing = actions.add_parser("list", help="every key, revoked ones too, newest first")
     listing.add_argument("--tenant", default=None)
@@ -77,7 +90,7 @@ def add_keys_args(keys: argparse.ArgumentParser) -> list[argparse.ArgumentParser
     )
     restore.set_defaults(run=import_keys)
 
-    every = [create, listing, revoke, usage, export, restore]
+    every = [create, update, listing, revoke, usage, export, restore]
     for action in every:
         action.add_argument(
             "--redis-url",
@@ -85,6 +98,21 @@ def add_keys_args(keys: argparse.ArgumentParser) -> list[argparse.ArgumentParser
             help="default: $KVSERVE_REDIS_URL, else the store of `kvserve up` (see --data-dir)",
         )
     return every
+
+
+def _add_access_args(action: argparse.ArgumentParser) -> None:
+    """The LoRA flags create and update share; update leaves what is not given as it is."""
+    action.add_argument(
+        "--adapters",
+        default=None,
+        help="comma-separated LoRA adapter names the key may use beside the base model (default: none)",
+    )
+    action.add_argument(
+        "--operator",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the key may load and unload LoRA adapters at run time (POST /v1/load_lora_adapter); default: not",
+    )
 
 
 def run_keys(args: argparse.Namespace, redis_url: str) -> int:
@@ -109,12 +137,34 @@ def create_key(store: KeyStore, args: argparse.Namespace) -> int:
         args.max_concurrency,
         models=parse_models(args.models),
         weight=args.weight,
+        adapters=parse_adapters(args.adapters),
+        operator=bool(args.operator),
     )
     print(key, flush=True)
     print(
         f"API key {record.key_id} for tenant {record.tenant}: shown only this once, store it now",
         file=sys.stderr,
     )
+    return 0
+
+
+def update_key(store: KeyStore, args: argparse.Namespace) -> int:
+    given = {
+        "models": UNCHANGED if args.models is None else parse_models(args.models),
+        "adapters": UNCHANGED if args.adapters is None else parse_adapters(args.adapters),
+        "operator": UNCHANGED if args.operator is None else args.operator,
+    }
+    if all(value is UNCHANGED for value in given.values()):
+        raise ValueError("nothing to change: give --models, --adapters or --operator/--no-operator")
+    key_id = key_id_of(args.key)
+    record = store.update(key_id, **given) if key_id else None
+    if record is None:
+        problem = (
+            f"no API key with id {key_id}" if key_id else "not a key id (16 hex characters) or a kvs_ key"
+        )
+        print(f"kvserve keys update: error: {problem}", file=sys.stderr)  # never echo a secret back
+        return 1
+    _table(_HEADER, [_row(record)])
     return 0
 
 
@@ -137,9 +187,26 @@ def _row(record: KeyRecord) -> list[str]:
         _limit(record.max_concurrency),
         f"{record.weight:g}",
         ",".join(record.models) if record.models else "all",
+        ",".join(record.adapters) or "-",
+        "yes" if record.operator else "no",
         time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(record.created_at)),
         "active" if record.revoked_at is None else "revoked",
     ]
+
+
+_HEADER = [
+    "KEY ID",
+    "TENANT",
+    "RPM",
+    "TPM",
+    "MAX CONCURRENCY",
+    "WEIGHT",
+    "MODELS",
+    "ADAPTERS",
+    "OPERATOR",
+    "CREATED",
+    "STATUS",
+]
 
 
 def list_keys(store: KeyStore, args: argparse.Namespace) -> int:
@@ -147,8 +214,7 @@ def list_keys(store: KeyStore, args: argparse.Namespace) -> int:
     if not records:
         print("no API keys" + (f" for tenant {args.tenant}" if args.tenant else ""), file=sys.stderr)
         return 0
-    header = ["KEY ID", "TENANT", "RPM", "TPM", "MAX CONCURRENCY", "WEIGHT", "MODELS", "CREATED", "STATUS"]
-    _table(header, [_row(r) for r in records])
+    _table(_HEADER, [_row(r) for r in records])
     return 0
 
 
@@ -170,13 +236,28 @@ def show_usage(store: KeyStore, args: argparse.Namespace) -> int:
     if not usage:
         print("no usage recorded yet", file=sys.stderr)
         return 0
-    others = sorted({name for counters in usage.values() for name in counters} - set(USAGE_COUNTERS))
+    names = {name for counters in usage.values() for name in counters}
+    others = sorted(name for name in names - set(USAGE_COUNTERS) if ADAPTER_USAGE not in name)
     header = ["TENANT", *(name.upper() for name in (*USAGE_COUNTERS, *others))]
     rows = [
         [tenant, *(_counter(name, counters.get(name, 0)) for name in (*USAGE_COUNTERS, *others))]
         for tenant, counters in usage.items()
     ]
     _table(header, rows)
+    by_adapter = [
+        [
+            tenant,
+            adapter,
+            *(str(counters.get(f"{name}{ADAPTER_USAGE}{adapter}", 0)) for name in ADAPTER_USAGE_COUNTERS),
+        ]
+        for tenant, counters in usage.items()
+        for adapter in sorted(
+            {name.partition(ADAPTER_USAGE)[2] for name in counters if ADAPTER_USAGE in name}
+        )
+    ]
+    if by_adapter:  # the same requests again, by the LoRA adapter they ran under
+        print()
+        _table(["TENANT", "ADAPTER", *(name.upper() for name in ADAPTER_USAGE_COUNTERS)], by_adapter)
     return 0
 
 

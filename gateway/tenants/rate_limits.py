@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from gateway.redis_clock import REDIS_NOW
 from gateway.routing.index_reader import APPLY_ONCE
-from gateway.tenants.api_keys import KeyRecord
+from gateway.tenants.api_keys import ADAPTER_USAGE, ADAPTER_USAGE_COUNTERS, KeyRecord
 from shared import redis_keys
 from shared.cache_sources import by_source
 
@@ -186,11 +186,13 @@ class Limiter:
         cached_tokens: int = 0,
         kv_block_seconds: float = 0.0,
         cached_from: Mapping[str, int] | None = None,
+        adapter: str | None = None,
     ) -> None:
         """Free the request's slot, refund the tokens it reserved but did not use (or charge the excess) and
         count it in its tenant's usage: one script, one round trip (a script in a pipeline would cost redis-py
         a SCRIPT EXISTS round trip more). cached_from: of cached_tokens, those a KV tier loaded or a peer's
-        pull brought (shared.cache_sources), which split them by source; the pool held the rest."""
+        pull brought (shared.cache_sources), which split them by source; the pool held the rest. adapter: the
+        LoRA adapter it ran under, whose own counters count it again."""
         usage = {
             "requests": 1,
             "prompt_tokens": prompt_tokens,
@@ -199,6 +201,8 @@ class Limiter:
             "computed_prompt_tokens": max(0, prompt_tokens - cached_tokens),
             "completion_tokens": completion_tokens,
         }
+        if adapter is not None:
+            usage.update({f"{name}{ADAPTER_USAGE}{adapter}": usage[name] for name in ADAPTER_USAGE_COUNTERS})
         await self._give_back(record, request_id, reserved_tokens - used_tokens, kv_block_seconds, usage)
 
     async def withdraw(self, record: KeyRecord, request_id: str, reserved_tokens: int) -> None:

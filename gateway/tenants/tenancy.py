@@ -51,11 +51,14 @@ class Caller:
             return cls(None)
         return cls(record, Tenant(record.tenant, record.cache_salt, record.weight))
 
-    def models(self, served: Collection[str]) -> list[str]:
-        """The served models this caller may use."""
-        if self.record is None or self.record.models is None:
-            return list(served)
-        return [m for m in served if m in self.record.models]
+    def models(self, served: Collection[str], adapters: Collection[str] = ()) -> list[str]:
+        """The served models this caller may use, then the served LoRA adapters: its key's own (none without
+        an `adapters` field); an open gateway's anonymous caller, every one (there is no one to own them)."""
+        if self.record is None:
+            return [*served, *adapters]
+        models = self.record.models
+        base = list(served) if models is None else [m for m in served if m in models]
+        return base + [a for a in adapters if a in self.record.adapters]
 
 
 def _redis_unreachable(error: Exception) -> APIError:
@@ -216,8 +219,10 @@ class Tenancy:
         cached_tokens: int,
         kv_block_seconds: float = 0.0,
         cached_from: Mapping[str, int] | None = None,
+        adapter: str | None = None,
     ) -> None:
-        """Give back the slot and the unused reservation, and count the tenant's usage."""
+        """Give back the slot and the unused reservation, and count the tenant's usage (adapter: the LoRA
+        adapter it ran under, counted apart too)."""
         if caller.record is None:
             return
         self.leases.pop(request_id, None)
@@ -231,6 +236,7 @@ class Tenancy:
             cached_tokens=cached_tokens,
             kv_block_seconds=kv_block_seconds,
             cached_from=cached_from,
+            adapter=adapter,
         )
 
     async def withdraw(self, caller: Caller, request_id: str, reserved_tokens: int) -> None:

@@ -26,7 +26,7 @@ class OneExecutor:
     def __init__(self) -> None:
         self.asked: list[tuple[str, frozenset]] = []  # (who, avoid) per call
 
-    async def choose(self, ids, tenant, exclude=frozenset(), avoid=frozenset()):
+    async def choose(self, ids, tenant, exclude=frozenset(), avoid=frozenset(), adapter=None):
         self.asked.append((tenant.name, frozenset(avoid)))
         if EXECUTOR.executor_id in avoid:
             raise Saturated()
@@ -77,7 +77,7 @@ class PlacesPerTenant:
         self.room = room
         self.chosen: list[tuple[str, int]] = []  # (tenant, ids[0]) in the order they got a place
 
-    async def choose(self, ids, tenant, exclude=frozenset(), avoid=frozenset()):
+    async def choose(self, ids, tenant, exclude=frozenset(), avoid=frozenset(), adapter=None):
         if self.room.get(tenant.name, 0) <= 0:
             raise Saturated()
         self.room[tenant.name] -= 1

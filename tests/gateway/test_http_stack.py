@@ -215,10 +215,11 @@ def test_health_models_and_metrics(stack):
     assert eventually(
         executor_stats_published, timeout=5
     )  # executors publish their stats about once a second
-    tenant = ("tenant", "anonymous")
-    assert moved("kvserve_requests_total", (("endpoint", "completion"), ("status", "200"), tenant)) == 1
-    assert moved("kvserve_prompt_tokens_total", (tenant,)) == usage["prompt_tokens"]
-    assert moved("kvserve_generation_tokens_total", (tenant,)) == 3
+    no_adapter, tenant = ("adapter", ""), ("tenant", "anonymous")  # the base model, not a LoRA adapter
+    labels = (no_adapter, ("endpoint", "completion"), ("status", "200"), tenant)
+    assert moved("kvserve_requests_total", labels) == 1
+    assert moved("kvserve_prompt_tokens_total", (no_adapter, tenant)) == usage["prompt_tokens"]
+    assert moved("kvserve_generation_tokens_total", (no_adapter, tenant)) == 3
     assert moved("kvserve_inter_token_latency_seconds_count") == 2  # the gaps between 3 tokens
     assert moved("kvserve_e2e_request_latency_seconds_count") == 1
     assert moved("kvserve_time_to_first_token_seconds_count") == 1

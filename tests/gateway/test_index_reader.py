@@ -105,3 +105,31 @@ def test_the_view_gives_each_leading_block_the_best_tier_holding_it(redis_url):
     finally:
         client.srem(redis_keys.EXECUTORS, executor_id)
         client.delete(*redis_keys.executor_keys(executor_id))
+
+
+def test_the_view_reads_each_executors_lora_adapters_and_their_residency(redis_url):
+    """What an executor with --enable-lora publishes (executor/cli.py, EngineStats.load) is what routing reads; a
+    registration whose lora_adapters is not a JSON object serves no adapter instead of failing every request."""
+    ids = [f"lora-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+    client = redis.Redis.from_url(redis_url)
+    base = {"address": "tcp://127.0.0.1:1", "model": "m", "block_size": 16, "max_model_len": 2048}
+    registrations = [
+        {**base, "lora_adapters": '{"sql": "d1", "chat": "d2"}', "lora_refused": '{"bad": "no config"}'},
+        {**base, "lora_adapters": "[not an object"},
+        base,
+    ]
+    for executor_id, info in zip(ids, registrations, strict=True):
+        client.hset(redis_keys.executor_key(executor_id), mapping=info)
+        client.sadd(redis_keys.EXECUTORS, executor_id)
+    client.hset(redis_keys.load_key(ids[0]), mapping={"lora_running": "sql", "lora_held": "sql,chat"})
+    try:
+        view = {info.executor_id: (info, load) for info, load in routing_view(redis_url, [])}
+        info, load = view[ids[0]]
+        assert info.lora and info.lora_adapters == {"sql": "d1", "chat": "d2"}
+        assert info.lora_refused == {"bad": "no config"}
+        assert load.lora_running == {"sql"} and load.lora_held == {"sql", "chat"}
+        assert view[ids[1]][0].lora and view[ids[1]][0].lora_adapters == {}
+        assert not view[ids[2]][0].lora and view[ids[2]][1].lora_held == frozenset()
+    finally:
+        client.srem(redis_keys.EXECUTORS, *ids)
+        client.delete(*(redis_keys.executor_key(i) for i in ids), redis_keys.load_key(ids[0]))

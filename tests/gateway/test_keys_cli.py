@@ -316,3 +316,64 @@ def test_export_refuses_a_symbolic_link(db_url, capsys, tmp_path):
     status, _, err = _kvserve(capsys, "keys", "export", "--out", str(link), "--redis-url", db_url)
     assert status == 2 and "symbolic link" in err and "--out" in err
     assert link.is_symlink() and target.read_text() == "not ours to overwrite\n"
+
+
+def test_keys_own_adapters_and_operators_set_at_create_changed_by_update_and_kept_by_export(
+    db_url, empty_url, capsys, tmp_path
+):
+    key = _create(capsys, db_url, "--tenant", "acme", "--adapters", "sql,chat:v2", "--operator")
+    plain = _create(capsys, db_url, "--tenant", "acme")
+    status, out, _ = _kvserve(capsys, "keys", "list", "--redis-url", db_url)
+    rows = {line.split()[0]: line.split() for line in out[1:]}
+    assert status == 0 and out[0].split()[9:11] == ["ADAPTERS", "OPERATOR"]
+    assert rows[key.split("_")[1]][7:9] == ["sql,chat:v2", "yes"]
+    assert rows[plain.split("_")[1]][7:9] == ["-", "no"]  # no field: the base model only
+
+    status, out, _ = _kvserve(
+        capsys, "keys", "update", plain.split("_")[1], "--adapters", "sql", "--redis-url", db_url
+    )
+    assert status == 0 and out[1].split()[7:9] == ["sql", "no"]
+    status, out, _ = _kvserve(
+        capsys, "keys", "update", key, "--adapters", "", "--no-operator", "--redis-url", db_url
+    )
+    assert status == 0 and out[1].split()[7:9] == ["-", "no"]
+    assert _authenticates(db_url, key) and _authenticates(db_url, plain)  # its secret and tenant untouched
+
+    backup = tmp_path / "keys.jsonl"
+    assert _kvserve(capsys, "keys", "export", "--out", str(backup), "--redis-url", db_url)[0] == 0
+    assert _kvserve(capsys, "keys", "import", str(backup), "--redis-url", empty_url)[0] == 0
+    assert _records(empty_url) == _records(db_url)
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--adapters", "sql,bad name"], "adapters: 'bad name' must be 1-128 letters"),
+        (["--adapters=-leading"], "adapters: '-leading'"),
+        (["--adapters", "x" * 129], "adapters:"),
+        ([], "nothing to change"),
+    ],
+)
+def test_update_refuses_bad_adapter_names_naming_the_field(db_url, capsys, argv, problem):
+    key_id = _create(capsys, db_url, "--tenant", "acme").split("_")[1]
+    status, out, err = _kvserve(capsys, "keys", "update", key_id, *argv, "--redis-url", db_url)
+    assert status == 2 and out == [] and problem in err
+    status, _, err = _kvserve(capsys, "keys", "update", "0" * 16, "--adapters", "a", "--redis-url", db_url)
+    assert status == 1 and "no API key with id" in err
+
+
+def test_usage_shows_each_adapters_requests_and_tokens_apart(db_url, capsys):
+    counters = {
+        "requests": 3,
+        "prompt_tokens": 40,
+        "requests:adapter:sql": 2,
+        "prompt_tokens:adapter:sql": 30,
+    }
+    redis.Redis.from_url(db_url).hset(redis_keys.tenant_usage_key("acme"), mapping=counters)
+    status, out, _ = _kvserve(capsys, "keys", "usage", "--redis-url", db_url)
+    assert status == 0 and out[1].split()[:3] == ["acme", "3", "40"]
+    assert "ADAPTER" not in out[0] and len(out[0].split()) == 12  # the adapters' counters are not columns
+    assert [line.split() for line in out[3:]] == [
+        ["TENANT", "ADAPTER", "REQUESTS", "PROMPT_TOKENS", "COMPLETION_TOKENS"],
+        ["acme", "sql", "2", "30", "0"],
+    ]

@@ -64,4 +64,4 @@ def test_an_unexpected_exception_is_a_counted_json_500_on_a_connection_that_stay
     assert "a bug" not in error["message"]  # the client learns a request id, the log the details
     (record,) = [r for r in caplog.records if "failed unexpectedly" in r.getMessage()]
     assert record.exc_info[1].args == ("a bug",) and record.request_id in error["message"]
-    assert metrics.requests.labels("unauthenticated", "models", "500")._value.get() == 1
+    assert metrics.requests.labels("unauthenticated", "models", "500", "")._value.get() == 1

@@ -14,15 +14,21 @@ def test_executor_counters_render_under_their_prometheus_names():
     assert len(executor_counters) == len(COUNTERS)
 
 
-def test_a_tenants_usage_renders_as_counters_labelled_by_tenant():
+def test_a_tenants_usage_renders_as_counters_labelled_by_tenant_and_adapter():
     metrics = GatewayMetrics("tiny")
-    metrics.count_usage("acme", prompt_tokens=40, cached_tokens=32, kv_block_seconds=0.5)
-    metrics.count_usage("acme", prompt_tokens=10, cached_tokens=0, kv_block_seconds=0.25)
-    page = metrics.render({}).decode()
-    assert 'kvserve_prompt_tokens_total{tenant="acme"} 50.0' in page
-    assert 'kvserve_prompt_tokens_cached_total{tenant="acme"} 32.0' in page
-    assert 'kvserve_prompt_tokens_computed_total{tenant="acme"} 18.0' in page
-    assert 'kvserve_kv_block_seconds_total{tenant="acme"} 0.75' in page
+    metrics.count_usage("acme", "", prompt_tokens=40, cached_tokens=32, kv_block_seconds=0.5)
+    metrics.count_usage("acme", "", prompt_tokens=10, cached_tokens=0, kv_block_seconds=0.25)
+    metrics.count_usage("acme", "sql", prompt_tokens=7, cached_tokens=0, kv_block_seconds=0.25)
+    metrics.tokens_arrived("acme", "sql", 3, None)
+    lines = set(metrics.render({}).decode().splitlines())
+    assert {
+        'kvserve_prompt_tokens_total{adapter="",tenant="acme"} 50.0',
+        'kvserve_prompt_tokens_cached_total{adapter="",tenant="acme"} 32.0',
+        'kvserve_prompt_tokens_computed_total{adapter="",tenant="acme"} 18.0',
+        'kvserve_prompt_tokens_total{adapter="sql",tenant="acme"} 7.0',
+        'kvserve_generation_tokens_total{adapter="sql",tenant="acme"} 3.0',
+        'kvserve_kv_block_seconds_total{tenant="acme"} 1.0',
+    } <= lines
 
 
 def test_each_executor_series_is_also_exported_under_vllms_name_with_the_same_values():

@@ -55,7 +55,10 @@ def test_metrics_port_serves_the_same_registry_and_the_public_port_hides_it(gate
         _not_served(httpx.get(f"{with_port.base}/metrics", headers=headers))
     page = httpx.get(metrics_url)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
-    assert 'kvserve_requests_total{endpoint="completion",status="400",tenant="acme-corp"} 1.0' in page.text
+    assert (
+        'kvserve_requests_total{adapter="",endpoint="completion",status="400",tenant="acme-corp"} 1.0'
+        in page.text
+    )
     assert "kvserve_kv_blocks_used" in page.text
     assert httpx.get(metrics_url.replace("/metrics", "/v1/models")).status_code == 404  # metrics only
 
@@ -70,7 +73,10 @@ def test_metrics_without_redis_show_the_gateways_own_series(gateways):
     server.stop()
     page = httpx.get(metrics_url, timeout=10)
     assert page.status_code == 200, page.text
-    assert 'kvserve_requests_total{endpoint="completion",status="400",tenant="acme-corp"} 1.0' in page.text
+    assert (
+        'kvserve_requests_total{adapter="",endpoint="completion",status="400",tenant="acme-corp"} 1.0'
+        in page.text
+    )
     assert "# executor series omitted: their stats could not be read from Redis" in page.text
     assert "kvserve_metrics_executor_stats_missing_total 1.0" in page.text
 

@@ -5,18 +5,24 @@ from types import SimpleNamespace
 
 import pytest
 
+from gateway.api_error import APIError
+from gateway.routing.adapters import Adapter, served_adapters
 from gateway.routing.cost import (
+    ADAPTER_DISK_LOAD_TOKENS,
     DISK,
     HOST,
     POOL,
+    TOKENS_PER_RUNNING_REQUEST,
     Candidate,
     TokenSources,
     prefill_tokens,
+    route_cost,
     route_request,
     token_sources,
 )
 from gateway.routing.index_reader import ExecutorInfo
 from gateway.routing.router import Router
+from shared.block_hash import adapter_salt, hash_blocks
 from shared.protocol import KVPeer
 from shared.tenant import Tenant
 
@@ -132,9 +138,10 @@ class View:
         return 0
 
 
-def _choose(view, policy: str = "cache_aware", ids: int = 1000):
+def _choose(view, policy: str = "cache_aware", ids: int = 1000, adapter: Adapter | None = None):
     sent = SimpleNamespace(unanswered={}, unanswered_of_tenant={}, refused={})
-    return asyncio.run(Router(View(view), policy, sent).choose(list(range(ids)), Tenant("t")))
+    router = Router(View(view), policy, sent)
+    return asyncio.run(router.choose(list(range(ids)), Tenant("t", "salt"), adapter=adapter))
 
 
 def test_a_request_goes_to_a_free_executor_that_pulls_from_the_busy_holder():
@@ -178,3 +185,82 @@ def test_round_robin_still_pulls_what_another_holds_and_none_is_named_when_none_
     assert _choose([holder, chosen], "round_robin").kv_peer is None  # a holds the longest run itself
     legacy = (_info("c", "", ""), Candidate("c", "tcp://c:1"))  # publishes no fingerprint: pulls nothing
     assert _choose([legacy, holder], "round_robin").kv_peer is None
+
+
+def _lora(executor_id: str, running=(), held=(), max_loras: int = 0, load: int = 0) -> Candidate:
+    return Candidate(
+        executor_id,
+        f"tcp://{executor_id}:1",
+        running=load,
+        lora_running=frozenset(running),
+        lora_held=frozenset(held),
+        max_loras=max_loras,
+    )
+
+
+def test_an_adapters_request_goes_where_it_runs_before_where_it_is_held_before_where_it_must_be_loaded():
+    running, held, cold = _lora("r", running={"sql"}), _lora("h", held={"sql"}), _lora("c")
+    assert route_request([cold, held, running], 100, 16, adapter="sql") is running
+    assert route_request([cold, held], 100, 16, adapter="sql") is held
+    # the base model pays for no adapter: the three cost the same
+    assert len({route_cost(c, 100, 16) for c in (running, held, cold)}) == 1
+    # the prompt's cached blocks still count beside residency: a long prefix held where it must be loaded wins
+    holder = Candidate("p", "tcp://p:1", held=pool(40))
+    assert route_request([running, holder], 1000, 16, adapter="sql") is holder
+    # every step slot of the held one is taken by other adapters' requests: it would wait for one to drain
+    full = _lora("f", running={"a", "b"}, held={"sql"}, max_loras=2)
+    assert route_request([full, cold], 100, 16, adapter="sql") is cold
+    assert (
+        route_request(
+            [_lora("f", running={"a"}, held={"sql"}, max_loras=2), cold], 100, 16, adapter="sql"
+        ).executor_id
+        == "f"
+    )
+
+
+def test_an_adapters_burst_stays_where_it_runs_until_that_executor_is_busier_than_a_load_elsewhere_costs():
+    """As llm-d's LoRA affinity: residency first, then spread once its executors are saturated."""
+    executors = [_lora("a", running={"sql"}), _lora("b"), _lora("c")]
+    picks = []
+    for _ in range(24):
+        chosen = route_request(executors, 100, 16, random.Random(0), adapter="sql")
+        picks.append(chosen.executor_id)
+        chosen.running += 1  # it runs there now, under the adapter
+        chosen.lora_running = chosen.lora_running | {"sql"}
+    # a takes requests while its running decodes cost less than loading the adapter elsewhere (equal: either)
+    first_spread = ADAPTER_DISK_LOAD_TOKENS // TOKENS_PER_RUNNING_REQUEST
+    assert picks[:first_spread] == ["a"] * first_spread and set(picks[first_spread : first_spread + 2]) != {
+        "a"
+    }
+    counts = Counter(picks)
+    assert set(counts) == {"a", "b", "c"} and max(counts.values()) - min(counts.values()) <= first_spread
+
+
+def _lora_info(executor_id: str, adapters: dict[str, str]) -> ExecutorInfo:
+    info = _info(executor_id)
+    info.lora, info.lora_adapters = True, adapters
+    return info
+
+
+def test_an_adapters_request_is_hashed_under_its_identity_and_goes_only_where_its_files_are_served():
+    view = [
+        (_lora_info("a", {"sql": "d1"}), Candidate("a", "tcp://a:1", running=5)),
+        (_lora_info("b", {"sql": "d2"}), Candidate("b", "tcp://b:1")),
+        (_lora_info("c", {"sql": "d1", "chat": "d3"}), Candidate("c", "tcp://c:1", running=9)),
+        (_info("d"), Candidate("d", "tcp://d:1")),
+    ]
+    assert served_adapters(info.lora_adapters for info, _ in view) == {
+        "chat": Adapter("chat", "d3"),
+        "sql": Adapter("sql", "d1"),  # the digest most executors serve
+    }
+    choice = _choose(view, ids=100, adapter=Adapter("sql", "d1"))
+    assert choice.executor.executor_id == "a" and choice.adapter == Adapter("sql", "d1")
+    assert choice.block_hashes == hash_blocks(list(range(100)), 16, adapter_salt("salt", "sql@d1"))
+    assert choice.block_hashes != hash_blocks(list(range(100)), 16, "salt")
+    # admitted under files the executors have changed since: hashed again under those most of them serve now
+    assert _choose(view, ids=100, adapter=Adapter("sql", "d0")).adapter == Adapter("sql", "d1")
+    assert _choose(view, ids=100, adapter=Adapter("chat", "d3")).executor.executor_id == "c"
+    assert _choose(view, ids=100).executor.executor_id in {"b", "d"}  # the base model: anywhere
+    with pytest.raises(APIError) as unserved:
+        _choose(view, ids=100, adapter=Adapter("gone", "d9"))
+    assert unserved.value.status == 503 and "'gone'" in unserved.value.message

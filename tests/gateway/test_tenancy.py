@@ -164,3 +164,16 @@ def test_a_429_stays_a_429_while_redis_refuses_writes(db_url, caplog):
 
     asyncio.run(run())
     assert "refused request not counted" in caplog.text
+
+
+def test_a_key_may_use_the_base_model_and_its_own_adapters_that_are_served():
+    from gateway.tenants.api_keys import KeyRecord
+
+    owner = KeyRecord("0" * 16, "acme", "salt", None, None, None, None, 0.0, adapters=("sql", "not-served"))
+    assert Caller.of(owner).models(["tiny"], ["chat", "sql"]) == ["tiny", "sql"]
+    plain = KeyRecord("1" * 16, "acme", "salt", None, None, None, None, 0.0)
+    assert Caller.of(plain).models(["tiny"], ["chat", "sql"]) == ["tiny"]  # no adapters field: the base only
+    no_base = KeyRecord("2" * 16, "acme", "salt", None, None, None, ("other",), 0.0, adapters=("sql",))
+    assert Caller.of(no_base).models(["tiny"], ["sql"]) == ["sql"]  # --models limits the base models alone
+    # an open gateway has no tenants to own adapters: its anonymous caller may use every one served
+    assert Caller.of(None).models(["tiny"], ["chat", "sql"]) == ["tiny", "chat", "sql"]

@@ -160,9 +160,11 @@ def test_tenants_never_share_cached_prefixes(tenancy_stack):
 
 
 def _tenant_series(metrics_url: str, tenant: str) -> dict[str, float]:
-    """The metrics port's series labelled with only this tenant, by name."""
+    """The metrics port's series labelled with only this tenant (and the base model, where they name adapters),
+    by name."""
     samples = metric_samples(metrics_url)
-    return {name: value for (name, labels), value in samples.items() if labels == (("tenant", tenant),)}
+    only = {(("tenant", tenant),), (("adapter", ""), ("tenant", tenant))}
+    return {name: value for (name, labels), value in samples.items() if labels in only}
 
 
 def test_usage_bills_cached_and_computed_prompt_tokens_and_kv_block_seconds(tenancy_stack):
