@@ -16,7 +16,7 @@ from gateway.endpoints.lora_adapters import MAX_RUNTIME_ADAPTERS
 from shared import redis_keys
 from tests.executor.lora.conftest import make_adapter
 from tests.gateway.answers import metric_samples, metric_total, openai_error
-from tests.processes import free_port
+from tests.processes import eventually, free_port
 from tests.stacks import serving_stack
 
 post = functools.partial(httpx.post, timeout=120)
@@ -174,7 +174,15 @@ def test_a_loaded_adapter_is_served_then_unloaded_and_a_refused_one_is_taken_bac
     assert loaded.status_code == 200, loaded.text
     assert loaded.text == "Success: LoRA adapter 'sql2' added successfully."
     assert _models(base, stack.keys["beta"]) == ["tiny", "chat", "sql2"]
-    assert _complete(base, stack.keys["beta"], "sql2").status_code == 200
+    # neither executor holds its weights yet: the first request loads them where it goes, and the next ones
+    # (other prompts, nothing cached to draw them) follow it there, rather than half of them loading it again
+    first = _complete(base, stack.keys["beta"], "sql2", "Where is sql2 loaded?")
+    assert first.status_code == 200, first.text
+    holder = first.headers["x-kvserve-executor"]
+    assert eventually(lambda: "sql2" in stack.redis.hget(redis_keys.load_key(holder), "lora_held").split(","))
+    for i in range(4):
+        response = _complete(base, stack.keys["beta"], "sql2", f"Another question {i} for sql2.")
+        assert response.status_code == 200 and response.headers["x-kvserve-executor"] == holder
     assert (
         _load(base, ops, lora_name="sql2", lora_path=adapters["chat"]).status_code == 400
     )  # unload it first
