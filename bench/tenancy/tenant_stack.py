@@ -35,10 +35,22 @@ class TenantStack:
     log_path: Path | None
 
 
-def create_key(redis_url: str, tenant: str) -> str:
-    """A key made as a user makes one: `kvserve keys create`, which prints it on stdout."""
+def create_key(redis_url: str, tenant: str, key_args: Sequence[str] = ()) -> str:
+    """A key made as a user makes one: `kvserve keys create` (with key_args, e.g. `--adapters a,b`), which prints
+    it on stdout."""
+    argv = [
+        sys.executable,
+        "-m",
+        "kvserve.cli",
+        "keys",
+        "create",
+        "--tenant",
+        tenant,
+        "--redis-url",
+        redis_url,
+    ]
     done = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "keys", "create", "--tenant", tenant, "--redis-url", redis_url],
+        [*argv, *key_args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -76,16 +88,18 @@ def tenant_stack(
     model: str | None = None,
     extra_args: Sequence[str] = (),
     redis_url: str | None = None,
+    key_args: Sequence[str] = (),
 ) -> Iterator[TenantStack]:
     """The running stack, stopped (with its Redis) however the block ends. Given redis_url, it runs on that
-    Redis instead and leaves it running: a stack started again on it finds its tenants' cache salts there."""
+    Redis instead and leaves it running: a stack started again on it finds its tenants' cache salts there.
+    key_args go to every tenant's `kvserve keys create`."""
     redis_server: EmbeddedRedis | None = None
     up: subprocess.Popen | None = None
     try:
         if redis_url is None:
             redis_server = start_redis_server()
             redis_url = redis_server.url
-        keys = {tenant: create_key(redis_url, tenant) for tenant in tenants}
+        keys = {tenant: create_key(redis_url, tenant, key_args) for tenant in tenants}
         port, metrics_port = free_port(), free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
