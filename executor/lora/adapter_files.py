@@ -20,11 +20,13 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from executor.models.llama import DecoderSpec
+if TYPE_CHECKING:
+    from executor.models.llama import DecoderSpec
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

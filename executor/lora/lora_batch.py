@@ -7,11 +7,18 @@ the part's output columns), as Punica's SGMV groups rows by adapter. Rows of the
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from executor.lora.adapter_files import LoRAAdapter
+if TYPE_CHECKING:
+    from executor.lora.adapter_files import LoRAAdapter
+
+# the C++ decoder stack's projection numbers (kvkernels/csrc/decoder_stack_cpu.h)
+STACK_PROJECTIONS = {"self_attn.qkv_proj": 0, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 3}
+STACK_ADAPTERS = 64  # adapters a stack keeps registered; the least recently used beyond are dropped
 
 
 @dataclass(slots=True)
@@ -60,3 +67,40 @@ class LoRABatch:
                     out[rows, start:end] += update
                 else:
                     out[:, start:end].index_add_(0, rows, update)
+
+
+class StackAdapters:
+    """The adapters registered with one C++ decoder stack (kvkernels/decoder_stack.py), by identity: a step of
+    decodes under adapters runs in the stack too, its groups named by the ids given here."""
+
+    def __init__(self, stack) -> None:
+        self.stack = stack
+        self._ids: OrderedDict[str, int] = OrderedDict()  # identity -> id, least recently used first
+        self._next_id = 0
+
+    def groups(self, lora: LoRABatch) -> list[tuple[int, int, int]] | None:
+        """The step's groups as the stack takes them, (first row, last + 1, id); None when a group's rows are
+        not one slice (the Python loop then runs the step)."""
+        if not all(isinstance(group.rows, slice) for group in lora.groups):
+            return None
+        return [(g.rows.start, g.rows.stop, self._id(g.adapter)) for g in lora.groups]
+
+    def _id(self, adapter: LoRAAdapter) -> int:
+        key = adapter.identity
+        if key in self._ids:
+            self._ids.move_to_end(key)
+            return self._ids[key]
+        layers = [
+            [
+                (STACK_PROJECTIONS[name], p.a, [(start, end, b, row) for start, end, b, row in p.parts])
+                for name, p in projections.items()
+            ]
+            for projections in adapter.layers
+        ]
+        self._next_id += 1
+        self.stack.add_adapter(self._next_id, layers)
+        self._ids[key] = self._next_id
+        if len(self._ids) > STACK_ADAPTERS:
+            _, dropped = self._ids.popitem(last=False)
+            self.stack.drop_adapter(dropped)
+        return self._next_id

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.lora.lora_batch import StackAdapters
 from kvkernels.backend import Kernels
 from kvkernels.decoder_stack import StackLayer, build_decoder_stack
 
@@ -237,6 +238,7 @@ class DecoderLM(nn.Module):
         self.decoder_stack = build_decoder_stack(
             layers, attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.scale
         )
+        self.stack_adapters = None if self.decoder_stack is None else StackAdapters(self.decoder_stack)
         return self.decoder_stack is not None
 
     def forward(
@@ -250,15 +252,14 @@ class DecoderLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(input_ids)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        if (
-            self.decoder_stack is not None
-            and input_ids.shape[0] == batch.block_table.shape[0]
-            and batch.lora is None
-        ):
-            # a step of decodes, one token per sequence, with no adapter
+        # a step of decodes, one token per sequence, runs in the stack; under adapters where each one's rows are
+        # one slice of the batch
+        decodes = self.decoder_stack is not None and input_ids.shape[0] == batch.block_table.shape[0]
+        lora = [] if not decodes or batch.lora is None else self.stack_adapters.groups(batch.lora)
+        if decodes and lora is not None:
             keys, values = zip(*kv_caches, strict=True)
             x, residual = self.decoder_stack.forward(
-                x, cos, sin, keys, values, batch.block_table, batch.seq_lens, batch.slot_mapping
+                x, cos, sin, keys, values, batch.block_table, batch.seq_lens, batch.slot_mapping, lora
             )
         else:
             residual = None

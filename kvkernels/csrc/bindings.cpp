@@ -42,6 +42,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("every"), pybind11::arg("us"))
       .def("set_team_throw", &DecoderStack::set_team_throw,
            "tests: the team's last thread throws at the at-th piece of work it computes (0: never)")
+      .def("add_adapter", &DecoderStack::add_adapter,
+           "id, per layer [(projection 0-3: qkv o gate_up down, A [parts x rank, in], [(first column, last + 1, "
+           "B scaled [columns, rank], first row of its A)])]: a LoRA adapter steps name by id")
+      .def("drop_adapter", &DecoderStack::drop_adapter, "forget the adapter registered as id")
       .def("forward", &DecoderStack::forward,
-           "(the last layer's addition, the residual before it) of a step of decodes, one token per sequence");
+           "(the last layer's addition, the residual before it) of a step of decodes, one token per sequence; "
+           "lora: [(first row, last + 1, adapter id)] whose update follows each projection",
+           pybind11::arg("embeddings"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("key_caches"),
+           pybind11::arg("value_caches"), pybind11::arg("block_table"), pybind11::arg("seq_lens"),
+           pybind11::arg("slot_mapping"), pybind11::arg("lora") = std::vector<LoRAGroupArgs>{});
 }

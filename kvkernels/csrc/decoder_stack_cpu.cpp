@@ -51,6 +51,33 @@ void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor post_norm, double
 #endif
 }
 
+void DecoderStack::add_adapter(int64_t id, const std::vector<std::vector<LoRAProjectionArgs>>& layers) {
+  TORCH_CHECK(layers.size() == layers_.size(), "decoder stack: an adapter of ", layers.size(), " layers for ",
+              layers_.size());
+  std::vector<LoRALayer> adapter(layers.size());
+  for (size_t l = 0; l < layers.size(); ++l) {
+    for (const auto& [p, a, parts] : layers[l]) {
+      TORCH_CHECK(p >= 0 && p < 4, "decoder stack: projection ", p, " is not 0-3");
+      adapter[l][p] = LoRAProjection{a.contiguous(), parts};
+    }
+  }
+  adapters_[id] = std::move(adapter);
+}
+
+void DecoderStack::add_lora(const std::vector<LoRAGroupArgs>& lora, int64_t l, int p, const at::Tensor& x,
+                            at::Tensor& out) const {
+  for (const auto& [first, last, id] : lora) {
+    const auto& projection = adapters_.at(id)[l][p];
+    if (!projection) continue;
+    // the Python loop's ops in its order (executor/lora/lora_batch.py), so the same bits
+    const auto shrunk = at::matmul(x.narrow(0, first, last - first), projection->a.t());
+    for (const auto& [start, end, b, row] : projection->parts) {
+      auto rows = out.narrow(0, first, last - first).narrow(1, start, end - start);
+      rows.add_(at::matmul(shrunk.narrow(1, row, b.size(1)), b.t()));
+    }
+  }
+}
+
 int64_t DecoderStack::team_rows() const {
 #if defined(KVSERVE_INT8_DOT)
   if (team_fits_ && !layers_.empty() && fused::norm_in_torch_order(layers_[0].input_norm.numel()))
@@ -63,7 +90,8 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(const at::Tensor& embed
                                                          const at::Tensor& sin, const std::vector<at::Tensor>& key_caches,
                                                          const std::vector<at::Tensor>& value_caches,
                                                          const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                                         const at::Tensor& slot_mapping) const {
+                                                         const at::Tensor& slot_mapping,
+                                                         const std::vector<LoRAGroupArgs>& lora) const {
   const int64_t L = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(key_caches.size()) == L && static_cast<int64_t>(value_caches.size()) == L,
               "decoder stack: ", L, " layers but ", key_caches.size(), " key and ", value_caches.size(),
@@ -77,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(const at::Tensor& embed
   const auto table = block_table.to(at::kInt).contiguous(), lens = seq_lens.to(at::kInt).contiguous();
 #if defined(KVSERVE_INT8_DOT)
   const int threads = at::get_num_threads();
-  if (T <= team_rows() && threads > 1 && !at::in_parallel_region())
+  if (lora.empty() && T <= team_rows() && threads > 1 && !at::in_parallel_region())
     return forward_team(embeddings, cos_c, sin_c, key_caches, value_caches, table, lens, slot_mapping, threads);
 #endif
   at::Tensor x = embeddings, residual;
@@ -91,7 +119,8 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(const at::Tensor& embed
       std::tie(h, residual) = add_rms_norm(x, residual, layer.input_norm, layer.eps);
     }
     // attention: the same views of the qkv projection the Python module takes
-    const auto qkv = layer.qkv(h);
+    auto qkv = layer.qkv(h);
+    add_lora(lora, l, 0, h, qkv);
     auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
     auto q = parts[0].view({T, num_heads_, head_dim_});
     auto k = parts[1].view({T, num_kv_heads_, head_dim_});
@@ -99,9 +128,15 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(const at::Tensor& embed
     rotary_embedding_(q, k, cos_c, sin_c);
     reshape_and_cache(k, v, key_caches[l], value_caches[l], slot_mapping);
     auto o = decode_attention(q, key_caches[l], value_caches[l], table, lens, scale_);
-    h = layer.o(o.reshape({T, -1}));
+    const auto attended = o.reshape({T, -1});
+    h = layer.o(attended);
+    add_lora(lora, l, 1, attended, h);
     std::tie(h, residual) = add_rms_norm(h, residual, layer.post_norm, layer.eps);
-    x = layer.down(silu_and_mul(layer.gate_up(h)));
+    auto gate_up = layer.gate_up(h);
+    add_lora(lora, l, 2, h, gate_up);
+    const auto act = silu_and_mul(gate_up);
+    x = layer.down(act);
+    add_lora(lora, l, 3, act, x);
   }
   return {x, residual};
 }

@@ -4,7 +4,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <array>
 #include <atomic>
+#include <map>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -38,6 +40,20 @@ struct StackLayer {
 
 struct TeamWorkspace;  // decoder_stack_team.cpp
 
+// A LoRA adapter's share of one projection in one layer (executor/lora/adapter_files.py's ProjectionLoRA): the
+// stacked A [parts x rank, inputs], and per targeted part (first output column, last + 1, B scaled [columns, rank],
+// first row of its A)
+using LoRAPartArgs = std::tuple<int64_t, int64_t, at::Tensor, int64_t>;
+using LoRAProjectionArgs = std::tuple<int64_t, at::Tensor, std::vector<LoRAPartArgs>>;  // (projection 0-3, A, parts)
+struct LoRAProjection {
+  at::Tensor a;
+  std::vector<LoRAPartArgs> parts;
+};
+// per layer: qkv, o, gate_up, down; a projection the adapter leaves alone has no A
+using LoRALayer = std::array<std::optional<LoRAProjection>, 4>;
+// a step's rows [first, last) that run under the adapter registered as id
+using LoRAGroupArgs = std::tuple<int64_t, int64_t, int64_t>;
+
 class DecoderStack {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale);
@@ -58,12 +74,18 @@ class DecoderStack {
   // tests: the team's last thread throws at the at-th piece of work it computes (0: never)
   void set_team_throw(int64_t at) { team_throw_at_ = at; }
 
-  // (the last layer's addition, the residual stream before it), as the Python loop leaves them
+  // a LoRA adapter's weights under an id, per layer its projections' (executor/lora/): steps name it by the id
+  void add_adapter(int64_t id, const std::vector<std::vector<LoRAProjectionArgs>>& layers);
+  void drop_adapter(int64_t id) { adapters_.erase(id); }
+
+  // (the last layer's addition, the residual stream before it), as the Python loop leaves them; lora: groups of
+  // rows whose adapter's update is added after each projection, as the Python loop adds it (no team then)
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
                                              const std::vector<at::Tensor>& key_caches,
                                              const std::vector<at::Tensor>& value_caches,
                                              const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                             const at::Tensor& slot_mapping) const;
+                                             const at::Tensor& slot_mapping,
+                                             const std::vector<LoRAGroupArgs>& lora = {}) const;
 
  private:
   // forward's layers on one OpenMP team (decoder_stack_team.cpp), where every linear layer multiplies int8
@@ -74,7 +96,11 @@ class DecoderStack {
                                                   const at::Tensor& table, const at::Tensor& lens,
                                                   const at::Tensor& slot_mapping, int threads) const;
 
+  // out += each group's update of its rows of x, for projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l
+  void add_lora(const std::vector<LoRAGroupArgs>& lora, int64_t l, int p, const at::Tensor& x, at::Tensor& out) const;
+
   std::vector<StackLayer> layers_;
+  std::map<int64_t, std::vector<LoRALayer>> adapters_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
   // every layer so far has int8_weights for all its linears, of the heads' and the first layer's shapes

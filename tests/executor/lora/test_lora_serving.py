@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from executor import LLM, SamplingParams
 from executor.lora.adapter_files import AdapterError
@@ -164,3 +165,50 @@ def test_a_loading_adapter_holds_only_its_own_requests(tiny_models, adapters, ll
     while engine.has_unfinished():
         errors += [(o.error, o.error_code) for o in engine.step().outputs if o.error]
     assert errors == [("bad weights", 400)]
+
+
+def test_a_step_of_decodes_under_adapters_runs_in_the_cpp_stack_with_the_python_loops_bits(tiny_models, llm):
+    """The C++ decoder stack adds each adapter's update after each projection as the Python loop does: the same
+    hidden states, bit for bit, for a step of decodes mixing the base and every adapter."""
+    from executor.lora.lora_batch import LoRABatch
+    from executor.models.llama import AttentionBatch
+
+    model = llm.engine.runner.model
+    if model.decoder_stack is None:
+        pytest.skip("the C++ decoder stack is not built here")
+    weights = {}
+    for name in ADAPTERS:
+        llm.engine.load_adapter(name)
+        weights[name] = llm.engine.adapters.held(llm.engine.adapters.resolve(name))
+    names = sorted([None, None, *ADAPTERS, "qv"], key=lambda n: n or "")  # as the runner sorts a step's rows
+    rows = [None if name is None else weights[name] for name in names]
+    count = len(rows)
+    query_start = torch.arange(count + 1)
+    lora = LoRABatch.of_chunks(rows, query_start, torch.device("cpu"))
+    block_size = llm.engine.block_size
+    batch = AttentionBatch(
+        slot_mapping=torch.arange(count) * block_size + 3,
+        block_table=torch.arange(count, dtype=torch.int32)[:, None],
+        seq_lens=torch.full((count,), 4, dtype=torch.int32),
+        query_start_loc=query_start.to(torch.int32),
+        lora=lora,
+    )
+    ids, positions = torch.randint(1, 1000, (count,)), torch.full((count,), 3)
+    caches = llm.engine.runner.kv_caches
+    with torch.inference_mode():
+        in_stack = model(ids, positions, caches, batch)
+        stack, model.decoder_stack = model.decoder_stack, None
+        try:
+            in_python = model(ids, positions, caches, batch)
+        finally:
+            model.decoder_stack = stack
+        base = model(
+            ids,
+            positions,
+            caches,
+            AttentionBatch(
+                *[getattr(batch, f) for f in ("slot_mapping", "block_table", "seq_lens", "query_start_loc")]
+            ),
+        )
+    assert torch.equal(in_stack, in_python)
+    assert torch.equal(in_stack[:2], base[:2]) and not torch.equal(in_stack[2:], base[2:])
