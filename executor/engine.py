@@ -366,14 +366,15 @@ class Engine:
         running = sorted({r.lora.name for r in self.scheduler.running if r.lora is not None})
         return {"lora_running": ",".join(running), "lora_held": ",".join(self.adapters.names_held)}
 
-    def adapter_registration(self) -> dict[str, str]:
-        """What the registration says of its adapters: lora_adapters (name -> the digest their block hashes name)
-        and lora_refused (name -> why one of the run-time registry is not served); none without LoRA."""
+    def adapter_registration(self) -> dict[str, str | int]:
+        """What the registration says of its adapters: lora_adapters (name -> the digest their block hashes name),
+        lora_refused (name -> why one of the run-time registry is not served) and max_loras; none without LoRA."""
         if self.adapters is None:
             return {}
         return {
             "lora_adapters": json.dumps(self.adapters.catalog()),
             "lora_refused": json.dumps(self.adapters.refused),
+            "max_loras": self.config.max_loras,  # the step slots: routing sees when other adapters hold them all
         }
 
     def kv_tokens_stored(self) -> int:

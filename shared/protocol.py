@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from shared.adapter_names import is_adapter_name
 from shared.cache_sources import LOADED_SOURCES, is_loaded_tokens
 from shared.redis_keys import check_executor_id
 from shared.tenant import ANONYMOUS_TENANT, MAX_TENANT_WEIGHT, Tenant
@@ -38,7 +39,6 @@ PROTOCOL_VERSION = 2  # 2: RequestUpdate.seq, which the gateway needs to see a l
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_PRIORITY = 2**31  # a request's priority is within +- this
 MAX_PEER_ADDRESS = 256  # a KV peer's endpoint is at most this many characters (a host name is at most 253)
-MAX_ADAPTER_NAME = 128  # a LoRA adapter's name (executor/lora/adapters.py checks its characters)
 
 # logprobs of one generated token: [token_id, logprob, rank, [[token_id, logprob], ...]] (top entries, best first)
 TokenLogprobsWire = list
@@ -270,12 +270,8 @@ def _read_generate(f: Fields) -> GenerateRequest:
         ),
         traceparent=f.optional_text("traceparent"),
         kv_peer=_read_kv_peer(f, len(block_hashes)),
-        lora=f.get("lora", _is_adapter_name, "nil or an adapter name (1-128 characters)", None),
+        lora=f.get("lora", lambda v: v is None or is_adapter_name(v), "nil or an adapter name", None),
     )
-
-
-def _is_adapter_name(value: object) -> bool:
-    return value is None or (isinstance(value, str) and 0 < len(value) <= MAX_ADAPTER_NAME)
 
 
 def _is_executor_id(value: object) -> bool:

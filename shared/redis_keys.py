@@ -12,8 +12,9 @@ Layout (`<id>` is an executor id):
                                       answers pulls on) and kv_fingerprint (hex digest of what makes its KV blocks
                                       interchangeable: model, dtype, block shape, quantization; executors pull only
                                       from one with the same); lora_adapters (JSON: the LoRA adapters it serves,
-                                      name -> digest of their files; absent: none) and lora_refused (JSON: name ->
-                                      why an adapter of LORA_ADAPTERS could not be served here). Its TTL is the heartbeat: refreshed every
+                                      name -> digest of their files; absent: none), lora_refused (JSON: name ->
+                                      why an adapter of LORA_ADAPTERS could not be served here) and max_loras
+                                      (distinct adapters its running requests may use). Its TTL is the heartbeat: refreshed every
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
 - `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached in
                                       its KV pool, and BLOCKS_MARKER (not hex: never a hash). A set without the

@@ -7,7 +7,6 @@ recently used; the least recently used one not running is dropped first.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +25,10 @@ from executor.lora.adapter_files import (
     read_config,
 )
 from executor.models.llama import DecoderSpec
+from shared.adapter_names import MAX_RUNTIME_ADAPTERS, check_adapter_name
 
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 # slack over the largest adapter --max-lora-rank allows, for the safetensors header
 HEADER_SLACK_BYTES = 1 << 20
-MAX_RUNTIME_ADAPTERS = 256  # adapters loaded at run time (the Redis registry) an executor serves at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +62,6 @@ def _split(spec: str) -> tuple[str, str]:
     if not sep or not path:
         raise ValueError(f"lora_modules: expected NAME=PATH, got {spec!r}")
     return name, path
-
-
-def check_adapter_name(name: str) -> None:
-    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
-        raise ValueError(
-            f"lora adapter name {name!r}: 1-128 letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
-        )
 
 
 def max_adapter_bytes(spec: DecoderSpec, max_rank: int) -> int:

@@ -22,12 +22,11 @@ from starlette.responses import PlainTextResponse, Response
 
 from gateway.api_error import EXECUTOR_HEADER, NO_EXECUTOR, APIError, error_response, invalid_request
 from gateway.openai.body import check_content_type, read_body, read_json_body
-from gateway.routing.adapters import check_adapter_name
 from gateway.routing.index_reader import ExecutorInfo, IndexReader
 from gateway.tenants.tenancy import Caller, Tenancy
 from shared import redis_keys
+from shared.adapter_names import MAX_RUNTIME_ADAPTERS, check_adapter_name
 
-MAX_RUNTIME_ADAPTERS = 256  # as the executors serve at most (executor/lora/adapters.py)
 MAX_PATH_BYTES = 4096  # Linux's PATH_MAX
 UPDATE_WAIT_S = 5.0  # the executors read the registry every heartbeat (1 s) and digest the files once
 _POLL_S = 0.1

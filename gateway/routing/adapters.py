@@ -5,24 +5,12 @@ that name with that digest (docs/lora.md)."""
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.block_hash import adapter_salt
 from shared.tenant import Tenant
-
-# as the executors check it (executor/lora/adapters.py): it becomes a Prometheus label and a usage counter's name
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-
-
-def check_adapter_name(name: object, field: str = "lora_name") -> str:
-    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
-        raise ValueError(
-            f"{field}: {name!r} must be 1-128 letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
-        )
-    return name
 
 
 @dataclass(frozen=True, slots=True)

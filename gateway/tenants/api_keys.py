@@ -20,8 +20,8 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from gateway.routing.adapters import check_adapter_name
 from shared import redis_keys
+from shared.adapter_names import check_adapter_name
 from shared.tenant import MAX_TENANT_WEIGHT
 
 KEY_PREFIX = "kvs_"

@@ -12,8 +12,8 @@ import json
 import httpx
 import pytest
 
-from gateway.endpoints.lora_adapters import MAX_RUNTIME_ADAPTERS
 from shared import redis_keys
+from shared.adapter_names import MAX_RUNTIME_ADAPTERS
 from tests.executor.lora.conftest import make_adapter
 from tests.gateway.answers import metric_samples, metric_total, openai_error
 from tests.processes import eventually, free_port

@@ -76,6 +76,7 @@ def test_an_adapters_requests_answer_as_offline_and_hash_as_the_gateway_does(exe
 
     digest = files_digest(__import__("pathlib").Path(adapters["qv"][0]))
     assert registration(executor, "lora_adapters") == {"qv": digest}
+    assert executor.redis.hget(keys.executor_key(executor.id), "max_loras") == "2"
     gateway = Gateway(executor.address)
     try:
         generate(gateway, "base", None)
