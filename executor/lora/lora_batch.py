@@ -17,7 +17,12 @@ if TYPE_CHECKING:
     from executor.lora.adapter_files import LoRAAdapter
 
 # the C++ decoder stack's projection numbers (kvkernels/csrc/decoder_stack_cpu.h)
-STACK_PROJECTIONS = {"self_attn.qkv_proj": 0, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 3}
+STACK_PROJECTIONS = {
+    "self_attn.qkv_proj": 0,
+    "self_attn.o_proj": 1,
+    "mlp.gate_up_proj": 2,
+    "mlp.down_proj": 3,
+}
 STACK_ADAPTERS = 64  # adapters a stack keeps registered; the least recently used beyond are dropped
 
 
