@@ -254,7 +254,7 @@ def serve(args: argparse.Namespace) -> int:
         executor_id,
         cached_hashes=engine.cached_block_hashes,
         tier_hashes=engine.tier_hashes,
-        watch_adapters=engine.adapters is not None,
+        watch_adapters=engine.serves_adapters,
     )
     service = ExecutorService(engine, socket, index, args.shutdown_grace_period, args.zmq_sndhwm)
     signal.signal(signal.SIGTERM, service.drain)

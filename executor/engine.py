@@ -8,7 +8,6 @@ which holds the one map of unfinished requests; what callers see is add_request,
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -109,9 +108,8 @@ class Engine:
     def load_adapter(self, name: str) -> None:
         """Have the adapter's weights in host memory now (the offline API's way: it may wait)."""
         known = self.intake.known_adapter(name)
-        adapter = self.adapters.held(known) or self.adapters.load(known)
         self.adapters.keep(
-            adapter, {r.lora.name for r in self.intake.requests.values() if r.adapter is not None}
+            self.adapters.held(known) or self.adapters.load(known), self.intake.adapters_in_use()
         )
 
     def _enqueue(self, request: Request) -> None:
@@ -208,8 +206,7 @@ class Engine:
         those whose grammar failed end with its error (a 400, or a 500 where the fault was the engine's)."""
         ready, failed = self.grammar_queue.take_settled()
         if self.adapter_loads is not None and len(self.adapter_loads):  # so too for adapters' weights
-            in_use = {r.lora.name for r in self.intake.requests.values() if r.adapter is not None}
-            loaded, not_loaded = self.adapter_loads.take_settled(in_use)
+            loaded, not_loaded = self.adapter_loads.take_settled(self.intake.adapters_in_use())
             ready, failed = ready + loaded, failed + not_loaded
         for request in ready:
             self._enqueue(request)
@@ -359,23 +356,22 @@ class Engine:
             block_hash_mismatches=self.intake.block_hash_mismatches,
             structured_output_mask_seconds=self.sampling.mask_seconds,
             **({} if self.kv_tiers is None else self.kv_tiers.stats()),
-            **({} if self.adapters is None else self._adapter_residency()),
+            **({} if self.adapters is None else self.adapters.residency(self.scheduler.running)),
         )
 
-    def _adapter_residency(self) -> dict[str, str]:
-        running = sorted({r.lora.name for r in self.scheduler.running if r.lora is not None})
-        return {"lora_running": ",".join(running), "lora_held": ",".join(self.adapters.names_held)}
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether it serves LoRA adapters (--enable-lora)."""
+        return self.adapters is not None
+
+    def sync_adapters(self, registry: dict[str, str]) -> bool:
+        """Serve the run-time LoRA registry (name -> path); whether what it serves or refuses changed."""
+        return self.adapters.sync(registry)
 
     def adapter_registration(self) -> dict[str, str | int]:
         """What the registration says of its adapters: lora_adapters (name -> the digest their block hashes name),
         lora_refused (name -> why one of the run-time registry is not served) and max_loras; none without LoRA."""
-        if self.adapters is None:
-            return {}
-        return {
-            "lora_adapters": json.dumps(self.adapters.catalog()),
-            "lora_refused": json.dumps(self.adapters.refused),
-            "max_loras": self.config.max_loras,  # the step slots: routing sees when other adapters hold them all
-        }
+        return {} if self.adapters is None else self.adapters.registration(self.config.max_loras)
 
     def kv_tokens_stored(self) -> int:
         """Tokens whose KV the running requests' blocks hold, a shared block counted once (walks every table)."""

@@ -119,6 +119,10 @@ class Intake:
         self.groups[request_id] = choices
         return choices
 
+    def adapters_in_use(self) -> set[str]:
+        """The adapters whose weights unfinished requests hold: host memory keeps them past --max-cpu-loras."""
+        return {r.lora.name for r in self.requests.values() if r.adapter is not None}
+
     def known_adapter(self, name: str) -> KnownAdapter:
         if self.adapters is None:
             raise ValueError(

@@ -7,9 +7,12 @@ recently used; the least recently used one not running is dropped first.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +29,9 @@ from executor.lora.adapter_files import (
 )
 from executor.models.llama import DecoderSpec
 from shared.adapter_names import MAX_RUNTIME_ADAPTERS, check_adapter_name
+
+if TYPE_CHECKING:
+    from executor.request import Request
 
 # slack over the largest adapter --max-lora-rank allows, for the safetensors header
 HEADER_SLACK_BYTES = 1 << 20
@@ -144,9 +150,20 @@ class Adapters:
                 self.refused[name] = str(error)
         return changed
 
-    def catalog(self) -> dict[str, str]:
-        """What it serves: name -> digest."""
-        return {k.name: k.digest for k in self.known.values()}
+    def registration(self, max_loras: int) -> dict[str, str | int]:
+        """What the executor's registration says (shared.redis_keys): lora_adapters, what it serves (name ->
+        digest); lora_refused, which of the run-time registry it cannot serve and why; max_loras, its step slots,
+        for routing to see when other adapters hold them all."""
+        return {
+            "lora_adapters": json.dumps({k.name: k.digest for k in self.known.values()}),
+            "lora_refused": json.dumps(self.refused),
+            "max_loras": max_loras,
+        }
+
+    def residency(self, running: Iterable[Request]) -> dict[str, str]:
+        """The load's adapter fields: those running requests use (a step's slots), those host memory holds."""
+        names = sorted({r.lora.name for r in running if r.lora is not None})
+        return {"lora_running": ",".join(names), "lora_held": ",".join(self._held)}
 
     def resolve(self, name: str) -> KnownAdapter:
         known = self.known.get(name)

@@ -340,8 +340,10 @@ class ExecutorService:
 
     def _sync_adapters(self) -> None:
         """Serve the run-time LoRA registry as the heartbeat last read it; the registration says what changed."""
+        if not self.engine.serves_adapters:
+            return
         registry = self.index.adapter_registry
-        if registry is not None and self.engine.adapters.sync(registry):
+        if registry is not None and self.engine.sync_adapters(registry):
             self.index.update_info(self.engine.adapter_registration())
 
     def _publish(self, heartbeat: bool, changed: bool, step: StepResult | None = None) -> None:

@@ -5,7 +5,8 @@ Outside executor/ (gateway, shared, kernels, kvserve, bench), code imports only 
   ATTENTION_BACKENDS (all bench may use);
 - `executor.llm`, the offline API;
 - `executor.cli`, the executor's commands (kvserve's CLI and `kvserve up` add them);
-- `executor.engine_config`, the engine's flags, torch-free (`kvserve up` writes executors' command lines with it).
+- `executor.engine_config` and `executor.engine_args`, the engine's flags and their command-line form, torch-free
+  (`kvserve up` writes executors' command lines with them).
 Every other module of executor/ (engine, scheduler, KV cache manager, block pool, runner, sampler...) is the
 engine's inside, free to change without a caller outside noticing.
 
@@ -20,7 +21,7 @@ import ast
 
 from tests.test_imports import REPO, all_imports
 
-ENTRY_POINTS = {"executor", "executor.llm", "executor.cli", "executor.engine_config"}
+ENTRY_POINTS = {"executor", "executor.llm", "executor.cli", "executor.engine_config", "executor.engine_args"}
 CALLERS = (
     "executor/service/loop.py",
     "executor/service/owned_requests.py",
@@ -55,6 +56,11 @@ ENGINE_SURFACE = {
     # the KV tiers: the block source and fingerprint `--kv-transfer-port` serves, the puller built with the stack's
     # keys; None without a prefix cache
     "kv_tiers",
+    # LoRA adapters: whether it serves them, the run-time registry, what its registration says, an offline load
+    "serves_adapters",
+    "sync_adapters",
+    "adapter_registration",
+    "load_adapter",
 }
 
 

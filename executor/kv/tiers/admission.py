@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from executor.kv.block_pool import Block
+if TYPE_CHECKING:
+    from executor.kv.block_pool import Block
 
 ADMISSIONS = ("recency", "reuse")
 
