@@ -15,6 +15,7 @@ bytes. Nothing is half-loaded.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -23,7 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from executor.models.llama import FUSED_PROJECTIONS, part_rows
 
 if TYPE_CHECKING:
     from executor.models.llama import DecoderSpec
@@ -31,16 +35,13 @@ if TYPE_CHECKING:
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
+UNSTACKED_PROJECTIONS = ("self_attn.o_proj", "mlp.down_proj")  # the model's projections that stack nothing
 # a checkpoint module -> (the model's projection it runs in, its place among that projection's stacked parts)
 TARGETS = {
-    "q_proj": ("self_attn.qkv_proj", 0),
-    "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0),
-}
+    part.rsplit(".", 1)[1]: (fused, i)
+    for fused, parts in FUSED_PROJECTIONS.items()
+    for i, part in enumerate(parts)
+} | {projection.rsplit(".", 1)[1]: (projection, 0) for projection in UNSTACKED_PROJECTIONS}
 _KEY = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+)"
     r"\.lora_(?P<ab>[AB])(?:\.default)?\.weight"
@@ -86,23 +87,23 @@ class LoRAAdapter:
         return f"{self.name}@{self.digest}"
 
 
-def files_digest(path: Path) -> str:
-    """The adapter's identity in the prefix cache: its files' bytes, so the same name with other weights differs."""
+def files_digest(path: Path, weights: bytes | None = None) -> str:
+    """The adapter's identity in the prefix cache: its files' bytes, so the same name with other weights differs
+    (weights: the weights file's bytes, when the caller has read them already)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update((path / CONFIG_FILE).read_bytes())
-    digest.update((path / WEIGHTS_FILE).read_bytes())
+    digest.update((path / WEIGHTS_FILE).read_bytes() if weights is None else weights)
     return digest.hexdigest()
 
 
 def projection_columns(spec: DecoderSpec) -> dict[str, list[tuple[int, int]]]:
-    """Each stacked projection's parts, as output column ranges."""
-    q, kv, ffn = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
-    return {
-        "self_attn.qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
-        "self_attn.o_proj": [(0, spec.hidden_size)],
-        "mlp.gate_up_proj": [(0, ffn), (ffn, 2 * ffn)],
-        "mlp.down_proj": [(0, spec.hidden_size)],
-    }
+    """Each projection's parts (models/llama.py's FUSED_PROJECTIONS, in order), as output column ranges."""
+    rows = part_rows(spec)
+    columns = {projection: [(0, spec.hidden_size)] for projection in UNSTACKED_PROJECTIONS}
+    for fused, parts in FUSED_PROJECTIONS.items():
+        ends = list(itertools.accumulate(rows[part] for part in parts))
+        columns[fused] = list(zip([0, *ends[:-1]], ends, strict=True))
+    return columns
 
 
 def projection_inputs(spec: DecoderSpec) -> dict[str, int]:
@@ -166,26 +167,25 @@ def load_adapter(
         raise AdapterError(
             f"{weights_file} holds {weights_file.stat().st_size} bytes, over the bound of {max_bytes}"
         )
-    digest = files_digest(path)
+    data = weights_file.read_bytes()  # once: for its digest and its tensors
+    digest = files_digest(path, data)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
-        with safe_open(str(weights_file), framework="pt") as tensors:
-            for key in tensors.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
-                match = _KEY.fullmatch(key)
-                if match is None:
-                    raise AdapterError(
-                        f"{weights_file}: unexpected tensor {key!r} (only lora_A/lora_B weights)"
-                    )
-                layer, module = int(match["layer"]), match["module"]
-                if module not in modules:
-                    raise AdapterError(f"{weights_file}: {key!r} adapts {module}, not in target_modules")
-                if layer >= spec.num_layers:
-                    raise AdapterError(
-                        f"{weights_file}: {key!r} names layer {layer}; the model has {spec.num_layers}"
-                    )
-                pairs.setdefault((layer, module), {})[match["ab"]] = tensors.get_tensor(key)
-    except (OSError, RuntimeError, SafetensorError) as error:  # a truncated or foreign file
+        tensors = load_safetensors(data)
+    except (RuntimeError, SafetensorError) as error:  # a truncated or foreign file
         raise AdapterError(f"{weights_file} cannot be read: {error}") from None
+    for key, tensor in tensors.items():
+        match = _KEY.fullmatch(key)
+        if match is None:
+            raise AdapterError(f"{weights_file}: unexpected tensor {key!r} (only lora_A/lora_B weights)")
+        layer, module = int(match["layer"]), match["module"]
+        if module not in modules:
+            raise AdapterError(f"{weights_file}: {key!r} adapts {module}, not in target_modules")
+        if layer >= spec.num_layers:
+            raise AdapterError(
+                f"{weights_file}: {key!r} names layer {layer}; the model has {spec.num_layers}"
+            )
+        pairs.setdefault((layer, module), {})[match["ab"]] = tensor
     if not pairs:
         raise AdapterError(f"{weights_file} holds no LoRA weights")
     adapter = LoRAAdapter(name, str(path), rank, digest, tuple(sorted(modules)))

@@ -63,6 +63,18 @@ FUSED_PROJECTIONS = {
 }
 
 
+def part_rows(spec: DecoderSpec) -> dict[str, int]:
+    """Output rows of each checkpoint projection that is stacked into a fused one."""
+    q, kv, ffn = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    return {
+        "self_attn.q_proj": q,
+        "self_attn.k_proj": kv,
+        "self_attn.v_proj": kv,
+        "mlp.gate_proj": ffn,
+        "mlp.up_proj": ffn,
+    }
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

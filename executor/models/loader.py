@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from executor.models.llama import FUSED_PROJECTIONS, DecoderLM, DecoderSpec
+from executor.models.llama import FUSED_PROJECTIONS, DecoderLM, DecoderSpec, part_rows
 from executor.models.quantized import place_quantized, stack
 from kvkernels.backend import Kernels
 from kvkernels.quantized import ACTIVATION_PLANES, QuantizedLinear, QuantizedWeight
@@ -67,18 +67,6 @@ def decoder_spec(config) -> DecoderSpec:
     )
 
 
-def _part_rows(spec: DecoderSpec) -> dict[str, int]:
-    """Output rows of each checkpoint projection that is stacked into a fused one."""
-    q, kv, ffn = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
-    return {
-        "self_attn.q_proj": q,
-        "self_attn.k_proj": kv,
-        "self_attn.v_proj": kv,
-        "mlp.gate_proj": ffn,
-        "mlp.up_proj": ffn,
-    }
-
-
 _PART_OF = {part: (fused, i) for fused, parts in FUSED_PROJECTIONS.items() for i, part in enumerate(parts)}
 _PART_NAME = re.compile(
     r"(?P<layer>.+)\.(?P<part>" + "|".join(map(re.escape, _PART_OF)) + r")\.(?P<kind>weight|bias)"
@@ -94,7 +82,7 @@ def stack_projections(
     """The checkpoint's tensors under the model's names: q/k/v and gate/up stacked, in FUSED_PROJECTIONS'
     order, into their fused projection once every part has come. A misshapen or missing part is an error
     naming it."""
-    rows = _part_rows(spec)
+    rows = part_rows(spec)
     pending: dict[tuple[str, str, str], dict[int, Weight]] = {}  # (layer, fused, kind) -> parts so far
     for name, tensor in weights:
         match = _PART_NAME.fullmatch(name)
