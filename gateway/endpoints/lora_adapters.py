@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable
 
 import redis
 from starlette.requests import Request
@@ -101,50 +102,48 @@ class LoRAUpdates:
         self._take_back = index.redis.register_script(_TAKE_BACK)
 
     async def load(self, request: Request) -> Response:
-        try:
-            body = await self._body(request)
-            _read_fields(body, ("lora_name", "lora_path"))
-            name, path = body["lora_name"], _lora_path(body.get("lora_path"))
-            entry = json.dumps({"path": path})
-            if await self._served_from_start(name):
-                outcome = "other"
-            else:
-                args = [name, entry, MAX_RUNTIME_ADAPTERS]
-                outcome = (await self._register(keys=[redis_keys.LORA_ADAPTERS], args=args)).decode()
-            if outcome == "other":
-                raise invalid_request(
-                    f"The lora adapter {name!r} has already been loaded; unload it first", "lora_name"
-                )
-            if outcome == "full":
-                raise invalid_request(
-                    f"{MAX_RUNTIME_ADAPTERS} adapters are loaded at run time, the most there may be; unload one first",
-                    "lora_name",
-                )
-            await self._wait(name, served=True, entry=entry)
-        except APIError as error:
-            return error_response(error, "")
-        except redis.RedisError as error:
-            return error_response(_registry_unreachable(error), "")
-        return _success(f"Success: LoRA adapter '{name}' added successfully.")
+        return await _answer(self._load(request), "added")
 
     async def unload(self, request: Request) -> Response:
-        try:
-            body = await self._body(request)
-            _read_fields(body, ("lora_name",))
-            name = body["lora_name"]
-            if not await self.index.redis.hdel(redis_keys.LORA_ADAPTERS, name):
-                raise APIError(
-                    404,
-                    f"The lora adapter {name!r} cannot be found among those loaded at run time",
-                    "not_found_error",
-                    "lora_name",
-                )
-            await self._wait(name, served=False)
-        except APIError as error:
-            return error_response(error, "")
-        except redis.RedisError as error:
-            return error_response(_registry_unreachable(error), "")
-        return _success(f"Success: LoRA adapter '{name}' removed successfully.")
+        return await _answer(self._unload(request), "removed")
+
+    async def _load(self, request: Request) -> str:
+        """Register the adapter and wait for the executors; its name."""
+        body = await self._body(request)
+        _read_fields(body, ("lora_name", "lora_path"))
+        name, path = body["lora_name"], _lora_path(body.get("lora_path"))
+        entry = json.dumps({"path": path})
+        if await self._served_from_start(name):
+            outcome = "other"
+        else:
+            args = [name, entry, MAX_RUNTIME_ADAPTERS]
+            outcome = (await self._register(keys=[redis_keys.LORA_ADAPTERS], args=args)).decode()
+        if outcome == "other":
+            raise invalid_request(
+                f"The lora adapter {name!r} has already been loaded; unload it first", "lora_name"
+            )
+        if outcome == "full":
+            raise invalid_request(
+                f"{MAX_RUNTIME_ADAPTERS} adapters are loaded at run time, the most there may be; unload one first",
+                "lora_name",
+            )
+        await self._wait(name, served=True, entry=entry)
+        return name
+
+    async def _unload(self, request: Request) -> str:
+        """Take the adapter out of the registry and wait for the executors; its name."""
+        body = await self._body(request)
+        _read_fields(body, ("lora_name",))
+        name = body["lora_name"]
+        if not await self.index.redis.hdel(redis_keys.LORA_ADAPTERS, name):
+            raise APIError(
+                404,
+                f"The lora adapter {name!r} cannot be found among those loaded at run time",
+                "not_found_error",
+                "lora_name",
+            )
+        await self._wait(name, served=False)
+        return name
 
     async def _body(self, request: Request) -> dict:
         """The operator's body, once the caller is known to be one."""
@@ -205,3 +204,14 @@ def _registry_unreachable(error: Exception) -> APIError:
 
 def _success(text: str) -> Response:
     return PlainTextResponse(text, headers={EXECUTOR_HEADER: NO_EXECUTOR})
+
+
+async def _answer(change: Awaitable[str], done: str) -> Response:
+    """vLLM's success text once the change (it returns the adapter's name) is through, else its error."""
+    try:
+        name = await change
+    except APIError as error:
+        return error_response(error, "")
+    except redis.RedisError as error:
+        return error_response(_registry_unreachable(error), "")
+    return _success(f"Success: LoRA adapter '{name}' {done} successfully.")
