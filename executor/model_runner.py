@@ -217,7 +217,9 @@ class ModelRunner:
             block_table=torch.from_numpy(table).to(dev),
             seq_lens=torch.from_numpy((starts + lengths).astype(np.int32)).to(dev),
             query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
-            lora=LoRABatch.of_chunks([c.adapter for c in chunks], query_start, dev),
+            lora=LoRABatch.of_chunks(
+                [c.adapter for c in chunks], query_start, dev, self.model.kernels.lora_add
+            ),
         )
         input_ids = torch.from_numpy(ids).to(dev)
         rows = torch.from_numpy(wanted).to(dev)

@@ -36,6 +36,8 @@ class Kernels:
     build: Callable[[torch.device, torch.dtype], None]
     # every kernel sizes its launch from shapes alone, with no read back to the host: CUDA graphs can hold it
     graph_safe: bool = False
+    # (x, out, groups): out += each group's LoRA update of its rows of x (kvkernels/torch_twins.py lora_add)
+    lora_add: Callable[..., None] = layer_ops.lora_add
 
     def prepare(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         """Ready a built model for serving: the kernels built now rather than at the first request, and its linear

@@ -1,6 +1,7 @@
 """The torch backend's per-layer operations besides attention: the residual add fused with RMSNorm, rotary
-embedding, and SiLU(gate) * up. On the CPU in float32 the C++ kernels (kvkernels/csrc/fused_cpu.cpp) run each in
-one pass; elsewhere, or where they could not be built, torch ops compute the same."""
+embedding, SiLU(gate) * up and LoRA's update of rows grouped by adapter. On the CPU in float32 the C++ kernels
+(kvkernels/csrc/fused_cpu.cpp, lora_cpu.cpp) run each in one call; elsewhere, or where they could not be built,
+torch ops compute the same."""
 
 from __future__ import annotations
 
@@ -46,3 +47,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def lora_add(x: torch.Tensor, out: torch.Tensor, groups) -> None:
+    """out += each group's LoRA update of its rows of x (torch_twins.lora_add says the groups' form); the C++
+    kernel takes every group in one call where each group's rows are one slice."""
+    ops = cpu_kernels_for(x)
+    if (
+        ops is not None
+        and out.dtype == torch.float32
+        and x.stride(-1) == 1
+        and out.stride(-1) == 1
+        and all(isinstance(rows, slice) for rows, _, _ in groups)
+    ):
+        ops.lora_add_(x, out, [(rows.start, rows.stop, a, parts) for rows, a, parts in groups])
+        return
+    torch_twins.lora_add(x, out, groups)

@@ -99,3 +99,17 @@ def int8_activations(x: torch.Tensor, planes: int = 1) -> torch.Tensor:
         residual = torch.round(error * (inverse * 254.0)).clamp_(-128, 127)
         held += residual.double() * (step / 254.0).double()
     return held.reshape(m, k)
+
+
+def lora_add(x: torch.Tensor, out: torch.Tensor, groups) -> None:
+    """out += each group's LoRA update of its rows of x. groups: (rows, a, parts), rows a slice or an index
+    tensor, a [parts x rank, inputs] every targeted part's A stacked, parts (first output column, last + 1, B
+    scaled and transposed [rank, columns], first row of its A): a shrink, then an expand per part."""
+    for rows, a, parts in groups:
+        shrunk = x[rows] @ a.T
+        for start, end, bt, first in parts:
+            update = shrunk[:, first : first + bt.shape[0]] @ bt
+            if isinstance(rows, slice):
+                out[rows, start:end] += update
+            else:
+                out[:, start:end].index_add_(0, rows, update)

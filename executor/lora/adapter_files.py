@@ -65,7 +65,8 @@ class ProjectionLoRA:
     """One stacked projection's share of an adapter in one layer."""
 
     a: torch.Tensor  # [parts x rank, inputs]: every targeted part's A, stacked
-    # per targeted part: (first output column, last + 1, its B scaled [columns, rank], first row of its A in a)
+    # per targeted part: (first output column, last + 1, its B scaled and transposed [rank, columns], first row
+    # of its A in a): the expand walks B^T's rows, each a run of output columns
     parts: list[tuple[int, int, torch.Tensor, int]]
 
 
@@ -213,7 +214,7 @@ def load_adapter(
         laid = []
         for i, (part, _, b) in enumerate(parts):
             start, end = columns[projection][part]
-            laid.append((start, end, (b.double() * scale).to(dtype).contiguous(), i * rank))
+            laid.append((start, end, (b.double() * scale).to(dtype).T.contiguous(), i * rank))
         adapter.layers[layer][projection] = ProjectionLoRA(a, laid)
         adapter.nbytes += a.nbytes + sum(b.nbytes for _, _, b, _ in laid)
     return adapter

@@ -2,16 +2,20 @@
 
 Every base projection runs once for all rows; then, per adapter in the step, its rows' low-rank update is added to
 that projection's output: a shrink (the rows times the stacked A matrices) and an expand per targeted part (into
-the part's output columns), as Punica's SGMV groups rows by adapter. Rows of the base model have no group.
+the part's output columns), as Punica's SGMV groups rows by adapter, every group in one kernel call (the model's
+kernels' lora_add, kvkernels/backend.py). Rows of the base model have no group.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from kvkernels.layer_ops import lora_add
 
 if TYPE_CHECKING:
     from executor.lora.adapter_files import LoRAAdapter
@@ -33,15 +37,20 @@ class LoRAGroup:
 
 
 class LoRABatch:
-    def __init__(self, groups: list[LoRAGroup]) -> None:
+    def __init__(self, groups: list[LoRAGroup], kernel: Callable[..., None] = lora_add) -> None:
         self.groups = groups
+        self.kernel = kernel  # (x, out, groups): kvkernels/torch_twins.py lora_add's form
 
     @classmethod
     def of_chunks(
-        cls, adapters: list[LoRAAdapter | None], query_start, device: torch.device
+        cls,
+        adapters: list[LoRAAdapter | None],
+        query_start,
+        device: torch.device,
+        kernel: Callable[..., None] = lora_add,
     ) -> LoRABatch | None:
         """From each chunk's adapter (None: the base model) and where each chunk's rows start (query_start,
-        one more than chunks); None when no chunk has an adapter."""
+        one more than chunks), the update run by kernel; None when no chunk has an adapter."""
         by_name: dict[str, tuple[LoRAAdapter, list[range]]] = {}
         for i, adapter in enumerate(adapters):
             if adapter is not None:
@@ -56,22 +65,17 @@ class LoRABatch:
             else:
                 rows = [row for r in ranges for row in r]
                 groups.append(LoRAGroup(adapter, torch.tensor(rows, dtype=torch.int64, device=device)))
-        return cls(groups)
+        return cls(groups, kernel)
 
     def add(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out (projection's output for every row) += each group's low-rank update of its rows of x."""
+        groups = []
         for group in self.groups:
             lora = group.adapter.layers[layer].get(projection)
-            if lora is None:
-                continue
-            rows = group.rows
-            shrunk = x[rows] @ lora.a.T
-            for start, end, b, first in lora.parts:
-                update = shrunk[:, first : first + b.shape[1]] @ b.T
-                if isinstance(rows, slice):
-                    out[rows, start:end] += update
-                else:
-                    out[:, start:end].index_add_(0, rows, update)
+            if lora is not None:
+                groups.append((group.rows, lora.a, lora.parts))
+        if groups:
+            self.kernel(x, out, groups)
 
 
 class StackAdapters:
@@ -96,10 +100,7 @@ class StackAdapters:
             self._ids.move_to_end(key)
             return self._ids[key]
         layers = [
-            [
-                (STACK_PROJECTIONS[name], p.a, [(start, end, b, row) for start, end, b, row in p.parts])
-                for name, p in projections.items()
-            ]
+            [(STACK_PROJECTIONS[name], p.a, list(p.parts)) for name, p in projections.items()]
             for projections in adapter.layers
         ]
         self._next_id += 1

@@ -3,6 +3,7 @@
 
 #include "cpu_kernels.h"
 #include "decoder_stack_cpu.h"
+#include "lora_cpu.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (float32, CPU)");
@@ -25,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "second int8 plane (int16), 0: float32 (1 and 2 need int8_dot_available())");
   m.def("int8_dot_available", &int8_dot_available,
         "whether quantized_gemm takes activation_planes 1 and 2 here (AVX-512 VNNI and VBMI)");
+  m.def("lora_add_", &lora_add_,
+        "out[rows, columns] += (x[rows] A^T)[:, part's rows] B^T for each group (first row, last + 1, A [parts x "
+        "rank, in], [(first column, last + 1, B^T scaled [rank, columns], first row of its A)]), float32");
   pybind11::class_<DecoderStack>(m, "DecoderStack", "a decode step's decoder layers in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double>(), "num_heads, num_kv_heads, head_dim, scale")
       .def("add_layer", &DecoderStack::add_layer,
@@ -44,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "tests: the team's last thread throws at the at-th piece of work it computes (0: never)")
       .def("add_adapter", &DecoderStack::add_adapter,
            "id, per layer [(projection 0-3: qkv o gate_up down, A [parts x rank, in], [(first column, last + 1, "
-           "B scaled [columns, rank], first row of its A)])]: a LoRA adapter steps name by id")
+           "B^T scaled [rank, columns], first row of its A)])]: a LoRA adapter steps name by id")
       .def("drop_adapter", &DecoderStack::drop_adapter, "forget the adapter registered as id")
       .def("forward", &DecoderStack::forward,
            "(the last layer's addition, the residual before it) of a step of decodes, one token per sequence; "

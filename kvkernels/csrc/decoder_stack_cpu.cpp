@@ -58,7 +58,7 @@ void DecoderStack::add_adapter(int64_t id, const std::vector<std::vector<LoRAPro
   for (size_t l = 0; l < layers.size(); ++l) {
     for (const auto& [p, a, parts] : layers[l]) {
       TORCH_CHECK(p >= 0 && p < 4, "decoder stack: projection ", p, " is not 0-3");
-      adapter[l][p] = LoRAProjection{a.contiguous(), parts};
+      adapter[l][p] = LoRAProjection{a, parts, lora_view(a, parts)};
     }
   }
   adapters_[id] = std::move(adapter);
@@ -66,16 +66,13 @@ void DecoderStack::add_adapter(int64_t id, const std::vector<std::vector<LoRAPro
 
 void DecoderStack::add_lora(const std::vector<LoRAGroupArgs>& lora, int64_t l, int p, const at::Tensor& x,
                             at::Tensor& out) const {
+  std::vector<LoRARows> groups;
   for (const auto& [first, last, id] : lora) {
     const auto& projection = adapters_.at(id)[l][p];
-    if (!projection) continue;
-    // the Python loop's ops in its order (executor/lora/lora_batch.py), so the same bits
-    const auto shrunk = at::matmul(x.narrow(0, first, last - first), projection->a.t());
-    for (const auto& [start, end, b, row] : projection->parts) {
-      auto rows = out.narrow(0, first, last - first).narrow(1, start, end - start);
-      rows.add_(at::matmul(shrunk.narrow(1, row, b.size(1)), b.t()));
-    }
+    if (projection) groups.push_back({first, last, &projection->view});
   }
+  // the kernel the Python loop calls (executor/lora/lora_batch.py), so the same bits
+  if (!groups.empty()) lora_add(x, out, groups);
 }
 
 int64_t DecoderStack::team_rows() const {

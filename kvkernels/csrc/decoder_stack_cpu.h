@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "lora_cpu.h"
 #include "quantized_gemm_cpu.h"
 
 // (weight, scales, offsets, bias, out_features, bits, zero_point, activation_planes): bits 0 is a float weight in
@@ -41,13 +42,12 @@ struct StackLayer {
 struct TeamWorkspace;  // decoder_stack_team.cpp
 
 // A LoRA adapter's share of one projection in one layer (executor/lora/adapter_files.py's ProjectionLoRA): the
-// stacked A [parts x rank, inputs], and per targeted part (first output column, last + 1, B scaled [columns, rank],
-// first row of its A)
-using LoRAPartArgs = std::tuple<int64_t, int64_t, at::Tensor, int64_t>;
+// stacked A and its parts as lora_cpu.h takes them, and the view of them lora_add reads
 using LoRAProjectionArgs = std::tuple<int64_t, at::Tensor, std::vector<LoRAPartArgs>>;  // (projection 0-3, A, parts)
 struct LoRAProjection {
   at::Tensor a;
-  std::vector<LoRAPartArgs> parts;
+  std::vector<LoRAPartArgs> parts;  // holds the B^T tensors view points into
+  LoRAView view;
 };
 // per layer: qkv, o, gate_up, down; a projection the adapter leaves alone has no A
 using LoRALayer = std::array<std::optional<LoRAProjection>, 4>;
