@@ -130,13 +130,19 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:  # else preempted earlier in this loop
                 budget = self._schedule_running(request, out, budget)
         admitting = True  # until a waiting request does not fit; never in a step that preempted
+        # waiting requests of adapters that find no slot this step (max_loras): the requests behind them, of the
+        # base model or of adapters already running, start meanwhile, as vLLM's scheduler lets them
+        passed: set[Request] = set()
         while budget > 0:
-            request = self._next_prefill(prefills, admitting and not out.preempted, budget)
+            request = self._next_prefill(prefills, admitting and not out.preempted, budget, passed)
             if request is None:
                 break
             if request.status is RequestStatus.RUNNING:
                 prefills[self.waiting.tenant_of(request)].popleft()
                 budget = self._schedule_running(request, out, budget)
+                continue
+            if request.adapter is not None and self._adapter_slots_full(request.adapter.name):
+                passed.add(request)
                 continue
             num_new = self._admit(request, out, budget)
             if num_new is None:
@@ -146,14 +152,18 @@ class Scheduler:
         return out
 
     def _next_prefill(
-        self, prefills: dict[Tenant, deque[Request]], admitting: bool, budget: int
+        self,
+        prefills: dict[Tenant, deque[Request]],
+        admitting: bool,
+        budget: int,
+        passed: set[Request],
     ) -> Request | None:
         """The request whose prefill chunk goes next, None when no tenant has one to give (or may start one): the
         next of the tenant whose counter would be lowest once charged for the chunk, a tenant's partial prefills
         before its waiting requests. Ranked by the counter after the chunk (weighted fair queuing's finish time),
         not before it: a chunk may be a whole step's budget, and an arriving tenant is lifted to the lowest
         counter, so with the counter before it a tie would hand a burst one more step while a new tenant's short
-        prompt waited."""
+        prompt waited. Waiting requests passed over this step are not offered again."""
         nexts: dict[Tenant, Request] = {}
         for tenant, queue in prefills.items():
             while queue and queue[0].status is not RequestStatus.RUNNING:
@@ -162,7 +172,8 @@ class Scheduler:
                 nexts[tenant] = queue[0]
         if admitting:
             for tenant in self.waiting.tenants():
-                nexts.setdefault(tenant, self.waiting.first(tenant))
+                if tenant not in nexts and (first := self.waiting.first(tenant, passed)) is not None:
+                    nexts[tenant] = first
 
         def finish_time(tenant: Tenant) -> tuple[float, int]:
             request = nexts[tenant]
@@ -216,8 +227,6 @@ class Scheduler:
         """Start a waiting request with what of its prompt the budget allows: the tokens scheduled, or None when
         it does not fit (max_num_seqs, blocks, or a whole prompt without chunked prefill)."""
         if len(self.running) + request.group_size > self.max_num_seqs:
-            return None
-        if request.adapter is not None and self._adapter_slots_full(request.adapter.name):
             return None
         cached = self.kv.find_cached_prefix(request)
         num_cached = cached.num_tokens

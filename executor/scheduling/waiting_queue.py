@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from executor.request import Request
 from shared.tenant import ANONYMOUS_TENANT, Tenant
@@ -53,9 +53,9 @@ class WaitingQueue:
     def tenants(self) -> Iterable[Tenant]:
         return self._queues.keys()
 
-    def first(self, tenant: Tenant) -> Request:
-        """The request of tenant's that starts next."""
-        return self._queues[tenant][0]
+    def first(self, tenant: Tenant, passed: Collection[Request] = ()) -> Request | None:
+        """The request of tenant's that starts next, of those not passed over (None: every one is)."""
+        return next((r for r in self._queues[tenant] if r not in passed), None)
 
     def add(self, request: Request) -> None:
         """A new arrival: after its tenant's requests of the same or a lower priority value."""

@@ -337,3 +337,34 @@ def test_blocks_for_a_tenants_growth_come_from_the_tenant_holding_the_most_first
     )  # b's slot 8 needs a block, the last free one goes to a2's slot 4: someone must make room
     assert b not in out.preempted and out.preempted[0].tenant.name == "A"
     assert [r.request_id for r, _ in out.scheduled if r.tenant.name == "B"] == ["b"]
+
+
+def test_a_request_whose_adapter_finds_no_slot_lets_the_ones_behind_it_start():
+    """max_loras=1 with adapter x running: y's request waits, while the base model's and x's behind it start in
+    the same step (admission does not stop at y); y starts once no request of x runs."""
+    from executor.lora.adapter_files import LoRAAdapter
+
+    kv = KVCacheManager(BlockPool(64, True), 4)
+    sched = Scheduler(kv, 8, 100, MAX_MODEL_LEN, True, max_loras=1)
+
+    def under(adapter: str, r: Request) -> Request:
+        r.adapter = LoRAAdapter(adapter, f"/adapters/{adapter}", 8, adapter * 8, ("q_proj",))
+        return r
+
+    a = under("x", request("a", 4, max_tokens=3))
+    sched.add(a)
+    run_step(sched)
+    b, c, d = (
+        under("y", request("b", 4, first=50)),
+        request("c", 4, first=100),
+        under("x", request("d", 4, first=150, max_tokens=2)),
+    )
+    for r in (b, c, d):
+        sched.add(r)
+    out = run_step(sched)
+    assert [r.request_id for r, _ in out.scheduled] == ["a", "c", "d"]
+    assert list(sched.waiting) == [b]
+    while b.status is RequestStatus.WAITING:
+        out = run_step(sched)
+    assert a.status is d.status is RequestStatus.FINISHED
+    assert not any(r.adapter is not None and r.adapter.name == "x" for r in sched.running)
