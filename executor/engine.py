@@ -370,7 +370,8 @@ class Engine:
 
     def adapter_registration(self) -> dict[str, str | int]:
         """What the registration says of its adapters: lora_adapters (name -> the digest their block hashes name),
-        lora_refused (name -> why one of the run-time registry is not served) and max_loras; none without LoRA."""
+        lora_refused (name -> the path and why one of the run-time registry is not served) and max_loras; none
+        without LoRA."""
         return {} if self.adapters is None else self.adapters.registration(self.config.max_loras)
 
     def kv_tokens_stored(self) -> int:

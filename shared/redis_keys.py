@@ -13,7 +13,8 @@ Layout (`<id>` is an executor id):
                                       interchangeable: model, dtype, block shape, quantization; executors pull only
                                       from one with the same); lora_adapters (JSON: the LoRA adapters it serves,
                                       name -> digest of their files; absent: none), lora_refused (JSON: name ->
-                                      why an adapter of LORA_ADAPTERS could not be served here) and max_loras
+                                      {"path", "error"}: the path of LORA_ADAPTERS's entry tried and why it could
+                                      not be served here) and max_loras
                                       (distinct adapters its running requests may use). Its TTL is the heartbeat: refreshed every
                                       HEARTBEAT_INTERVAL_S, gone HEARTBEAT_TTL_S after the executor stops.
 - `kvserve:executor:<id>:blocks`      set of the hex block hashes (shared.block_hash) the executor holds cached in

@@ -98,9 +98,10 @@ class Adapters:
         for name, path in modules.items():
             self.register(name, path)
         self.static = set(modules)  # --lora-modules: never dropped by the run-time registry
-        # the run-time registry as last synced: name -> path, and why those that could not be served were not
+        # the run-time registry as last synced: name -> path, and those that could not be served: name -> the
+        # path tried and why (the path, so that a load of the name from another path never reads this refusal)
         self._runtime: dict[str, str] = {}
-        self.refused: dict[str, str] = {}
+        self.refused: dict[str, dict[str, str]] = {}
 
     def register(self, name: str, path: str | Path) -> KnownAdapter:
         """Check the adapter's config (not yet its weights) and know it by name."""
@@ -147,13 +148,13 @@ class Adapters:
                     )
                 self.register(name, path)
             except (AdapterError, ValueError, OSError) as error:
-                self.refused[name] = str(error)
+                self.refused[name] = {"path": path, "error": str(error)}
         return changed
 
     def registration(self, max_loras: int) -> dict[str, str | int]:
         """What the executor's registration says (shared.redis_keys): lora_adapters, what it serves (name ->
-        digest); lora_refused, which of the run-time registry it cannot serve and why; max_loras, its step slots,
-        for routing to see when other adapters hold them all."""
+        digest); lora_refused, which of the run-time registry it cannot serve, from which path and why; max_loras,
+        its step slots, for routing to see when other adapters hold them all."""
         return {
             "lora_adapters": json.dumps({k.name: k.digest for k in self.known.values()}),
             "lora_refused": json.dumps(self.refused),

@@ -5,8 +5,9 @@ operator's key (`kvserve keys create|update --operator`; an open gateway, which 
 anonymous caller). The gateway holds no adapter itself: it writes the run-time registry in Redis
 (shared.redis_keys.LORA_ADAPTERS, name -> {"path": ...}), which every executor with --enable-lora reads at its
 heartbeat, then waits a few seconds for the live LoRA executors to say what they made of it in their
-registrations: the name in lora_adapters (served: 200), in lora_refused (400 with their error, and the entry is
-taken back so a fixed adapter may be loaded under the name), or neither in time (504; the entry stays, and
+registrations: the name in lora_adapters (served: 200), in lora_refused from this path (400 with their error, and
+the entry is taken back so a fixed adapter may be loaded under the name; a refusal of another path, not yet
+replaced, is not this load's), or neither in time (504; the entry stays, and
 executors serve it when they get to it).
 """
 
@@ -127,7 +128,7 @@ class LoRAUpdates:
                 f"{MAX_RUNTIME_ADAPTERS} adapters are loaded at run time, the most there may be; unload one first",
                 "lora_name",
             )
-        await self._wait(name, served=True, entry=entry)
+        await self._wait(name, served=True, entry=entry, path=path)
         return name
 
     async def _unload(self, request: Request) -> str:
@@ -173,14 +174,17 @@ class LoRAUpdates:
     async def _lora_executors(self) -> list[ExecutorInfo]:
         return [info for info in await self.index.live_executors() if info.lora]
 
-    async def _wait(self, name: str, served: bool, entry: str | None = None) -> None:
+    async def _wait(self, name: str, served: bool, entry: str | None = None, path: str | None = None) -> None:
         """Until every live LoRA executor shows the change (served: the name in its lora_adapters; else not), one
-        refuses it (400, the entry taken back), or the wait ends (504; 503 when no LoRA executor lives)."""
+        refuses it from path (400, the entry taken back), or the wait ends (504; 503 when no LoRA executor
+        lives)."""
         deadline = time.monotonic() + self.wait_s
         while True:
             executors = await self._lora_executors()
-            refusals = {
-                info.executor_id: info.lora_refused[name] for info in executors if name in info.lora_refused
+            refusals = {  # of this path: one of another is the name's earlier entry, not yet replaced
+                info.executor_id: refusal[1]
+                for info in executors
+                if (refusal := info.lora_refused.get(name)) is not None and refusal[0] == path
             }
             if served and refusals:
                 await self._take_back(keys=[redis_keys.LORA_ADAPTERS], args=[name, entry])

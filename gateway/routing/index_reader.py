@@ -76,10 +76,10 @@ class ExecutorInfo:
     kv_transfer_address: str = ""
     kv_fingerprint: str = ""
     # LoRA (docs/lora.md): whether it serves adapters (--enable-lora), those it serves, name -> digest of their
-    # files, and those of the run-time registry it refused, name -> why
+    # files, and those of the run-time registry it refused, name -> (the path it tried, why)
     lora: bool = False
     lora_adapters: dict[str, str] = field(default_factory=dict)
-    lora_refused: dict[str, str] = field(default_factory=dict)
+    lora_refused: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 # KEYS[1]: the set of executor ids. ARGV: key prefix; blocks (pool), host, disk, load and inflight suffixes; then
@@ -159,21 +159,31 @@ def _as_dict(flat: list[bytes]) -> dict[str, str]:
     return {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
 
 
-def _text_map(executor_id: str, name: str, text: str | None) -> dict[str, str]:
-    """A registration's JSON object of names to text (absent: empty); one that is not is logged and read as
-    empty, so a broken registration serves no adapter rather than failing every request."""
+def _json_map(executor_id: str, name: str, text: str | None, is_value, shape: str) -> dict:
+    """A registration's JSON object of names to values that is_value accepts (absent: empty); one that is not
+    is logged and read as empty, so a broken registration serves no adapter rather than failing every request."""
     if not text:
         return {}
     try:
         value = json.loads(text)
     except ValueError:
         value = None
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+    if not isinstance(value, dict) or not all(is_value(v) for v in value.values()):
         log.warning(
-            "executor %s publishes %s that is not a JSON object of strings: %.200r", executor_id, name, text
+            "executor %s publishes %s that is not a JSON object of %s: %.200r", executor_id, name, shape, text
         )
         return {}
     return value
+
+
+def _refusal(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(value.get(k), str) for k in ("path", "error"))
+
+
+def _refusals(executor_id: str, text: str | None) -> dict[str, tuple[str, str]]:
+    """lora_refused: name -> (the path tried, why)."""
+    refused = _json_map(executor_id, "lora_refused", text, _refusal, '{"path", "error"} objects')
+    return {name: (r["path"], r["error"]) for name, r in refused.items()}
 
 
 def _names(text: str | None) -> frozenset[str]:
@@ -212,8 +222,14 @@ class IndexReader:
                         info.get("kv_transfer_address", ""),
                         info.get("kv_fingerprint", ""),
                         "lora_adapters" in info,
-                        _text_map(executor_id, "lora_adapters", info.get("lora_adapters")),
-                        _text_map(executor_id, "lora_refused", info.get("lora_refused")),
+                        _json_map(
+                            executor_id,
+                            "lora_adapters",
+                            info.get("lora_adapters"),
+                            lambda v: isinstance(v, str),
+                            "strings",
+                        ),
+                        _refusals(executor_id, info.get("lora_refused")),
                     ),
                     Candidate(
                         executor_id,

@@ -114,7 +114,11 @@ def test_the_view_reads_each_executors_lora_adapters_and_their_residency(redis_u
     client = redis.Redis.from_url(redis_url)
     base = {"address": "tcp://127.0.0.1:1", "model": "m", "block_size": 16, "max_model_len": 2048}
     registrations = [
-        {**base, "lora_adapters": '{"sql": "d1", "chat": "d2"}', "lora_refused": '{"bad": "no config"}'},
+        {
+            **base,
+            "lora_adapters": '{"sql": "d1", "chat": "d2"}',
+            "lora_refused": '{"bad": {"path": "/a/bad", "error": "no config"}}',
+        },
         {**base, "lora_adapters": "[not an object"},
         base,
     ]
@@ -126,7 +130,7 @@ def test_the_view_reads_each_executors_lora_adapters_and_their_residency(redis_u
         view = {info.executor_id: (info, load) for info, load in routing_view(redis_url, [])}
         info, load = view[ids[0]]
         assert info.lora and info.lora_adapters == {"sql": "d1", "chat": "d2"}
-        assert info.lora_refused == {"bad": "no config"}
+        assert info.lora_refused == {"bad": ("/a/bad", "no config")}
         assert load.lora_running == {"sql"} and load.lora_held == {"sql", "chat"}
         assert view[ids[1]][0].lora and view[ids[1]][0].lora_adapters == {}
         assert not view[ids[2]][0].lora and view[ids[2]][1].lora_held == frozenset()

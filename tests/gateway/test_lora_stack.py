@@ -190,6 +190,14 @@ def test_a_loaded_adapter_is_served_then_unloaded_and_a_refused_one_is_taken_bac
     refused = openai_error(_load(base, ops, lora_name="empty", lora_path=str(tmp_path)), 400)
     assert "refused" in refused["message"] and "empty" in refused["message"]
     assert not stack.redis.hexists(redis_keys.LORA_ADAPTERS, "empty")
+    # at once from a good path: the refusal of the empty one, still in the registrations until the executors'
+    # next heartbeat, is not this load's
+    fixed = _load(base, ops, lora_name="empty", lora_path=adapters["chat"])
+    assert fixed.status_code == 200, fixed.text
+    assert (
+        post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "empty"}, headers=_auth(ops)).status_code
+        == 200
+    )
 
     unloaded = post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "sql2"}, headers=_auth(ops))
     assert unloaded.status_code == 200, unloaded.text

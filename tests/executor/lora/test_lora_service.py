@@ -116,7 +116,10 @@ def test_the_run_time_registry_is_served_refused_with_a_reason_and_dropped(execu
     )
     assert set(served) == {"qv", "all"}
     refused = registration(executor, "lora_refused")
-    assert "no adapter_config.json" in refused["missing"] and "--lora-modules" in refused["qv"]
+    assert refused["missing"]["path"] == str(tmp_path / "nowhere")
+    assert (
+        "no adapter_config.json" in refused["missing"]["error"] and "--lora-modules" in refused["qv"]["error"]
+    )
     gateway = Gateway(executor.address)
     try:
         generate(gateway, "runtime", "all", served["all"])
