@@ -60,7 +60,7 @@ TORCH = Kernels(
 
 
 def _triton() -> Kernels:
-    from kvkernels import triton_attention, triton_cache, triton_norm_rope
+    from kvkernels import triton_attention, triton_cache, triton_lora, triton_norm_rope
 
     return Kernels(
         "triton",
@@ -73,6 +73,8 @@ def _triton() -> Kernels:
         # --kv-cache-memory skips that step (then the first requests wait seconds for it)
         lambda device, dtype: None,
         graph_safe=True,
+        # sized on the host from the step's groups: adapter steps never run under CUDA graphs
+        lora_add=triton_lora.lora_add,
     )
 
 

@@ -32,13 +32,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from kvkernels import triton_attention, triton_cache, triton_norm_rope
+from kvkernels import triton_attention, triton_cache, triton_lora, triton_norm_rope
 from kvkernels.triton_mode import interpreting
 
 # module -> the names of the jit kernels it launches
 KERNELS = {
     triton_attention: ("_attention_kernel", "_combine_splits_kernel"),
     triton_cache: ("_reshape_and_cache_kernel",),
+    triton_lora: ("_shrink_kernel", "_expand_kernel"),
     triton_norm_rope: ("_rms_norm_kernel", "_rotary_kernel"),
 }
 
@@ -111,6 +112,31 @@ def _engine_layer(q_lens: list[int], table_width: int) -> None:
     triton_norm_rope.add_rms_norm(hidden, hidden, torch.ones(HIDDEN, dtype=dtype), 1e-5)
 
 
+def _adapter_step(group_rows: list[int], gathered: bool = False) -> None:
+    """One step's LoRA updates of SmolLM2-135M's q/k/v and down projections, rank-16 adapters on every part, a
+    group per adapter (a gathered group last when asked)."""
+    dtype, tokens, rank, intermediate = torch.bfloat16, sum(group_rows), 16, 1536
+    firsts = [0, *itertools.accumulate(group_rows)]
+    rows = [slice(first, first + n) for first, n in zip(firsts, group_rows, strict=False)]
+    if gathered:
+        rows[-1] = torch.arange(rows[-1].start, rows[-1].stop)
+    for inputs, widths in (
+        (HIDDEN, (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)),
+        (intermediate, (HIDDEN,)),
+    ):
+        ends = list(itertools.accumulate(widths))
+        parts = [
+            (end - w, end, torch.zeros(rank, w, dtype=dtype), i * rank)
+            for i, (w, end) in enumerate(zip(widths, ends, strict=False))
+        ]
+        a = torch.zeros(len(widths) * rank, inputs, dtype=dtype)
+        triton_lora.lora_add(
+            torch.zeros(tokens, inputs, dtype=dtype),
+            torch.zeros(tokens, ends[-1], dtype=dtype),
+            [(r, a, parts) for r in rows],
+        )
+
+
 def engine_steps() -> dict[str, Callable[[], None]]:
     """Decode graphs (a batch padded to its graph's size, the block table as wide as max_model_len) at sizes
     that take each split count the H200 gets, with one sequence, 16 and neither; then eager steps (prefill,
@@ -130,6 +156,10 @@ def engine_steps() -> dict[str, Callable[[], None]]:
         ("a 30-token chunk beside 2 decodes, table 44 wide", [30, 1, 1], 44),
     ):
         steps[name] = functools.partial(_engine_layer, q_lens, width)
+    steps["decodes of 16 sequences over 8 adapters"] = functools.partial(_adapter_step, [2] * 8)
+    steps["a 30-token chunk under an adapter beside gathered decodes"] = functools.partial(
+        _adapter_step, [30, 3], True
+    )
     return steps
 
 
@@ -155,6 +185,10 @@ def _every_wrapper(dtype, head_dim, group, block_size) -> None:
     triton_norm_rope.add_rms_norm(hidden, hidden, torch.ones(576, dtype=dtype), 1e-5)
     cos = torch.zeros(3, head_dim, dtype=dtype)
     triton_norm_rope.rotary_embedding(torch.zeros(3, 2 * group, head_dim, dtype=dtype), key, cos, cos)
+    bt = torch.zeros(8, 100, dtype=dtype)  # rank 8, below tl.dot's 16: padded
+    parts = [(0, 100, bt, 0), (100, 150, bt[:, :50].contiguous(), 8)]
+    lora = (slice(0, 3), torch.zeros(16, 576, dtype=dtype), parts)
+    triton_lora.lora_add(hidden, torch.zeros(3, 150, dtype=dtype), [lora])
 
 
 # (dtype, head dim, query heads per KV head, block size): SmolLM2-135M's attention in every input dtype, then

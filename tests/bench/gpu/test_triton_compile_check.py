@@ -25,6 +25,8 @@ KERNELS = (
     "_reshape_and_cache_kernel",
     "_rms_norm_kernel",
     "_rotary_kernel",
+    "_shrink_kernel",
+    "_expand_kernel",
 )
 
 
