@@ -4,7 +4,8 @@
 - e2e: the attention backends' greedy tokens on the same prompts, and one engine that sizes its KV cache by
   profiling GPU memory (bench/gpu/e2e.py);
 - figures: decode-attention bandwidth as a share of the device's peak (beside torch SDPA over a gathered
-  contiguous cache), and output tokens/s at several concurrencies with CUDA graphs on and off.
+  contiguous cache), output tokens/s at several concurrencies with CUDA graphs on and off, and output tokens/s
+  of a batch over LoRA adapters against base only.
 
 The JSON is rewritten after every row, so a process killed at its timeout keeps all it had produced; a section
 that raises is reported with its traceback and the next one still runs. --toy shrinks every size, for a dry run
@@ -26,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu import e2e
+from bench.gpu import e2e, kernel_checks
 from bench.gpu.report import problems
-from kvkernels import torch_twins
 
 # peak memory bandwidth in GB/s by device name; the first entry whose key the name contains wins, so the
 # more specific names come first
@@ -53,25 +53,6 @@ DECODE_SHAPES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 TOY_DECODE_SHAPES = {"toy": (4, 2, 64)}
 
 
-# input dtype -> largest error allowed, relative to 1 + |expected| (see _max_error)
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
-# fp8 (e4m3) weights and activations: the norm of the error against the product of the dequantized weights, relative
-# to the product's norm. e4m3 keeps 3 mantissa bits, about 2^-4 of each factor before the sums average it down.
-FP8_TOLERANCE = 0.05
-# (rows, inputs, outputs) of the default model's linear layers at a decode, a small and a large batch
-FP8_CASES = [(1, 576, 1536), (33, 576, 640), (256, 1536, 576), (256, 576, 49152)]
-TOY_FP8_CASES = [(1, 64, 32), (17, 64, 48)]
-# name -> (q_lens, seq_lens, heads, kv_heads, head_dim, block_size, num_kv_splits)
-ATTENTION_CASES = {
-    "mixed-gqa3-d64-b16": ([1, 1, 20, 9, 1], [1, 37, 20, 50, 33], 9, 3, 64, 16, None),
-    "mixed-gqa8-d128-b32": ([1, 1, 20, 9, 1], [1, 37, 20, 50, 33], 16, 2, 128, 32, None),
-    "mixed-mha-d128-b16": ([3, 1, 64], [300, 2000, 64], 4, 4, 128, 16, None),
-    "decode-2000-split1": ([1], [2000], 8, 1, 128, 16, 1),
-    "decode-2000-split4": ([1], [2000], 8, 1, 128, 32, 4),
-    "decodes-auto-split": ([1] * 8, [1, 5, 100, 700, 1500, 2000, 17, 64], 32, 8, 128, 16, None),
-}
-TOY_ATTENTION_CASES = {"mixed": ([1, 7, 1], [40, 7, 17], 4, 2, 64, 16, None)}
-TOY_TOLERANCE = {torch.float32: TOLERANCE[torch.float32], torch.bfloat16: TOLERANCE[torch.bfloat16]}
 # what --toy sets, whatever else was asked: each section runs in seconds in Triton's interpreter
 TOY_SIZES = {
     "decode_batch": 2,
@@ -84,11 +65,13 @@ TOY_SIZES = {
     "prompt_len": 8,
     "output_len": 2,
     "kv_cache_memory": "16MiB",
+    "lora_adapters": 2,
+    "lora_streams": 2,
 }
 SECTIONS = {
     "kernels": ("correctness",),
     "e2e": ("end_to_end", "profiling"),
-    "figures": ("decode_attention", "throughput"),
+    "figures": ("decode_attention", "throughput", "adapters"),
 }
 
 
@@ -144,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,64,256", help="figures: concurrent requests timed")
     parser.add_argument("--prompt-len", type=int, default=512, help="figures: prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="figures: output tokens")
+    parser.add_argument(
+        "--lora-adapters", type=int, default=8, help="figures: adapters the batch is spread over"
+    )
+    parser.add_argument(
+        "--lora-streams", type=int, default=16, help="figures: requests in the adapters' batch"
+    )
     args = parser.parse_args(argv)
     for name in ("concurrency", "e2e_concurrency"):
         setattr(args, name, [int(n) for n in getattr(args, name).split(",")])
@@ -162,16 +151,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 e2e.split_backend(backend)
             except ValueError as error:
                 parser.error(f"--{name.replace('_', '-')}: {error}")
-    args.attention_cases, args.tolerance, args.decode_shapes = ATTENTION_CASES, TOLERANCE, DECODE_SHAPES
-    args.fp8_cases = FP8_CASES
+    args.attention_cases, args.tolerance = kernel_checks.ATTENTION_CASES, kernel_checks.TOLERANCE
+    args.decode_shapes, args.fp8_cases = DECODE_SHAPES, kernel_checks.FP8_CASES
     if args.toy:
         vars(args).update(TOY_SIZES)
         args.attention_cases, args.tolerance, args.decode_shapes = (
-            TOY_ATTENTION_CASES,
-            TOY_TOLERANCE,
+            kernel_checks.TOY_ATTENTION_CASES,
+            kernel_checks.TOY_TOLERANCE,
             TOY_DECODE_SHAPES,
         )
-        args.fp8_cases = TOY_FP8_CASES
+        args.fp8_cases = kernel_checks.TOY_FP8_CASES
     return args
 
 
@@ -198,127 +187,6 @@ def bandwidth(num_bytes: int, seconds: float, peak: float | None) -> dict:
         "achieved_gbps": round(achieved, 1),
         "share_of_peak": None if peak is None else round(achieved / peak, 3),
     }
-
-
-def paged_batch(
-    q_lens: list[int],
-    seq_lens: list[int],
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: str,
-    seed: int = 0,
-) -> tuple[torch.Tensor, ...]:
-    """query, key_cache, value_cache, block_table, seq_lens, query_start_loc, blocks in shuffled order."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    blocks = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks) + 1
-    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(cache_shape, generator=g, device=device).to(dtype)
-    value_cache = torch.randn(cache_shape, generator=g, device=device).to(dtype)
-    order = torch.randperm(num_blocks, generator=g, device=device).to(torch.int32)
-    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
-    start = 0
-    for s, n in enumerate(blocks):
-        table[s, :n] = order[start : start + n]
-        start += n
-    query = torch.randn(sum(q_lens), heads, head_dim, generator=g, device=device).to(dtype)
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    return query, key_cache, value_cache, table, lens, starts
-
-
-def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest difference relative to 1 + |expected|: absolute near zero, relative (as rounding is) above."""
-    expected = expected.float().to(got.device)
-    return ((got.float() - expected).abs() / (1 + expected.abs())).max().item()
-
-
-def correctness(
-    device: str, cases: dict, tolerance: dict, fp8_cases: list[tuple[int, int, int]]
-) -> Iterator[dict]:
-    """Each Triton kernel against its torch twin, in each input dtype, then the fp8 layer. A case that raises is
-    reported failed with its error, and the next still runs (after a CUDA fault, which poisons the process, they
-    fail too)."""
-    checks = [(f"paged_attention/{name}", case) for name, case in cases.items()]
-    checks += [
-        (kernel, None) for kernel in ("reshape_and_cache", "rms_norm", "add_rms_norm", "rotary_embedding")
-    ]
-    for dtype, tol in tolerance.items():
-        for kernel, case in checks:
-            row = {"kernel": kernel, "dtype": str(dtype).removeprefix("torch.")}
-            try:
-                error = _kernel_error(kernel, case, dtype, device)
-            except Exception as failure:
-                traceback.print_exc()
-                yield row | {"error": repr(failure), "ok": False}
-                continue
-            limit = 0.0 if kernel == "reshape_and_cache" else tol  # a copy: exact
-            yield row | {"max_error": error, "ok": error <= limit}
-    yield from fp8_correctness(device, fp8_cases)
-
-
-def fp8_correctness(device: str, cases: list[tuple[int, int, int]]) -> Iterator[dict]:
-    """--quantization fp8's layer against the float product of its dequantized weights. On a CUDA device the
-    row must have gone through torch's scaled matmul (w8a8), else it is not ok: the emulation would pass for it."""
-    from kvkernels.weight_quantization import Fp8Linear
-
-    for rows, inputs, outputs in cases:
-        row = {"kernel": f"fp8_linear/{rows}x{inputs}x{outputs}", "dtype": "float8_e4m3fn"}
-        try:
-            g = torch.Generator(device=device).manual_seed(rows)
-            linear = torch.nn.Linear(inputs, outputs, bias=False, device=device, dtype=torch.bfloat16)
-            torch.nn.init.normal_(linear.weight, std=inputs**-0.5, generator=g)
-            layer = Fp8Linear(linear)
-            x = torch.randn(rows, inputs, generator=g, device=device).to(torch.bfloat16)
-            expected = x.float() @ layer.dequantize(torch.float32).t()
-            error = ((layer(x).float() - expected).norm() / expected.norm()).item()
-        except Exception as failure:
-            traceback.print_exc()
-            yield row | {"error": repr(failure), "ok": False}
-            continue
-        scaled = layer._scaled
-        yield row | {
-            "max_error": error,
-            "scaled_mm": scaled,
-            "ok": error <= FP8_TOLERANCE and (scaled or device != "cuda"),
-        }
-
-
-def _kernel_error(kernel: str, case: tuple | None, dtype: torch.dtype, device: str) -> float:
-    """The Triton kernel's largest error against its twin's (see _max_error), on random inputs."""
-    from kvkernels import triton_attention, triton_cache, triton_norm_rope
-
-    if case is not None:
-        q_lens, lens, heads, kv_heads, dim, bs, splits = case
-        args = paged_batch(q_lens, lens, heads, kv_heads, dim, bs, dtype, device)
-        got = triton_attention.paged_attention(*args, scale=dim**-0.5, num_kv_splits=splits)
-        # the twin builds its masks on the CPU
-        return _max_error(got, torch_twins.paged_attention(*(a.cpu() for a in args), scale=dim**-0.5))
-    if kernel == "reshape_and_cache":
-        key = torch.randn(40, 3, 64, device=device).to(dtype)
-        caches = [torch.zeros(8, 16, 3, 64, dtype=dtype, device=device) for _ in range(4)]
-        slots = torch.randperm(128, device=device)[:40]
-        triton_cache.reshape_and_cache(key, key * 2, caches[0], caches[1], slots)
-        torch_twins.reshape_and_cache(key, key * 2, caches[2], caches[3], slots)
-        return max(_max_error(caches[0], caches[2]), _max_error(caches[1], caches[3]))
-    x, residual = (torch.randn(33, 576, device=device).to(dtype) for _ in range(2))
-    weight = torch.randn(576, device=device).to(dtype)
-    if kernel == "rms_norm":
-        return _max_error(triton_norm_rope.rms_norm(x, weight, 1e-5), torch_twins.rms_norm(x, weight, 1e-5))
-    if kernel == "add_rms_norm":
-        got = triton_norm_rope.add_rms_norm(x, residual, weight, 1e-5)
-        expected = torch_twins.add_rms_norm(x, residual, weight, 1e-5)
-        return max(_max_error(a, b) for a, b in zip(got, expected, strict=True))
-    angles = torch.randn(33, 32, device=device).repeat(1, 2) * 100
-    q = torch.randn(33, 9, 64, device=device).to(dtype)
-    k = torch.randn(33, 3, 64, device=device).to(dtype)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    got = triton_norm_rope.rotary_embedding(q, k, cos, sin)
-    expected = torch_twins.rotary_embedding(q, k, cos, sin)
-    return max(_max_error(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def time_calls(fn: Callable[[], object], device: str, iters: int = 50, warmup: int = 5) -> float:
@@ -358,7 +226,9 @@ def _decode_shape(
     from kvkernels import torch_paged, triton_attention
 
     batch, context, bs = args.decode_batch, args.decode_context, args.block_size
-    paged = paged_batch([1] * batch, [context] * batch, heads, kv_heads, dim, bs, torch.bfloat16, args.device)
+    paged = kernel_checks.paged_batch(
+        [1] * batch, [context] * batch, heads, kv_heads, dim, bs, torch.bfloat16, args.device
+    )
     query, key_cache, value_cache, table = paged[:4]
     scale = dim**-0.5
     moved = decode_bytes(batch, context, heads, kv_heads, dim, 2, bs)
@@ -395,7 +265,7 @@ def _decode_shape(
             "us_per_call": round(seconds * 1e6, 1),
             "bytes_moved": moved,
             **bandwidth(moved, seconds, peak),
-            "max_error_vs_sdpa": _max_error(out.reshape(baseline.shape), baseline),
+            "max_error_vs_sdpa": kernel_checks.max_error(out.reshape(baseline.shape), baseline),
         }
 
 
@@ -457,7 +327,7 @@ def section_rows(
     key: str, args: argparse.Namespace, peak: float | None, clock: e2e.EngineClock
 ) -> Iterator[dict]:
     if key == "correctness":
-        return correctness(args.device, args.attention_cases, args.tolerance, args.fp8_cases)
+        return kernel_checks.correctness(args.device, args.attention_cases, args.tolerance, args.fp8_cases)
     if key == "decode_attention":
         return decode_benchmark(args, peak)
     if args.no_model:
@@ -466,6 +336,7 @@ def section_rows(
         "end_to_end": e2e.agreement,
         "profiling": e2e.profiled_start,
         "throughput": e2e.throughput,
+        "adapters": e2e.adapter_throughput,
     }
     return engine_runs[key](args, clock)
 

@@ -3,7 +3,9 @@
 - agreement: each attention backend's greedy tokens on the same prompts, against the first backend's;
 - profiled_start: one engine started as `kvserve up` starts it, without kv_cache_memory, so it sizes its KV cache
   by profiling GPU memory (executor/kv/sizing.py); it reports the blocks it got and the profiling log line;
-- throughput: output tokens/s at each concurrency, per backend ("-eager": no CUDA graphs).
+- throughput: output tokens/s at each concurrency, per backend ("-eager": no CUDA graphs);
+- adapter_throughput: output tokens/s of one batch of requests spread over random LoRA adapters, against the same
+  batch on the base model, in one engine.
 
 An engine build is not started where the deadline would pass before it is up: EngineClock guesses its time from
 the last build's, or from ENGINE_START_GUESS_S before the first.
@@ -17,11 +19,13 @@ import json
 import logging
 import random
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -186,6 +190,72 @@ def _serve(
             }
         print(json.dumps(row), file=sys.stderr, flush=True)
         yield row
+
+
+def adapter_throughput(args: argparse.Namespace, clock: EngineClock) -> Iterator[dict]:
+    """Output tok/s of args.lora_streams requests on the base model, then of the same prompts spread evenly over
+    args.lora_adapters random adapters (bench/lora/adapters.py's: rank 16 on q/k/v/o, shaped by the model's
+    config.json), in one Triton engine: the base batch decodes in CUDA graphs, steps with adapter rows eagerly
+    through the Triton LoRA kernels. Each batch is warmed up on other prompts, which also loads every adapter."""
+    from bench.lora.adapters import DEFAULT_RANK, make_adapters
+
+    if not clock.has_room():
+        yield {"backend": "triton", "skipped": BUDGET_SPENT}
+        return
+    with tempfile.TemporaryDirectory() as folder:  # the engine reads each adapter at its first request
+        names = list(make_adapters(Path(folder), args.lora_adapters, args.model))
+        llm = clock.build(
+            args.model,
+            device=args.device,
+            attention_backend="triton",
+            kv_cache_memory=args.kv_cache_memory,
+            enable_lora=True,
+            lora_modules={name: f"{folder}/{name}" for name in names},
+            max_loras=len(names),
+            max_num_seqs=args.lora_streams,
+        )
+        try:
+            base = None
+            for adapters in (0, len(names)):
+                if clock.past_deadline():
+                    yield {"backend": "triton", "adapters": adapters, "skipped": BUDGET_SPENT}
+                    continue
+                loras = [names[i % adapters] if adapters else None for i in range(args.lora_streams)]
+                row = _adapter_batch(args, llm, loras) | {"adapters": adapters, "rank": DEFAULT_RANK}
+                base = row["output_tok_s"] if adapters == 0 else base
+                row["of_base"] = round(row["output_tok_s"] / base, 3) if adapters and base else None
+                row["engine_start_s"] = round(clock.last_build_s, 1)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                yield row
+        finally:
+            llm.engine.close()
+            del llm
+            _free_device_memory(args.device)
+
+
+def _adapter_batch(args: argparse.Namespace, llm, loras: list[str | None]) -> dict:
+    """One timed batch, a request under each of loras (None: the base model), after a warm-up on other prompts."""
+    from executor import SamplingParams
+
+    n, rng, vocab = len(loras), random.Random(0), llm.engine.vocab_size  # the same prompts for each batch
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(2 * n)]
+    llm.generate(prompts[n:], SamplingParams(max_tokens=2, ignore_eos=True), lora=loras)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts[:n], params, lora=loras)
+    seconds = time.perf_counter() - start
+    total = sum(len(out.outputs[0].token_ids) for out in outputs)
+    return {
+        "backend": "triton",
+        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "cuda_graphs": all(lora is None for lora in loras) and llm.engine.runner.decode_graphs is not None,
+        "concurrency": n,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "output_tokens": total,
+        "seconds": round(seconds, 2),
+        "output_tok_s": round(total / seconds, 1),
+    }
 
 
 def parting_margin(first, other) -> float | None:

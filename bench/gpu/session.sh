@@ -11,7 +11,7 @@
 #   e2e      greedy tokens of each backend, float32 (judged) and bf16; the engine sized by GPU memory
 #            profiling, with and without fp8                                                e2e.json
 #   figures  decode attention as a share of HBM bandwidth; output tok/s at 1/64/256 requests, graphs on and
-#            off, fp8                                                                       figures.json
+#            off, fp8; output tok/s of 16 requests over 8 LoRA adapters against base only   figures.json
 #   kv_tiers the KV host tier's copies each way (GB/s), and TTFT of a revisited 8k-token prompt loaded from it
 #            against recompute (bench/gpu/kv_tiers.py); a section of figures.json, as a call brings back 8 files
 # plus session.log (every stage's output), summary.txt (one line, rewritten as each stage ends) and gpu_report.md
@@ -49,9 +49,11 @@ started=$SECONDS
 tests=(
     tests/kernels/test_triton_attention.py
     tests/kernels/test_triton_norm_rope.py
+    tests/kernels/test_triton_lora.py
     tests/executor/test_cuda_graphs.py
     tests/executor/test_attention_backend.py
     tests/bench/gpu/test_check.py
+    tests/bench/gpu/test_kernel_checks.py
     tests/executor/test_quantization.py::test_fp8_scaled_matmul_on_hopper_matches_the_dequantized_product
 )
 if ((dry_run)); then
@@ -158,7 +160,7 @@ else
     record e2e "skipped (no model)"
 fi
 
-limit=$(allot 140)
+limit=$(allot 180) # four engines: three backends', then the adapters' with its two timed batches
 if ((model_ok)); then
     serve=(--model "$model")
 else

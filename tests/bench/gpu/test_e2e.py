@@ -43,6 +43,9 @@ def test_no_engine_starts_that_the_deadline_has_no_room_for(monkeypatch):
     assert rows == [
         {"backend": b, "skipped": "time budget spent"} for b in ("triton", "triton-eager", "triton+fp8")
     ]
+    assert list(e2e.adapter_throughput(args, clock)) == [
+        {"backend": "triton", "skipped": "time budget spent"}
+    ]
     clock.last_build_s = 0.1  # after a build, its own time
     assert clock.has_room()
 

@@ -64,6 +64,9 @@ def test_dry_run_passes_every_stage_with_only_the_images_packages(default_model,
     figures = json.loads((out / "figures.json").read_text())
     assert {row["backend"] for row in figures["throughput"]} == {"triton", "triton-eager", "triton+fp8"}
     assert len(figures["decode_attention"]) == 5
+    adapters = figures["adapters"]  # the same prompts on the base model, then over 2 adapters (--toy)
+    assert [(row["adapters"], row["output_tokens"]) for row in adapters] == [(0, 4), (2, 4)]
+    assert adapters[0]["of_base"] is None and adapters[1]["of_base"] > 0
     revisits = figures["kv_tiers"]["revisit"]["trials"]
     assert revisits and all(t["revisit_cached_tokens_host"] == 240 for t in revisits)
     markdown = (out / "gpu_report.md").read_text()
