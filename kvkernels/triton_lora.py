@@ -3,8 +3,9 @@ shrink of each group's rows by its stacked A into a float32 buffer, then an expa
 part's output columns. Twin: kvkernels.torch_twins.lora_add, whose docstring gives the groups' form.
 
 Each adapter's matrices are tensors of their own, so the kernels reach them through tables of addresses built on
-the host (these steps never run under CUDA graphs: executor/model_runner.py keeps adapter steps out of them). Rows
-are one flat index for every group, slices expanded, so a group of gathered rows takes the same path.
+the host (these steps never run under CUDA graphs: executor/model_runner.py keeps adapter steps out of them). A
+group's rows are a slice of x, or a stretch of one index holding every gathered group's rows: a slice is never
+expanded on the host, which for a long prefill would cost more than its launches.
 
 The shrink splits K (the projection's inputs) into fixed chunks, each program writing its partial sum: a decode
 step has a few rows per adapter, and without the split a handful of programs would walk all of K alone. The
@@ -25,17 +26,28 @@ from kvkernels.triton_mode import check_device, interpreting
 SHRINK_M, SHRINK_N, SHRINK_K, SPLIT_K = 16, 16, 64, 512
 # the expand's tile: rows, output columns; rank per step of its loop at most
 EXPAND_M, EXPAND_N, EXPAND_R = 16, 64, 64
-# the tables' rows: a group's (first flat row, rows, address of A, rows of A); a pair's (group, first output
-# column, columns, address of bt, rank, first row of its A)
-GROUP_FIELDS = tl.constexpr(4)
+# the tables' rows: a group's (its first row in the shrunk buffer, rows, address of A, rows of A, first row of x
+# where they are a slice, their place in the index where gathered or -1); a pair's (group, first output column,
+# columns, address of bt, rank, first row of its A)
+GROUP_FIELDS = tl.constexpr(6)
 PAIR_FIELDS = tl.constexpr(6)
+
+
+@triton.jit
+def _rows_of_x(groups_ptr, index_ptr, group, offs_m, m_valid):
+    """The rows of x that a group's rows offs_m are: from its slice, or from the index where they are gathered."""
+    first_x_row = tl.load(groups_ptr + group * GROUP_FIELDS + 4)
+    index_at = tl.load(groups_ptr + group * GROUP_FIELDS + 5)
+    is_gathered = index_at + tl.zeros_like(offs_m) >= 0  # a block of it: a mask must be one
+    gathered = tl.load(index_ptr + index_at + offs_m, mask=m_valid & is_gathered, other=0)
+    return tl.where(is_gathered, gathered, first_x_row + offs_m)
 
 
 @triton.jit
 def _shrink_kernel(
     x_ptr,
     shrunk_ptr,
-    rows_ptr,
+    index_ptr,
     groups_ptr,
     K,
     stride_x,
@@ -60,7 +72,7 @@ def _shrink_kernel(
     a_ptr = tl.load(groups_ptr + group * GROUP_FIELDS + 2).to(tl.pointer_type(x_ptr.dtype.element_ty))
     offs_m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     m_valid = offs_m < num_rows
-    rows = tl.load(rows_ptr + first_row + offs_m, mask=m_valid, other=0)
+    rows = _rows_of_x(groups_ptr, index_ptr, group, offs_m, m_valid)
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < a_rows
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -93,7 +105,7 @@ def _shrink_kernel(
 def _expand_kernel(
     out_ptr,
     shrunk_ptr,
-    rows_ptr,
+    index_ptr,
     groups_ptr,
     pairs_ptr,
     stride_o,
@@ -121,7 +133,7 @@ def _expand_kernel(
     bt_ptr = tl.load(pairs_ptr + pair * PAIR_FIELDS + 3).to(tl.pointer_type(out_ptr.dtype.element_ty))
     offs_m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     m_valid = offs_m < num_rows
-    rows = tl.load(rows_ptr + first_row + offs_m, mask=m_valid, other=0)
+    rows = _rows_of_x(groups_ptr, index_ptr, group, offs_m, m_valid)
     s_rows = (first_row + offs_m).to(tl.int64)
     offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < num_cols
@@ -156,28 +168,28 @@ def _row_count(rows) -> int:
 
 
 def _tables(groups, device: torch.device):
-    """The groups' table, the (group, part) pairs' table and the flat rows on the device, in one copy from the
-    host where no group's rows are gathered; and the largest group's rows."""
-    group_table, pair_table, flat, gathered = [], [], [], []
-    first = 0
-    # slices first, then gathered rows: the flat index is the slices' rows copied from the host, then the
-    # gathered tensors already on the device
-    for g, (rows, a, parts) in enumerate(sorted(groups, key=lambda group: not isinstance(group[0], slice))):
+    """The groups' table and the (group, part) pairs' table on the device, in one copy from the host; the index
+    of every gathered group's rows; and the rows of all groups."""
+    group_table, pair_table, gathered = [], [], []
+    first = indexed = 0
+    for g, (rows, a, parts) in enumerate(groups):
+        count = _row_count(rows)
         if isinstance(rows, slice):
-            flat.extend(range(rows.start, rows.stop))
+            group_table += [first, count, a.data_ptr(), a.shape[0], rows.start, -1]
         else:
+            group_table += [first, count, a.data_ptr(), a.shape[0], 0, indexed]
             gathered.append(rows.to(device=device, dtype=torch.int64))
+            indexed += count
         for start, end, bt, a_row in parts:
             pair_table += [g, start, end - start, bt.data_ptr(), bt.shape[0], a_row]
-        group_table += [first, _row_count(rows), a.data_ptr(), a.shape[0]]
-        first += _row_count(rows)
-    packed = torch.tensor(group_table + pair_table + flat, dtype=torch.int64).to(device)
-    pairs_at = len(group_table)
-    rows_at = pairs_at + len(pair_table)
-    rows = packed[rows_at:]
-    if gathered:
-        rows = torch.cat([rows, *gathered])
-    return packed[:pairs_at], packed[pairs_at:rows_at], rows
+        first += count
+    # from pinned memory, without waiting: a copy from pageable memory would wait for the device to finish all it
+    # was given, at every projection of every layer (the pinned block is not reused before the copy has run)
+    on_cuda = device.type == "cuda"
+    host = torch.tensor(group_table + pair_table, dtype=torch.int64, pin_memory=on_cuda)
+    packed = host.to(device, non_blocking=on_cuda)
+    index = torch.cat(gathered) if gathered else packed  # without gathered rows, never read
+    return packed[: len(group_table)], packed[len(group_table) :], index, first
 
 
 def _check(x: torch.Tensor, out: torch.Tensor, groups) -> None:
@@ -214,12 +226,12 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, groups) -> None:
         return
     if x.stride(-1) != 1:
         x = x.contiguous()
-    group_table, pair_table, rows = _tables(groups, x.device)
+    group_table, pair_table, index, num_rows = _tables(groups, x.device)
     max_rows = max(_row_count(rows) for rows, _, _ in groups)
     max_a_rows = max(a.shape[0] for _, a, _ in groups)
     parts = [part for _, _, group_parts in groups for part in group_parts]
     num_splits = triton.cdiv(x.shape[1], SPLIT_K)
-    shrunk = torch.empty((num_splits, rows.numel(), max_a_rows), dtype=torch.float32, device=x.device)
+    shrunk = torch.empty((num_splits, num_rows, max_a_rows), dtype=torch.float32, device=x.device)
     # Triton 3.9's interpreter multiplies bf16 operands as their raw bits; bf16 -> fp32 is exact, so exact fp32
     # products give what the tensor cores give
     dot_in_fp32 = x.dtype == torch.bfloat16 and interpreting()
@@ -229,7 +241,7 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, groups) -> None:
     ](
         x,
         shrunk,
-        rows,
+        index,
         group_table,
         x.shape[1],
         x.stride(0),
@@ -247,7 +259,7 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, groups) -> None:
     _expand_kernel[(len(parts), triton.cdiv(max_rows, EXPAND_M), triton.cdiv(max_cols, EXPAND_N))](
         out,
         shrunk,
-        rows,
+        index,
         group_table,
         pair_table,
         out.stride(0),
