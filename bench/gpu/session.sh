@@ -52,6 +52,7 @@ tests=(
     tests/kernels/test_triton_lora.py
     tests/executor/test_cuda_graphs.py
     tests/executor/test_attention_backend.py
+    tests/executor/lora/test_lora_triton.py
     tests/bench/gpu/test_check.py
     tests/bench/gpu/test_kernel_checks.py
     tests/executor/test_quantization.py::test_fp8_scaled_matmul_on_hopper_matches_the_dequantized_product
