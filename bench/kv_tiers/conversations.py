@@ -113,7 +113,9 @@ def measure(
             extra += ["--kv-offload-memory", str(sizes.host)]
         if name == REUSE_RUN:
             extra += ["--kv-offload-admission", "reuse"]
-        log = log_dir / f"kv_tiers_conversations_{name.replace('(', '').replace(')', '').replace(' ', '_')}.log"
+        log = (
+            log_dir / f"kv_tiers_conversations_{name.replace('(', '').replace(')', '').replace(' ', '_')}.log"
+        )
         print(
             f"(a) {name}: {shape.users} users x {shape.turns} turns, kvserve up {' '.join(extra)}", flush=True
         )
